@@ -1,0 +1,99 @@
+"""Load a local Hugging Face Llama or Qwen2 checkpoint into :class:`LlamaForCausalLM`.
+
+The directory holds ``config.json`` and ``model.safetensors`` (or sharded
+``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.json``). The config is read
+with ``transformers.AutoConfig`` and the weights with ``safetensors``; no network access.
+Parameter names already match, so loading is a ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from llmlab.model.config import ModelConfig
+from llmlab.model.llama import LlamaForCausalLM
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def config_from_hf(hf_config) -> ModelConfig:
+    """Map a ``transformers`` config to :class:`ModelConfig`.
+
+    Raises ``ValueError`` for architectures or options llmlab does not implement
+    (only ``llama``/``qwen2`` with default RoPE are supported).
+    """
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in SUPPORTED:
+        raise ValueError(f"model_type={mt!r} is not supported; llmlab loads {', '.join(SUPPORTED)}")
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError(f"rope_scaling={scaling} is not supported (only default RoPE)")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (SwiGLU uses silu)")
+    qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    return ModelConfig(
+        name=str(getattr(hf_config, "_name_or_path", mt)) or mt,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
+        or hf_config.num_attention_heads,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=float(getattr(hf_config, "rope_theta", None)
+                         or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=qkv_bias,
+        o_proj_bias=mt == "llama" and bool(getattr(hf_config, "attention_bias", False)),
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+    ).validate()
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint in ``path`` (single file or sharded), on CPU."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    return state
+
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Build the model from a local HF checkpoint directory.
+
+    Raises ``FileNotFoundError`` (no config/weights), ``ValueError`` (unsupported architecture or
+    missing/unexpected tensors).
+    """
+    from transformers import AutoConfig
+    path = Path(path)
+    if not is_hf_checkpoint(path):
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+    config = config_from_hf(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    model = LlamaForCausalLM(config, seed=None)
+    state = load_state_dict(path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]}, "
+                         f"unexpected={unexpected[:5]}")
+    return model.to(dtype)

@@ -1,0 +1,157 @@
+"""The collectives llmlab issues, each counting the payload bytes it moves.
+
+Every strategy calls these instead of ``torch.distributed`` directly, so a run can report, per
+rank, how many bytes went through each kind of collective (CONTRACT ``comm_bytes``).
+
+Payload convention (the one the ZeRO and Megatron papers use for "message volume"): the bytes of
+the *full* tensor the collective works on, as seen by this rank:
+
+============================  ===============================================
+``all_reduce``, ``broadcast``  bytes of the tensor
+``reduce_scatter``            bytes of the (unsharded) input
+``all_gather``                bytes of the (gathered) output
+``all_to_all``                bytes this rank sends (its input)
+``send`` / ``recv``           bytes of the tensor sent / received
+============================  ===============================================
+
+Wire traffic differs by algorithm (a ring all-reduce moves 2(N-1)/N of the tensor per rank);
+:mod:`llmlab.parallel.data_parallel` measures that separately. Collectives on a group of one rank
+(``group=None`` with a 1x mesh, or a single-process run) are no-ops and count nothing.
+
+The counter is per process (each rank is a process); ``COUNTER.reset()`` starts a new tally and
+``COUNTER.events`` (when ``record_events`` is on) keeps ``(name, bytes, t_start, t_end)`` for
+timelines.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv", "broadcast")
+
+
+class CommCounter:
+    def __init__(self):
+        self.reset()
+
+    def reset(self, record_events: bool = False):
+        self.bytes = defaultdict(int)
+        self.calls = defaultdict(int)
+        self.record_events = record_events
+        self.events: list[tuple[str, int, float, float]] = []
+
+    def add(self, kind: str, nbytes: int, t0: float | None = None):
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+        if self.record_events and t0 is not None:
+            self.events.append((kind, int(nbytes), t0, time.perf_counter()))
+
+    def snapshot(self) -> dict[str, int]:
+        """``{kind: bytes}`` for every kind in the CONTRACT (zeros included)."""
+        return {k: int(self.bytes.get(k, 0)) for k in KINDS if k != "broadcast"} | (
+            {"broadcast": int(self.bytes["broadcast"])} if self.bytes.get("broadcast") else {})
+
+
+COUNTER = CommCounter()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group) -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _active(group) -> bool:
+    return dist.is_initialized() and group_size(group) > 1
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``group``. Returns a work handle when ``async_op``."""
+    if not _active(group):
+        return None
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    COUNTER.add("all_reduce", nbytes(t), t0)
+    return work
+
+
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's ``inp`` along dim 0 into ``out`` (``world * inp.shape[0]`` rows)."""
+    if not _active(group):
+        out.copy_(inp.reshape(out.shape))
+        return None
+    t0 = time.perf_counter()
+    work = dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
+    COUNTER.add("all_gather", nbytes(out), t0)
+    return work
+
+
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """Sum ``inp`` over ranks and keep this rank's ``1/world`` slice of dim 0 in ``out``."""
+    if not _active(group):
+        out.copy_(inp.reshape(out.shape))
+        return None
+    t0 = time.perf_counter()
+    work = dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
+    COUNTER.add("reduce_scatter", nbytes(inp), t0)
+    return work
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None,
+                      group=None, async_op: bool = False):
+    """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``."""
+    if not _active(group):
+        out.copy_(inp)
+        return None
+    t0 = time.perf_counter()
+    work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group,
+                                  async_op=async_op)
+    COUNTER.add("all_to_all", nbytes(inp), t0)
+    return work
+
+
+def broadcast(t: torch.Tensor, src: int, group=None):
+    """Broadcast ``t`` from global rank ``src`` over ``group`` (in place)."""
+    if not _active(group):
+        return None
+    t0 = time.perf_counter()
+    dist.broadcast(t, src=src, group=group)
+    COUNTER.add("broadcast", nbytes(t), t0)
+
+
+def send(t: torch.Tensor, dst: int, group=None):
+    t0 = time.perf_counter()
+    dist.send(t.contiguous(), dst=dst, group=group)
+    COUNTER.add("send", nbytes(t), t0)
+
+
+def recv(t: torch.Tensor, src: int, group=None):
+    t0 = time.perf_counter()
+    dist.recv(t, src=src, group=group)
+    COUNTER.add("recv", nbytes(t), t0)
+
+
+def isend(t: torch.Tensor, dst: int, group=None):
+    COUNTER.add("send", nbytes(t))
+    return dist.isend(t.contiguous(), dst=dst, group=group)
+
+
+def irecv(t: torch.Tensor, src: int, group=None):
+    COUNTER.add("recv", nbytes(t))
+    return dist.irecv(t, src=src, group=group)
+
+
+def batch_isend_irecv(ops: list) -> list:
+    """Post a batch of ``dist.P2POp`` together (deadlock-free pairing); counts their bytes."""
+    for op in ops:
+        kind = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
+        COUNTER.add(kind, nbytes(op.tensor))
+    return dist.batch_isend_irecv(ops) if ops else []

@@ -1,0 +1,260 @@
+"""The training loop that composes the mesh, the model and the parallel strategies.
+
+:func:`train` validates a :class:`~llmlab.training.config.TrainConfig` in the caller, launches
+``dp*tp*pp`` ranks (or joins torchrun's), and each rank runs :func:`rank_main`:
+
+1. build the :class:`~llmlab.runtime.mesh.Mesh`;
+2. build the *full* model from the seed (identical on every rank, whatever the layout), then
+   shard it: tensor parallelism (``apply_tensor_parallel``), expert parallelism
+   (``apply_expert_parallel``), pipeline stages (``build_pipeline``);
+3. wrap what remains for data parallelism (``wrap_data_parallel``) or ZeRO (``build_zero``);
+4. each step: the global batch of that step (same for every layout), this rank's rows,
+   ``num_microbatches`` forward/backward passes (loss divided by M so gradients are the mean over
+   the global batch), gradient sync, optimizer step.
+
+The loss reported for a step is the mean next-token loss over the whole global batch, so every
+layout reports the same number as one rank (CONTRACT: relative difference < 1e-4, fp32).
+
+Strategy modules plug in through small protocols, documented where they are called below.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmlab.data import BatchLoader
+from llmlab.metrics.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes, tensor_bytes
+from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
+from llmlab.model.llama import LlamaForCausalLM
+from llmlab.runtime import comm
+from llmlab.runtime.launch import launch, report
+from llmlab.runtime.mesh import Mesh
+from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
+
+
+class LocalModule(torch.nn.Module):
+    """The data-parallel protocol for one replica: no communication at all.
+
+    Every wrapper (DDP, ZeRO) offers the same: ``forward``, ``module``, ``no_sync()`` (skip
+    gradient communication for all but the last micro-batch) and ``finish_grad_sync()`` (wait
+    until every gradient is reduced; called once per step before the optimizer).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self):
+        pass
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019), betas (0.9, 0.95), no weight decay."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+class Engine:
+    """One rank's model, optimizer and step; built by :func:`build_engine`."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.model_config = model_config(cfg)
+        model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
+        model.grad_finalizers = []  # strategies append callables run after gradient sync
+        if cfg.tp > 1:
+            # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
+            # only this rank's shards; may append to model.grad_finalizers.
+            from llmlab.parallel.tensor_parallel import apply_tensor_parallel
+            model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
+        if cfg.ep > 1:
+            # Protocol: keeps this rank's experts; marks their parameters ``expert_parallel=True``
+            # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
+            from llmlab.parallel.expert_parallel import apply_expert_parallel
+            model = apply_expert_parallel(model, mesh)
+        self.model = model
+        self.pipeline = None
+        if cfg.pp > 1:
+            # Protocol: build_pipeline(model, mesh, cfg) -> runner with .module (this stage's
+            # nn.Module), .run(microbatches) -> float | None (loss on the last stage) and
+            # .stats() -> dict (CONTRACT "pipeline").
+            from llmlab.parallel.pipeline_parallel import build_pipeline
+            self.pipeline = build_pipeline(model, mesh, cfg)
+            local = self.pipeline.module
+        else:
+            local = model
+        local.to(device)
+        opt_factory = functools.partial(make_optimizer, cfg=cfg)
+        if cfg.zero > 0:
+            # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
+            # wrapper follows LocalModule's protocol and may offer grad_tensors().
+            from llmlab.parallel.zero import build_zero
+            self.wrapper, self.optimizer = build_zero(local, mesh, cfg, opt_factory)
+        else:
+            if cfg.dp > 1:
+                # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
+                from llmlab.parallel.data_parallel import wrap_data_parallel
+                self.wrapper = wrap_data_parallel(local, mesh, mode=cfg.dp_mode,
+                                                  bucket_mb=cfg.bucket_mb)
+            else:
+                self.wrapper = LocalModule(local)
+            self.optimizer = opt_factory(local.parameters())
+        if self.pipeline is not None and hasattr(self.pipeline, "attach"):
+            self.pipeline.attach(self.wrapper)
+        self.local = local
+        self.grad_bytes = 0
+        self.activation_peak = 0
+
+    def parameters(self):
+        return list(self.local.parameters())
+
+    def forward_backward(self, micro) -> float | None:
+        """Run every micro-batch forward and backward; return this rank's share of the loss."""
+        if self.pipeline is not None:
+            return self.pipeline.run(micro)
+        M, total = len(micro), 0.0
+        for i, (x, y) in enumerate(micro):
+            ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = self.wrapper(x, y) / M
+                loss.backward()
+            total += loss.item()
+        return total
+
+    def train_step(self, micro) -> float | None:
+        with SavedActivations(self.parameters()) as act:
+            local_loss = self.forward_backward(micro)
+        self.activation_peak = max(self.activation_peak, act.peak)
+        self.wrapper.finish_grad_sync()
+        for f in getattr(self.model, "grad_finalizers", []):
+            f()
+        grads = getattr(self.wrapper, "grad_tensors", None)
+        self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads()) if grads else grad_bytes(self.parameters()))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return local_loss
+
+
+def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
+    """The global-batch loss, from the ranks that hold it (last stage, tp rank 0), on all ranks.
+
+    Bookkeeping for the report only: it goes straight to ``torch.distributed`` so it is not
+    counted in the strategies' communication bytes.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(local_loss)
+    holds = mesh.is_last_stage and mesh.coords["tp"] == 0 and local_loss is not None
+    t = torch.tensor([float(local_loss) if holds else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / mesh.dp
+
+
+def rank_main(cfg: TrainConfig) -> dict:
+    """One rank of ``llmlab train``; returns its part of the metrics JSON."""
+    device_type = resolve_device(cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    engine = Engine(cfg, mesh, device)
+    loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    mc = engine.model_config
+    fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
+    peak = peak_flops(device) if device.type == "cuda" else None
+    comm.COUNTER.reset()
+    steps = []
+    for step in range(1, cfg.steps + 1):
+        micro = [(x.to(device), y.to(device)) for x, y in
+                 loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        local_loss = engine.train_step(micro)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss = global_loss(local_loss, mesh, device)
+        tps = cfg.global_batch_size * cfg.seq_len / dt
+        rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps}
+        u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
+        if u is not None:
+            rec["mfu"] = u
+        steps.append(rec)
+        if mesh.rank == 0:
+            report(rec)
+    out = {
+        "rank": mesh.rank,
+        "coords": dict(mesh.coords),
+        "memory_bytes": {
+            "params": param_bytes(engine.parameters()),
+            "grads": engine.grad_bytes,
+            "optimizer_states": optimizer_state_bytes(engine.optimizer),
+            "activations_peak": engine.activation_peak,
+        },
+        "comm_bytes": comm.COUNTER.snapshot(),
+        "steps": steps if mesh.rank == 0 else None,
+    }
+    if engine.pipeline is not None:
+        out["pipeline"] = engine.pipeline.stats()
+    return out
+
+
+def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
+    """Validate, launch the ranks, train, and return the CONTRACT metrics dict.
+
+    ``on_step(record)`` is called in the caller for every step as it finishes (live plots).
+    Writes ``cfg.metrics_json`` when set. Raises ``ValueError``/``NotImplementedError`` before
+    any rank starts for a bad configuration, and :class:`~llmlab.runtime.launch.RankError` if a
+    rank fails.
+    """
+    validate(cfg)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.steps, desc=f"train {cfg.model} x{cfg.world_size}", unit="step")
+
+    def on_metric(rank, rec):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if on_step is not None:
+            on_step(rec)
+
+    try:
+        results = launch(rank_main, cfg.world_size, cfg, on_metric=on_metric,
+                         backend="nccl" if resolve_device(cfg) == "cuda" else "gloo")
+    finally:
+        if bar is not None:
+            bar.close()
+    metrics = assemble_metrics(cfg, results)
+    if cfg.metrics_json and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(cfg.metrics_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.metrics_json).write_text(json.dumps(metrics, indent=1))
+    return metrics
+
+
+def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
+    metrics = {
+        "config": cfg.to_dict(),
+        "steps": results[0]["steps"],
+        "ranks": [{k: r[k] for k in ("rank", "coords", "memory_bytes", "comm_bytes")} for r in results],
+    }
+    pipes = [r["pipeline"] for r in results if r.get("pipeline")]
+    if pipes:
+        metrics["pipeline"] = {
+            "schedule": cfg.pp_schedule,
+            "bubble_fraction_measured": sum(p["bubble_fraction_measured"] for p in pipes) / len(pipes),
+            "bubble_fraction_theory": pipes[0]["bubble_fraction_theory"],
+        } | {k: v for k, v in pipes[0].items() if k not in ("bubble_fraction_measured", "bubble_fraction_theory")}
+        metrics["pipeline"]["per_rank"] = pipes
+    return metrics
