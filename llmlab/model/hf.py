@@ -97,3 +97,48 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]}, "
                          f"unexpected={unexpected[:5]}")
     return model.to(dtype)
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    """``config.json`` contents (Hugging Face ``LlamaConfig`` fields) for an llmlab model."""
+    if config.num_experts:
+        raise ValueError("mixture-of-experts models cannot be written as a Llama checkpoint")
+    if config.o_proj_bias != config.attention_bias:
+        model_type, bias = "qwen2", {}
+        if config.o_proj_bias or not config.attention_bias:
+            raise ValueError("bias layout has no Hugging Face equivalent")
+    else:
+        model_type, bias = "llama", {"attention_bias": config.attention_bias}
+    return {
+        "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "model_type": model_type, "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
+        "mlp_bias": config.mlp_bias, "torch_dtype": "float32", **bias,
+    }
+
+
+def save_hf_checkpoint(model: LlamaForCausalLM, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that both llmlab and ``transformers`` load.
+
+    This is llmlab's own single-file model format too. ``dtype`` (e.g. ``torch.bfloat16``)
+    converts floating tensors to halve the file. Returns the directory.
+    """
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(model.config)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

@@ -47,6 +47,7 @@ class TrainConfig:
     resume: bool = False
     device: str = "auto"
     metrics_json: str | None = None
+    save_model: str | None = None
     dp_mode: str = "ddp"
     bucket_mb: float = 25.0
 
@@ -155,6 +156,9 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
+        raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
+                                  "(the model would have to be gathered from its shards)")
     resolve_device(cfg)
     _check_features(cfg, mc)
     for module in STRATEGY_VALIDATORS:

@@ -206,6 +206,9 @@ def rank_main(cfg: TrainConfig) -> dict:
     }
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
+    if cfg.save_model and mesh.rank == 0:
+        from llmlab.model.hf import save_hf_checkpoint
+        save_hf_checkpoint(engine.model, cfg.save_model)
     return out
 
 
