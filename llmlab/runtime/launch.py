@@ -209,7 +209,6 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
             codes = [p.exitcode for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                time.sleep(0.2)  # let a rank that raised first finish writing its error
                 raise _failure(store, procs, failed, log_dir)
             if all(c == 0 for c in codes):
                 break
@@ -253,8 +252,11 @@ def _drain(store, seen, on_metric):
 
 
 def _failure(store, procs, failed, log_dir) -> RankError:
-    # Prefer a rank that raised a Python exception over ranks that were merely torn down.
-    for r in list(failed) + [r for r in range(len(procs)) if r not in failed]:
+    """The error of the rank that failed first (``failed``: those seen dead at the first poll).
+
+    Peers of a crashed rank fail afterwards with connection errors; those are not the cause.
+    """
+    for r in failed:
         if store.check([f"err/{r}"]):
             tb = store.get(f"err/{r}").decode()
             last = tb.strip().splitlines()[-1] if tb.strip() else "error"

@@ -1,0 +1,52 @@
+"""Memory accounting from tensors, saved activations, throughput formulas, live plots."""
+import torch
+
+from llmlab.metrics.memory import SavedActivations, grad_bytes, optimizer_state_bytes, tensor_bytes
+from llmlab.metrics.throughput import mfu, training_flops_per_token
+from llmlab.viz import LivePlot
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(100)          # 400 bytes
+    view = a[10:20]
+    b = torch.zeros(10, dtype=torch.float64)  # 80 bytes
+    assert tensor_bytes([a, view, b, None]) == 480
+
+
+def test_saved_activations_are_the_inputs_kept_for_backward():
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedActivations([w]) as act:
+        h = x @ w                   # saves x (2048 B); w is a parameter: excluded
+        y = torch.relu(h)           # saves its output (8*32*4 = 1024 B)
+        assert act.current == 8 * 64 * 4 + 8 * 32 * 4
+        y.sum().backward()
+    assert act.peak == 8 * 64 * 4 + 8 * 32 * 4
+    del h, y
+    assert act.current == 0  # the graph is freed
+
+
+def test_adam_state_and_grad_bytes():
+    m = torch.nn.Linear(10, 5)      # 55 parameters
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    assert grad_bytes(m.parameters()) == 55 * 4
+    # exp_avg + exp_avg_sq (2 x 55 fp32) + one fp32 step scalar per parameter tensor
+    assert optimizer_state_bytes(opt) == 2 * 55 * 4 + 2 * 4
+
+
+def test_flops_formula_and_mfu():
+    assert training_flops_per_token(1e9, 10, 100, 1000) == 6e9 + 12 * 10 * 100 * 1000
+    assert mfu(1000.0, 6e9, 1.2e13) == 0.5
+    assert mfu(1000.0, 6e9, None) is None
+
+
+def test_live_plot_runs_headless():
+    plot = LivePlot(["loss", "tokens_per_s"], title="t")
+    for s in range(1, 4):
+        plot.update({"step": s, "loss": 5.0 / s, "tokens_per_s": 100.0 * s})
+    plot.update({"step": 1, "loss": 4.0}, label="rank 1")
+    plot.finish()
+    lines = plot.axes["loss"].get_lines()
+    assert len(lines) == 2 and list(lines[0].get_ydata()) == [5.0, 2.5, 5.0 / 3]

@@ -1,0 +1,102 @@
+"""`llmlab train` on one rank: falling loss, CONTRACT metrics, exact memory accounting, errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import llmlab
+from llmlab.cli import main
+from llmlab.model.config import get_preset
+from llmlab.training.config import TrainConfig, validate
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "metrics.json"
+    metrics = llmlab.train(TrainConfig(steps=12, metrics_json=str(path), seed=1), progress=False)
+    return metrics, json.loads(path.read_text())
+
+
+def test_loss_falls_and_metrics_follow_the_contract(run):
+    metrics, on_disk = run
+    assert on_disk == json.loads(json.dumps(metrics))
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.8
+    assert all(s["step_time_s"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+    cfg = metrics["config"]
+    assert cfg["world_size"] == 1 and cfg["model"] == "tiny" and cfg["seed"] == 1
+    (rank,) = metrics["ranks"]
+    assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0}
+    assert set(rank["comm_bytes"]) >= {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                       "send", "recv"}
+    assert sum(rank["comm_bytes"].values()) == 0  # one rank communicates nothing
+
+
+def test_memory_is_measured_and_equals_the_formula(run):
+    metrics, _ = run
+    mem = metrics["ranks"][0]["memory_bytes"]
+    cfg = get_preset("tiny")
+    psi = cfg.num_parameters()
+    n_tensors = 2 + 9 * cfg.num_hidden_layers + 1  # embed, lm_head, 9 per layer, final norm
+    assert mem["params"] == 4 * psi                   # fp32 weights: 4 bytes each
+    assert mem["grads"] == 4 * psi                    # one fp32 gradient per weight
+    assert mem["optimizer_states"] == 8 * psi + 4 * n_tensors  # Adam m, v + a step scalar each
+    # Saved activations: at least the logits (B*T*V fp32) and the embeddings of every layer.
+    B, T = 16, 64
+    assert mem["activations_peak"] > B * T * cfg.vocab_size * 4
+
+
+def test_same_seed_same_losses_different_seed_different(run):
+    metrics, _ = run
+    again = llmlab.train(TrainConfig(steps=3, seed=1), progress=False)
+    other = llmlab.train(TrainConfig(steps=3, seed=2), progress=False)
+    assert [s["loss"] for s in again["steps"]] == [s["loss"] for s in metrics["steps"][:3]]
+    assert other["steps"][0]["loss"] != metrics["steps"][0]["loss"]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"dp": 3, "global_batch_size": 10}, "dp=3 must divide --global-batch-size 10"),
+    ({"dp": 2, "tp": 2, "pp": 1, "ep": 3}, "ep=3 must divide dp=2"),
+    ({"num_microbatches": 3}, "--num-microbatches 3 must divide the per-rank batch 16"),
+    ({"model": "tiny-moe", "num_experts": 4, "ep": 3, "dp": 3, "global_batch_size": 12},
+     "ep=3 must divide num_experts=4"),
+    ({"steps": 0}, "--steps must be >= 1"),
+    ({"resume": True}, "--resume needs --checkpoint-dir"),
+])
+def test_bad_layouts_are_refused_before_launch(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("*", r"\*").replace("+", r"\+")):
+        validate(TrainConfig(**kw))
+
+
+def test_cli_train_writes_metrics_and_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["train", "--steps", "2", "--no-progress", "--metrics-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["steps"]) == 2 and data["config"]["steps"] == 2
+    assert main(["train", "--dp", "3", "--global-batch-size", "10"]) == 2
+    assert "dp=3 must divide --global-batch-size 10" in capsys.readouterr().err
+
+
+def test_config_file_with_command_line_override(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"steps": 2, "seq-len": 32, "lr": 0.01}))
+    out = tmp_path / "m.json"
+    assert main(["train", "--config", str(f), "--steps", "1", "--no-progress",
+                 "--metrics-json", str(out)]) == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["steps"], cfg["seq_len"], cfg["lr"]) == (1, 32, 0.01)
+    f.write_text(json.dumps({"stepz": 2}))
+    with pytest.raises(ValueError, match="unknown keys.*stepz"):
+        TrainConfig.from_file(f)
+
+
+def test_python_dash_m_llmlab_is_the_cli(tmp_path):
+    model_dir = tmp_path / "model"
+    proc = subprocess.run([sys.executable, "-m", "llmlab", "train", "--steps", "2", "--no-progress",
+                           "--save-model", str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "loss" in proc.stdout
+    from llmlab.model.hf import load_hf_model
+    assert load_hf_model(model_dir).config.num_hidden_layers == 4
