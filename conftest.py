@@ -1,0 +1,8 @@
+"""Shared test settings for tests/ and the labs/ notebooks (nbval kernels inherit this env).
+
+Ranks are real processes (gloo on CPU); keep every test small.
+"""
+import os
+
+os.environ.setdefault("LLMLAB_LIVE", "0")          # plots redraw once, at the end
+os.environ.setdefault("LLMLAB_PG_TIMEOUT", "120")  # a stuck collective fails within 2 minutes
