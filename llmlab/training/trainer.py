@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from llmlab.data import BatchLoader
-from llmlab.metrics.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes, tensor_bytes
+from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
+                                   param_bytes, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
@@ -204,6 +205,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         "comm_bytes": comm.COUNTER.snapshot(),
         "steps": steps if mesh.rank == 0 else None,
     }
+    if device.type == "cuda":  # the caching allocator's view, beside the exact tensor accounting
+        out["memory_bytes"]["cuda"] = cuda_memory(device)
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
     if cfg.save_model and mesh.rank == 0:

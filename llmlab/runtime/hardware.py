@@ -1,0 +1,64 @@
+"""What this machine offers, and the size a lab runs at here.
+
+Labs call :func:`lab_size` at the top, so the same notebook runs unchanged on a CPU laptop (several
+gloo processes, the tiny model), one GPU, or a node of several GPUs (one rank per GPU, NCCL, a
+bigger model), and shows the chosen size.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class LabSize:
+    """How a lab runs on this machine.
+
+    ``kind``: ``cpu``, ``gpu`` (one) or ``multi-gpu``; ``device``: ``cpu``/``cuda``;
+    ``world_size``: ranks the lab launches (at most ``max_ranks``); ``backend``: gloo or nccl;
+    ``model``: the preset sized for the hardware; ``steps``: training steps for demos.
+    """
+
+    kind: str
+    device: str
+    world_size: int
+    backend: str
+    model: str
+    steps: int
+    num_gpus: int
+    cpu_cores: int
+
+    def describe(self) -> str:
+        where = (f"{self.num_gpus} GPU{'s' if self.num_gpus != 1 else ''}" if self.device == "cuda"
+                 else f"CPU ({self.cpu_cores} cores)")
+        return (f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
+                f"model '{self.model}', {self.steps} steps")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None) -> LabSize:
+    """Choose a lab's size from the hardware.
+
+    ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
+    the lab uses ``min_ranks`` gloo processes (the 2-core laptop target); with N >= ``min_ranks``
+    GPUs it uses ``min(N, max_ranks)`` ranks, one GPU each; with one GPU, one rank... unless the
+    lab needs ``min_ranks`` > 1, in which case it falls back to CPU ranks (NCCL cannot put two
+    ranks on one GPU).
+    """
+    cores = os.cpu_count() or 1
+    n = gpu_count()
+    if force_cpu is None:
+        force_cpu = os.environ.get("LLMLAB_DEVICE", "").lower() == "cpu"
+    if not force_cpu and n >= max(min_ranks, 1):
+        ranks = min(n, max_ranks)
+        return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl",
+                       "small" if n < 8 else "base", 200, n, cores)
+    return LabSize("cpu", "cpu", min_ranks, "gloo", "tiny", 20, n, cores)

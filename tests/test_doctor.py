@@ -1,0 +1,34 @@
+"""`llmlab doctor` and the hardware-sized lab configuration, on this CPU machine."""
+import json
+
+import torch
+
+from llmlab.cli import main
+from llmlab.doctor import check_comm
+from llmlab.runtime.hardware import lab_size
+
+
+def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "doctor.json"
+    rc = main(["doctor", "--json", str(out)])
+    report = json.loads(out.read_text())
+    gloo = report["comm"][0]
+    assert gloo["backend"] == "gloo" and gloo["ok"] and gloo["busbw_GBps"] > 0
+    assert report["hardware"]["cpu_cores"] >= 1
+    assert set(report["labs"]) >= {"00_three_walls", "06_paged_kv_cache"}
+    text = capsys.readouterr().out
+    assert "gloo all-reduce over 2 ranks: ok" in text and "labs will run as" in text
+    assert rc == (0 if report["verdict"] == "ok" else 1)
+
+
+def test_a_broken_backend_is_reported_with_its_error_not_raised():
+    if torch.cuda.is_available():
+        return
+    r = check_comm("nccl", 2)
+    assert r["ok"] is False and "one GPU per rank" in r["error"]
+
+
+def test_lab_size_on_cpu():
+    s = lab_size(force_cpu=True)
+    assert (s.kind, s.device, s.backend, s.world_size, s.model) == ("cpu", "cpu", "gloo", 2, "tiny")
+    assert "2 ranks on CPU" in s.describe()
