@@ -45,7 +45,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype; bf16/fp16 keep fp32 master weights (fp16 adds loss scaling)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)

@@ -131,8 +131,8 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep)
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {cfg.zero}: expected 0, 1, 2 or 3")
-    if cfg.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"--dtype {cfg.dtype!r}: expected fp32 or bf16")
+    if cfg.dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"--dtype {cfg.dtype!r}: expected fp32, bf16 or fp16")
     if cfg.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
         raise ValueError(f"--pp-schedule {cfg.pp_schedule!r}: expected gpipe, 1f1b or interleaved")
     if cfg.dp_mode not in ("naive", "ddp", "ring"):
@@ -188,7 +188,7 @@ def _check_features(cfg: TrainConfig, mc: ModelConfig) -> None:
         (bool(mc.num_experts), "mixture-of-experts models", "llmlab.model.moe"),
         (cfg.ep > 1, "--ep > 1", "llmlab.parallel.expert_parallel"),
         (cfg.zero > 0, "--zero > 0", "llmlab.parallel.zero"),
-        (cfg.dtype != "fp32", "--dtype bf16", "llmlab.training.precision"),
+        (cfg.dtype != "fp32", f"--dtype {cfg.dtype}", "llmlab.training.precision"),
         (cfg.activation_checkpointing, "--activation-checkpointing", "llmlab.training.recompute"),
         (cfg.cpu_offload, "--cpu-offload", "llmlab.parallel.zero"),
         (bool(cfg.checkpoint_dir), "--checkpoint-dir", "llmlab.training.checkpoint"),

@@ -84,6 +84,9 @@ class Engine:
             # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
             from llmlab.parallel.expert_parallel import apply_expert_parallel
             model = apply_expert_parallel(model, mesh)
+        if cfg.activation_checkpointing:
+            from llmlab.training.recompute import apply_activation_checkpointing
+            apply_activation_checkpointing(model)
         self.model = model
         self.pipeline = None
         if cfg.pp > 1:
@@ -96,6 +99,11 @@ class Engine:
         else:
             local = model
         local.to(device)
+        self.scaler = None
+        if cfg.dtype != "fp32":
+            from llmlab.training.precision import DynamicLossScaler, cast_model
+            cast_model(local, cfg.dtype)
+            self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         if cfg.zero > 0:
             # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
@@ -110,7 +118,12 @@ class Engine:
                                                   bucket_mb=cfg.bucket_mb)
             else:
                 self.wrapper = LocalModule(local)
-            self.optimizer = opt_factory(local.parameters())
+            if cfg.dtype != "fp32":
+                # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
+                from llmlab.training.precision import MixedPrecisionOptimizer
+                self.optimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
+            else:
+                self.optimizer = opt_factory(local.parameters())
         if self.pipeline is not None and hasattr(self.pipeline, "attach"):
             self.pipeline.attach(self.wrapper)
         self.local = local
@@ -129,9 +142,13 @@ class Engine:
             ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
             with ctx:
                 loss = self.wrapper(x, y) / M
-                loss.backward()
+                (loss * self.loss_scale()).backward()
             total += loss.item()
         return total
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale (1 for fp32/bf16); pipeline runners multiply their loss by it too."""
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     def train_step(self, micro) -> float | None:
         with SavedActivations(self.parameters()) as act:
