@@ -154,6 +154,8 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"ep={cfg.ep} must divide num_experts={mc.num_experts}")
     if cfg.ep > 1 and not mc.num_experts:
         raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):

@@ -73,6 +73,8 @@ class Engine:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_config = model_config(cfg)
         model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
+        # Full-model shapes, before any sharding: checkpoints store slices of these.
+        self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         model.grad_finalizers = []  # strategies append callables run after gradient sync
         if cfg.tp > 1:
             # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
@@ -189,9 +191,15 @@ def rank_main(cfg: TrainConfig) -> dict:
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
     peak = peak_flops(device) if device.type == "cuda" else None
+    first = 1
+    if cfg.resume:
+        from llmlab.training.checkpoint import load_checkpoint
+        meta = load_checkpoint(engine, cfg.checkpoint_dir)
+        if meta is not None:
+            first = meta["next_data_step"]
     comm.COUNTER.reset()
     steps = []
-    for step in range(1, cfg.steps + 1):
+    for step in range(first, cfg.steps + 1):
         micro = [(x.to(device), y.to(device)) for x, y in
                  loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)]
         if device.type == "cuda":
@@ -210,6 +218,10 @@ def rank_main(cfg: TrainConfig) -> dict:
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                                   or step == cfg.steps):
+            from llmlab.training.checkpoint import save_checkpoint
+            save_checkpoint(engine, step, loss, cfg.checkpoint_dir)
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
