@@ -154,6 +154,9 @@ def _context():
         _ctx = mp.get_context(method)
         if method == "forkserver":
             _ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle"])
+            # OpenMP threads that spin while idle starve other ranks (and other jobs) on a few
+            # cores; the fork server reads this when it loads torch, and its ranks inherit it.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return _ctx
 
 
