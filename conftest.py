@@ -6,3 +6,4 @@ import os
 
 os.environ.setdefault("LLMLAB_LIVE", "0")          # plots redraw once, at the end
 os.environ.setdefault("LLMLAB_PG_TIMEOUT", "120")  # a stuck collective fails within 2 minutes
+os.environ.setdefault("LLMLAB_SOLUTIONS", "1")     # labs run their exercise cells with the solutions
