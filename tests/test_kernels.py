@@ -94,10 +94,20 @@ def test_saved_memory_flash_linear_materialised_quadratic():
         eager[T] = _saved_bytes(attention_reference, q, k, v)
         # flash keeps q, k, v, out (fp32) and the per-row log-sum-exp: 4·B·H·T·D·4 + B·H·T·4
         assert flash[T] == 4 * B * H * T * D * 4 + B * H * T * 4
-        # materialised attention keeps at least the fp32 probabilities [B, H, T, T]
-        assert eager[T] >= B * H * T * T * 4
+        # materialised attention keeps the fp32 probabilities [B, H, T, T], the bool causal
+        # mask [T, T] and q, k, v
+        assert eager[T] == 4 * B * H * T * T + T * T + 3 * B * H * T * D * 4
     assert flash[128] == pytest.approx(4 * flash[32])                 # O(T)
     assert eager[128] / eager[64] > 3.0                              # O(T²) dominates
+
+
+def test_attention_memory_rows_match_formulas():
+    from llmlab.kernels.bench import attention_memory
+    rows = attention_memory((16, 40), batch=2, heads=2, head_dim=8, impls=("eager", "reference"))
+    assert [(r["impl"], r["seq_len"]) for r in rows] == [
+        ("eager", 16), ("reference", 16), ("eager", 40), ("reference", 40)]
+    for r in rows:
+        assert r["saved_bytes"] == r["formula_bytes"] and r["peak_bytes"] is None
 
 
 def test_rms_norm_and_swiglu_references_are_the_models_maths():
@@ -146,3 +156,12 @@ def test_model_with_pytorch_attention_impls_matches_sdpa(impl):
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=0)
     for n in grads0:
         torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_gpu_benchmarks_refuse_cpu():
+    from llmlab.kernels.bench import bench_attention, bench_rmsnorm, bench_swiglu, peak_bandwidth
+    for fn in (bench_attention, bench_rmsnorm, bench_swiglu):
+        with pytest.raises(RuntimeError, match="no GPU"):
+            fn()
+    assert peak_bandwidth() is None
