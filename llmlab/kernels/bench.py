@@ -177,6 +177,7 @@ def bench_rmsnorm(shapes=((8192, 4096), (16384, 8192)), dtype=torch.bfloat16) ->
     backward reads ``x, dy`` and writes ``dx`` (``3·rows·N·e``). Raises ``RuntimeError``
     without CUDA.
     """
+    _need_cuda()
     from llmlab.kernels.fused_rmsnorm import rms_norm
     e = torch.empty((), dtype=dtype).element_size()
 
@@ -197,6 +198,7 @@ def bench_swiglu(shapes=((8192, 11008), (16384, 14336)), dtype=torch.bfloat16) -
     GB/s: forward reads 2 and writes 1 tensor (``3·n·e``); backward reads 3 and writes 2
     (``5·n·e``). Raises ``RuntimeError`` without CUDA.
     """
+    _need_cuda()
     from llmlab.kernels.fused_swiglu import swiglu
     e = torch.empty((), dtype=dtype).element_size()
 
