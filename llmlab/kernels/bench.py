@@ -222,3 +222,29 @@ def format_rows(rows: list[dict], columns: list[str]) -> str:
     table = [columns] + [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
+
+
+# ATen ops that only allocate or re-view memory: no GPU kernel is launched for them.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "view", "_unsafe_view", "reshape",
+              "as_strided", "detach", "t", "transpose", "expand", "alias", "unsqueeze", "squeeze",
+              "permute", "slice", "select", "split", "lift_fresh", "_to_copy_noop"}
+
+
+def count_aten_kernels(fn, *args) -> int:
+    """Number of ATen compute ops ``fn(*args)`` dispatches (forward, and backward if it calls
+    ``.backward``), allocation and view ops excluded: on a GPU each is one kernel launch reading
+    its inputs from and writing its output to HBM. A Triton kernel launch is not an ATen op and is
+    not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_KERNEL:
+                _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn(*args)
+    return _Count.n
