@@ -68,6 +68,8 @@ def test_triton_flash_attention_strided_input_and_errors(tk):
     with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=2"):
         kv = torch.zeros(1, 3, 19, 16, device=DEV)
         fa.flash_attention(q, kv, kv)
+    with pytest.raises(ValueError, match="dtypes torch.float32, torch.float64, torch.float32"):
+        fa.flash_attention(q, k.double(), v)
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="CPU-only behaviour")

@@ -257,6 +257,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             raise ValueError(f"{name}={b} must be a power of two >= 16 (tl.dot tile)")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype {q.dtype} not supported (float32, float16, bfloat16)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} must be equal")
     _check_device(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return _FlashAttention.apply(q, k, v, causal, scale, block_m, block_n)

@@ -73,7 +73,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(N)
         _rms_fwd[(x2.shape[0],)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps,
-                                 BLOCK_N=block)
+                                 BLOCK_N=block, num_warps=_num_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return y.view(*x.shape[:-1], N)
@@ -88,8 +88,14 @@ class _RMSNorm(torch.autograd.Function):
         progs = min(n_rows, 4 if INTERPRETED else 4 * _sm_count(x2.device))
         dw_part = torch.empty(progs, N, dtype=torch.float32, device=x2.device)
         _rms_bwd[(progs,)](x2, weight, dy2, dx, dw_part, rstd, x2.stride(0), dy2.stride(0),
-                           dx.stride(0), n_rows, N, BLOCK_N=triton.next_power_of_2(N))
+                           dx.stride(0), n_rows, N, BLOCK_N=triton.next_power_of_2(N),
+                           num_warps=_num_warps(triton.next_power_of_2(N)))
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), None
+
+
+def _num_warps(block: int) -> int:
+    # one row per program: spread wide rows over more warps so they fit in registers
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
 def _sm_count(device) -> int:
