@@ -57,6 +57,39 @@ def test_triton_flash_attention_matches_reference(tk, B, H, Hk, T, D, causal):
     _check_grads(out, attention_reference(q, k, v, causal), (q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        DEV == "cpu", reason="Triton's interpreter multiplies bf16 tl.dot operands as their raw "
+                             "uint16 bits (interpreter.py create_dot); bf16 is checked on GPU")),
+])
+def test_triton_flash_attention_half_precision(tk, dtype):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = [torch.randn(1, 2, 20, 16, generator=g).to(DEV, dtype).requires_grad_()
+               for _ in range(3)]
+    out = tk["flash_attention"].flash_attention(q, k, v, block_m=16, block_n=16)
+    assert out.dtype == dtype
+    ref = attention_reference(q, k, v)                     # fp32 maths on the same inputs
+    dout = torch.ones_like(out)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_rmsnorm_swiglu_half_precision(tk, dtype):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 48, generator=g).to(DEV, dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(DEV, dtype).requires_grad_()
+    y, ref = tk["fused_rmsnorm"].rms_norm(x, w), rms_norm_reference(x, w)
+    assert y.dtype == dtype
+    _check_grads(y.float(), ref.float(), (x, w), atol=2e-2, rtol=2e-2)
+    u = torch.randn(5, 48, generator=g).to(DEV, dtype).requires_grad_()
+    y, ref = tk["fused_swiglu"].swiglu(x, u), swiglu_reference(x, u)
+    _check_grads(y.float(), ref.float(), (x, u), atol=2e-2, rtol=2e-2)
+
+
 def test_triton_flash_attention_strided_input_and_errors(tk):
     fa = tk["flash_attention"]
     x = torch.randn(1, 19, 2, 16).to(DEV).requires_grad_()          # [B, T, H, D], viewed as [B, H, T, D]
