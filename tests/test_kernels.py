@@ -165,3 +165,23 @@ def test_gpu_benchmarks_refuse_cpu():
         with pytest.raises(RuntimeError, match="no GPU"):
             fn()
     assert peak_bandwidth() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_triton_switch_needs_package_and_falls_back_on_plain_cpu(monkeypatch):
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        K.enable(attention="triton")
+    assert K.settings() == K.KernelSettings()
+    # triton installed but neither CUDA nor the interpreter: CPU tensors keep PyTorch
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.zeros(2, 3)
+    with pytest.warns(UserWarning, match="CPU tensors keep the PyTorch"):
+        with K.use(attention="triton", rmsnorm=True, swiglu=True):
+            assert not any(K.use_fused(kind, x) for kind in ("attention", "rmsnorm", "swiglu"))
+            torch.testing.assert_close(K.swiglu(x + 1, x + 2), F.silu(x + 1) * (x + 2))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with K.use(attention="triton", rmsnorm=True):
+        assert K.use_fused("attention", x) and K.use_fused("rmsnorm", x)
+        assert not K.use_fused("swiglu", x)
