@@ -3,8 +3,9 @@ through Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be in the environment before ``triton`` is first imported (Triton's
 own ``tl.zeros``... are ``@triton.jit`` functions built at import time), so this module sets it
-before importing triton when no GPU is present (``tests/conftest.py`` does too, for sessions in
-which another module imports triton first). Shapes are tiny: the interpreter runs every program
+before importing triton when no GPU is present. If another test module imports triton first in
+the same session, the fixture fails with that explanation: set it in the environment or in the
+root ``conftest.py``. Shapes are tiny: the interpreter runs every program
 in numpy, slowly. Skipped if triton is not installed (CI installs it).
 """
 import importlib
@@ -32,7 +33,7 @@ def tk():
             for name in ("flash_attention", "fused_rmsnorm", "fused_swiglu")}
     if DEV == "cpu" and not all(m.INTERPRETED for m in mods.values()):
         pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the "
-                    "environment (tests/conftest.py does) or run this file alone")
+                    "environment (or in the root conftest.py) or run this file alone")
     K.disable()
     yield mods
     K.disable()
