@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmlab import kernels
 from llmlab.model.config import ModelConfig
 
 
@@ -31,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.use_fused("rmsnorm", x):      # opt-in fused Triton kernel (llmlab.kernels)
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -86,7 +89,10 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
+            out = kernels.attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -100,7 +106,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if kernels.use_fused("swiglu", gate):      # opt-in fused Triton kernel (llmlab.kernels)
+            return self.down_proj(kernels.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 def make_mlp(config: ModelConfig) -> nn.Module:

@@ -1,0 +1,199 @@
+"""Kernels: FlashAttention and fused operators in Triton, and the switch the model reads.
+
+Files (one idea each):
+
+* :mod:`~llmlab.kernels.online_softmax`: the running max / running sum trick, step by step.
+* :mod:`~llmlab.kernels.reference`: PyTorch references: attention with the ``[T, T]`` scores
+  materialised, FlashAttention's tiled algorithm in PyTorch, RMSNorm, SwiGLU.
+* :mod:`~llmlab.kernels.flash_attention`: Triton FlashAttention forward and backward.
+* :mod:`~llmlab.kernels.fused_rmsnorm`, :mod:`~llmlab.kernels.fused_swiglu`: fused Triton ops.
+* :mod:`~llmlab.kernels.bench`: timing (GPU) and memory-versus-sequence-length measurements.
+
+The model (:mod:`llmlab.model.llama`) uses PyTorch by default: SDPA for attention, eager RMSNorm
+and SwiGLU. ``enable`` opts in::
+
+    import llmlab.kernels as K
+    K.enable(attention="triton", rmsnorm=True, swiglu=True)   # process-wide
+    with K.use(attention="reference"): ...                    # temporarily
+
+``attention`` is one of ``"sdpa"`` (default), ``"eager"`` (scores materialised),
+``"reference"`` (tiled flash in PyTorch, any device) or ``"triton"``. Triton kernels run on CUDA
+tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before they were first imported
+(correctness only: the interpreter is very slow); on other CPU tensors the model keeps PyTorch.
+The environment variable ``LLMLAB_KERNELS`` (e.g. ``attention=triton,rmsnorm,swiglu``) sets the
+initial state, which reaches ``llmlab train`` and ranks started by :func:`llmlab.launch`
+when set before Python starts; otherwise call ``enable`` inside the rank function.
+
+Triton is optional: importing this package never imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from llmlab.kernels.online_softmax import online_softmax, online_softmax_matmul, online_softmax_steps
+from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
+                                      rms_norm_reference, swiglu_reference)
+
+ATTENTION_IMPLS = ("sdpa", "eager", "reference", "triton")
+TRITON_PIP = "pip install triton==3.9.0"
+
+
+@dataclasses.dataclass
+class KernelSettings:
+    """Which implementation the model uses. ``attention`` in :data:`ATTENTION_IMPLS`;
+    ``rmsnorm``/``swiglu``: use the fused Triton kernels where they can run."""
+
+    attention: str = "sdpa"
+    rmsnorm: bool = False
+    swiglu: bool = False
+
+
+_settings = KernelSettings()
+
+
+def triton_available() -> bool:
+    """True if the ``triton`` package is installed (it is not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """True if Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "no")
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on ``t``'s device here."""
+    if not triton_available():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreted())
+
+
+def settings() -> KernelSettings:
+    """A copy of the current settings."""
+    return dataclasses.replace(_settings)
+
+
+def enable(attention: str | None = None, rmsnorm: bool | None = None,
+           swiglu: bool | None = None) -> KernelSettings:
+    """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
+
+    Returns the previous settings. Raises ``ValueError`` for an unknown attention
+    implementation and ``RuntimeError`` if a Triton kernel is requested without triton installed.
+    """
+    global _settings
+    new = dataclasses.replace(_settings)
+    if attention is not None:
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={attention!r} must be one of {ATTENTION_IMPLS}")
+        new.attention = attention
+    if rmsnorm is not None:
+        new.rmsnorm = bool(rmsnorm)
+    if swiglu is not None:
+        new.swiglu = bool(swiglu)
+    wants_triton = new.attention == "triton" or new.rmsnorm or new.swiglu
+    if wants_triton and not triton_available():
+        raise RuntimeError(f"the Triton kernels need the triton package: {TRITON_PIP}")
+    if wants_triton and not torch.cuda.is_available() and not triton_interpreted():
+        warnings.warn("Triton kernels enabled but no CUDA device and TRITON_INTERPRET is not set: "
+                      "CPU tensors keep the PyTorch implementations", stacklevel=2)
+    old, _settings = _settings, new
+    return old
+
+
+def disable() -> KernelSettings:
+    """Back to the defaults (SDPA, eager RMSNorm and SwiGLU). Returns the previous settings."""
+    global _settings
+    old, _settings = _settings, KernelSettings()
+    return old
+
+
+@contextlib.contextmanager
+def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None):
+    """Context manager: :func:`enable` on entry, previous settings restored on exit."""
+    global _settings
+    old = enable(attention, rmsnorm, swiglu)
+    try:
+        yield settings()
+    finally:
+        _settings = old
+
+
+def use_fused(kind: str, t: torch.Tensor) -> bool:
+    """Whether the model should call :func:`attention` / :func:`rms_norm` / :func:`swiglu`
+    (``kind`` in ``"attention", "rmsnorm", "swiglu"``) for tensor ``t`` instead of its default
+    PyTorch code."""
+    if kind == "attention":
+        if _settings.attention == "sdpa":
+            return False
+        return _settings.attention != "triton" or triton_runs_on(t)
+    if kind in ("rmsnorm", "swiglu"):
+        return getattr(_settings, kind) and triton_runs_on(t)
+    raise ValueError(f"kind={kind!r} must be 'attention', 'rmsnorm' or 'swiglu'")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              impl: str | None = None) -> torch.Tensor:
+    """Attention ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]`` with the implementation
+    ``impl`` (default: the current setting). ``"triton"`` needs CUDA tensors or the
+    interpreter (``RuntimeError`` otherwise)."""
+    impl = impl or _settings.attention
+    if impl == "sdpa":
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if impl == "eager":
+        return attention_reference(q, k, v, causal)
+    if impl == "reference":
+        return flash_attention_reference(q, k, v, causal)
+    if impl == "triton":
+        from llmlab.kernels.flash_attention import flash_attention
+        return flash_attention(q, k, v, causal)
+    raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Fused Triton RMSNorm where it can run (:func:`triton_runs_on`), else the PyTorch one."""
+    if triton_runs_on(x):
+        from llmlab.kernels.fused_rmsnorm import rms_norm as fused
+        return fused(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Fused Triton ``silu(gate) * up`` where it can run, else the PyTorch one."""
+    if triton_runs_on(gate):
+        from llmlab.kernels.fused_swiglu import swiglu as fused
+        return fused(gate, up)
+    return swiglu_reference(gate, up)
+
+
+def _from_env(spec: str) -> KernelSettings:
+    s = KernelSettings()
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, val = item.partition("=")
+        if key == "attention" and val in ATTENTION_IMPLS:
+            s.attention = val
+        elif key in ("rmsnorm", "swiglu") and val in ("", "1", "true", "0", "false"):
+            setattr(s, key, val in ("", "1", "true"))
+        else:
+            raise ValueError(f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
+                             f"rmsnorm[=0|1] or swiglu[=0|1]")
+    return s
+
+
+if os.environ.get("LLMLAB_KERNELS"):
+    _settings = _from_env(os.environ["LLMLAB_KERNELS"])
+
+__all__ = ["KernelSettings", "ATTENTION_IMPLS", "enable", "disable", "use", "settings",
+           "use_fused", "attention", "rms_norm", "swiglu", "triton_available",
+           "triton_interpreted", "triton_runs_on", "attention_reference",
+           "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
+           "online_softmax", "online_softmax_steps", "online_softmax_matmul"]
