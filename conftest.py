@@ -7,3 +7,8 @@ import os
 os.environ.setdefault("LLMLAB_LIVE", "0")          # plots redraw once, at the end
 os.environ.setdefault("LLMLAB_PG_TIMEOUT", "120")  # a stuck collective fails within 2 minutes
 os.environ.setdefault("LLMLAB_SOLUTIONS", "1")     # labs run their exercise cells with the solutions
+
+# Without an NVIDIA GPU the Triton kernels run in Triton's interpreter; it must be chosen before
+# triton is first imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
