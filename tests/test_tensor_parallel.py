@@ -225,7 +225,16 @@ SMALL = dict(steps=10, global_batch_size=4, seq_len=32)
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return llmlab.train(TrainConfig(**SMALL), progress=False)
+    """The single-device run, in this process (the trainer's own rank function on a 1x mesh;
+    one intra-op thread, which is much faster than two on a loaded 2-core machine)."""
+    from llmlab.training.trainer import rank_main
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = rank_main(TrainConfig(**SMALL))
+    finally:
+        torch.set_num_threads(threads)
+    return {"steps": out["steps"], "ranks": [out]}
 
 
 @pytest.mark.parametrize("tp, sp", [(2, False), (2, True), (4, False), (4, True)])

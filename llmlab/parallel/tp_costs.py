@@ -78,7 +78,9 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
 
     Returns one dict per degree: ``tp``, ``flops`` (forward+backward), ``weight_bytes``,
     ``activation_bytes`` (16-bit, Korthikanti's formula), ``comm_bytes`` (forward+backward
-    payload) and ``comm_per_flop`` (bytes/FLOP, the ratio that grows with ``t``).
+    payload), ``wire_bytes`` (what a ring algorithm sends per rank: ``2(t-1)/t`` of the payload
+    for an all-reduce, ``(t-1)/t`` for an all-gather or reduce-scatter) and ``comm_per_flop``
+    (payload bytes per FLOP, the ratio that grows with ``t``).
     """
     rows = []
     d = h // a
@@ -86,11 +88,13 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
     for t in tps:
         comm = block_comm_bytes(b, s, h, t, sequence_parallel, dtype_bytes)
         cb = sum(n * x for ph in comm.values() for n, x in ph.values())
+        wire = sum(n * x * (t - 1) / t * (2 if k == "all_reduce" else 1)
+                   for ph in comm.values() for k, (n, x) in ph.items())
         fl = block_flops(b, s, h, f, a, kv, t)["total"]
         rows.append({"tp": t, "flops": fl,
                      "weight_bytes": (params - 2 * h) * dtype_bytes / t + 2 * h * dtype_bytes,
                      "activation_bytes": korthikanti_activation_bytes(b, s, h, a, t, sequence_parallel),
-                     "comm_bytes": cb, "comm_per_flop": cb / fl})
+                     "comm_bytes": cb, "wire_bytes": wire, "comm_per_flop": cb / fl})
     return rows
 
 
