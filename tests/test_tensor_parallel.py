@@ -55,7 +55,16 @@ def test_calculator_scales_with_tp():
         # 4 all-reduces of b*s*h*2 bytes = 16*4096*4096*2*4
         assert r["comm_bytes"] == 16 * 4096 * 4096 * 2 * 4
     assert base["comm_bytes"] == 0
-    assert rows[3]["comm_per_flop"] == pytest.approx(2 * rows[2]["comm_per_flop"])
+        assert r["wire_bytes"] == pytest.approx(r["comm_bytes"] * 2 * (r["tp"] - 1) / r["tp"])
+        assert r["activation_bytes"] < base["activation_bytes"]
+    assert base["comm_bytes"] == base["wire_bytes"] == 0
+    # the ratio that limits TP: communication per FLOP grows with tp
+    assert rows[3]["comm_per_flop"] == pytest.approx(2 * rows[2]["comm_per_flop"] * (7 / 8) / (3 / 4))
+    sp = tp_calculator(sequence_parallel=True)
+    for a, b in zip(rows[1:], sp[1:]):  # SP shards what TP leaves replicated
+        assert b["activation_bytes"] < a["activation_bytes"]
+        assert b["activation_bytes_fused"] == pytest.approx(base["activation_bytes_fused"] / b["tp"])
+        assert a["activation_bytes_fused"] > b["activation_bytes_fused"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,10 +77,12 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
     seed article, batch 16, sequence 4096, hidden 4096, MLP 12288, 32 heads, 8 kv heads, bf16).
 
     Returns one dict per degree: ``tp``, ``flops`` (forward+backward), ``weight_bytes``,
-    ``activation_bytes`` (16-bit, Korthikanti's formula), ``comm_bytes`` (forward+backward
+    ``activation_bytes`` (16-bit, Korthikanti's formula: explicit ``s x s`` scores, dropout),
+    ``activation_bytes_fused`` (this model's formula, :func:`block_activation_bytes`: fused
+    attention, no dropout), ``comm_bytes`` (forward+backward
     payload), ``wire_bytes`` (what a ring algorithm sends per rank: ``2(t-1)/t`` of the payload
     for an all-reduce, ``(t-1)/t`` for an all-gather or reduce-scatter) and ``comm_per_flop``
-    (payload bytes per FLOP, the ratio that grows with ``t``).
+    (ring wire bytes per FLOP, the ratio that grows with ``t``).
     """
     rows = []
     d = h // a
@@ -94,7 +96,9 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
         rows.append({"tp": t, "flops": fl,
                      "weight_bytes": (params - 2 * h) * dtype_bytes / t + 2 * h * dtype_bytes,
                      "activation_bytes": korthikanti_activation_bytes(b, s, h, a, t, sequence_parallel),
-                     "comm_bytes": cb, "wire_bytes": wire, "comm_per_flop": cb / fl})
+                     "activation_bytes_fused": block_activation_bytes(b, s, h, f, a, t, sequence_parallel,
+                                                                      dtype_bytes),
+                     "comm_bytes": cb, "wire_bytes": wire, "comm_per_flop": wire / fl})
     return rows
 
 
