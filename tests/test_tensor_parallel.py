@@ -54,7 +54,6 @@ def test_calculator_scales_with_tp():
         assert r["flops"] == pytest.approx(base["flops"] / r["tp"])
         # 4 all-reduces of b*s*h*2 bytes = 16*4096*4096*2*4
         assert r["comm_bytes"] == 16 * 4096 * 4096 * 2 * 4
-    assert base["comm_bytes"] == 0
         assert r["wire_bytes"] == pytest.approx(r["comm_bytes"] * 2 * (r["tp"] - 1) / r["tp"])
         assert r["activation_bytes"] < base["activation_bytes"]
     assert base["comm_bytes"] == base["wire_bytes"] == 0
