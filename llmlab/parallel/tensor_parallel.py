@@ -1,0 +1,486 @@
+"""Tensor parallelism (Megatron-LM) with optional sequence parallelism.
+
+Sources: Shoeybi et al. 2019, "Megatron-LM", §3 (column- then row-parallel linear pairs, one
+all-reduce forward and one backward per pair, vocab-parallel embedding and cross-entropy);
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.2.2
+(sequence parallelism: the norm regions are sharded along the sequence and each all-reduce becomes
+an all-gather + reduce-scatter pair).
+
+A linear layer ``Y = X W^T`` with ``W`` of shape ``[out, in]`` can be split two ways over ``tp``
+ranks:
+
+* :class:`ColumnParallelLinear`: each rank holds ``out/tp`` rows of ``W`` (columns of ``W^T``) and
+  computes ``out/tp`` output features from the whole input. No communication forward; the input
+  gradient is a sum over ranks (``copy_to_tensor_model_parallel_region``).
+* :class:`RowParallelLinear`: each rank holds ``in/tp`` columns of ``W``, takes its slice of the
+  input features and produces a partial sum of the whole output; one all-reduce completes it.
+
+A transformer block is two such pairs: ``q/k/v`` (column) -> attention on ``H/tp`` heads -> ``o``
+(row), and ``gate/up`` (column) -> SwiGLU -> ``down`` (row): two all-reduces forward and two
+backward per block. :func:`apply_tensor_parallel` turns a full, seeded
+:class:`~llmlab.model.llama.LlamaForCausalLM` into this rank's shard in place (it keeps only this
+rank's slices of the full weights, so the maths is the single-device maths).
+
+GQA: with ``num_key_value_heads >= tp`` the key/value heads are split like the query heads; with
+fewer key/value heads than ranks each kv head is *replicated* on ``tp/num_kv_heads`` ranks (the
+ranks whose query heads use it), and the replicas' weight gradients are summed after backward.
+
+Vocabulary: the embedding and ``lm_head`` are split along the vocabulary and the loss is computed
+by :func:`vocab_parallel_cross_entropy` without ever gathering the ``[B, T, vocab]`` logits; after
+the forward every tp rank holds the same full loss. ``model(ids)`` without labels returns this
+rank's logits shard ``[B, T, vocab/tp]`` (gather it with
+:func:`~llmlab.parallel.tp_comm.gather_from_tensor_model_parallel_region`). The vocabulary is not
+padded: a degree that does not divide it is refused (:func:`validate_layout`).
+
+Sequence parallelism: hidden states between blocks are ``[B, T/tp, h]``; the norms (and the
+residual adds) run on the shard. The column-parallel matmuls all-gather their input and, as in
+Korthikanti et al., save only the shard for backward, all-gathering it again to form the weight
+gradient (one extra all-gather per column group in backward). Norm weights (and row-parallel
+biases) then have partial gradients, summed over the tp group after backward by a
+``model.grad_finalizers`` entry. The model has no dropout, so there is no dropout region to shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmlab.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary
+from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
+                                     gather_from_tensor_model_parallel_region,
+                                     reduce_from_tensor_model_parallel_region, reduce_scatter_along,
+                                     reduce_scatter_to_sequence_parallel_region,
+                                     scatter_to_tensor_model_parallel_region)
+from llmlab.runtime import comm
+
+
+def _tp_rank(group) -> int:
+    import torch.distributed as dist
+    return dist.get_rank(group) if comm.group_size(group) > 1 else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Column-parallel matmuls sharing one input (q/k/v, gate/up)
+# --------------------------------------------------------------------------------------------
+class _SequenceParallelColumnMatmul(torch.autograd.Function):
+    """``outs_i = all_gather_seq(x) @ W_i^T + b_i`` saving only the shard ``x`` for backward.
+
+    Backward all-gathers ``x`` again (for the weight gradients) and reduce-scatters the input
+    gradient (Korthikanti et al. 2022, §4.2.2). Several weights share the gather, as Megatron's
+    fused QKV matmul does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *params):
+        total = gather_along(x, 1, group)
+        ws, bs = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, [b is not None for b in bs]
+        ctx.save_for_backward(x, *ws)
+        return tuple(F.linear(total, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *ws = ctx.saved_tensors
+        total = gather_along(x, 1, ctx.group)
+        flat = total.reshape(-1, total.shape[-1])
+        grad_total, out = None, []
+        for g, w, has_b in zip(grads, ws, ctx.has_bias):
+            gi = g @ w
+            grad_total = gi if grad_total is None else grad_total + gi
+            g2 = g.reshape(-1, g.shape[-1])
+            out += [g2.t() @ flat, g2.sum(0) if has_b else None]
+        return (reduce_scatter_along(grad_total, 1, ctx.group), None, *out)
+
+
+def column_parallel_linears(x: torch.Tensor, layers: list["ColumnParallelLinear"], group,
+                            sequence_parallel: bool = False) -> list[torch.Tensor]:
+    """Apply several column-parallel layers to one input with one communication region.
+
+    ``x``: ``[B, T, in]`` (``[B, T/tp, in]`` under sequence parallelism). Returns one
+    ``[B, T, out_i/tp]`` tensor per layer. Without SP: one ``copy_to`` region (identity forward,
+    one all-reduce of the input gradient backward); with SP: one all-gather forward, one
+    all-gather + one reduce-scatter backward.
+    """
+    if sequence_parallel and comm.group_size(group) > 1:
+        params = [t for layer in layers for t in (layer.weight, layer.bias)]
+        return list(_SequenceParallelColumnMatmul.apply(x, group, *params))
+    x = copy_to_tensor_model_parallel_region(x, group)
+    return [F.linear(x, layer.weight, layer.bias) for layer in layers]
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with ``W``'s output features split over the tp group (Megatron §3).
+
+    Shapes: input ``[*, in_features]`` (``[B, T/tp, in]`` with ``sequence_parallel``), output
+    ``[*, out_features/tp]``, or ``[*, out_features]`` with ``gather_output=True`` (one all-gather
+    of the last dim). Parameters: ``weight [out/tp, in]``, ``bias [out/tp]``.
+    Build it from a full ``nn.Linear`` with :meth:`from_linear`.
+    Raises ``ValueError`` if ``tp`` does not divide ``out_features``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = False,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 num_shards: int | None = None):
+        super().__init__()
+        n = num_shards or comm.group_size(group)
+        if out_features % n:
+            raise ValueError(f"tp={n} must divide out_features={out_features}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features // n)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group, gather_output: bool = False,
+                    sequence_parallel: bool = False, shard: int | None = None,
+                    num_shards: int | None = None) -> "ColumnParallelLinear":
+        """This rank's rows of ``linear.weight``: shard ``shard`` (default: tp rank) of
+        ``num_shards`` (default: tp) equal row blocks."""
+        n = num_shards or comm.group_size(group)
+        i = _tp_rank(group) if shard is None else shard
+        m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                gather_output, sequence_parallel, num_shards=n)
+        m.weight.copy_(linear.weight.chunk(n, 0)[i])
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.chunk(n, 0)[i])
+        return m.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = column_parallel_linears(x, [self], self.group, self.sequence_parallel)
+        return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with ``W``'s input features split over the tp group (Megatron §3).
+
+    Input ``[*, in/tp]`` when ``input_is_parallel`` (the output of a column-parallel layer), else
+    ``[*, in]`` (this rank keeps its slice). Output ``[*, out]``: the partial products are summed
+    with one all-reduce, or, with ``sequence_parallel``, one reduce-scatter that leaves
+    ``[B, T/tp, out]``. The bias ``[out]`` is replicated and added after the reduction.
+    Raises ``ValueError`` if ``tp`` does not divide ``in_features``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = False,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+        super().__init__()
+        n = comm.group_size(group)
+        if in_features % n:
+            raise ValueError(f"tp={n} must divide in_features={in_features}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # partial gradient: summed over tp after backward
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group, input_is_parallel: bool = True,
+                    sequence_parallel: bool = False) -> "RowParallelLinear":
+        """This rank's columns of ``linear.weight`` (the bias is copied whole)."""
+        m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
+                input_is_parallel, sequence_parallel)
+        m.weight.copy_(linear.weight.chunk(comm.group_size(group), 1)[_tp_rank(group)])
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias)
+        return m.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+                f"input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the vocabulary (Megatron §3).
+
+    Rank ``r`` holds rows ``[r*V/tp, (r+1)*V/tp)``; it looks up the ids it owns, writes zeros for
+    the others, and the partial results are summed: ``[B, T] int64 -> [B, T, h]`` with one
+    all-reduce, or ``[B, T/tp, h]`` with one reduce-scatter under ``sequence_parallel``.
+    Raises ``ValueError`` if ``tp`` does not divide ``num_embeddings``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        n = comm.group_size(group)
+        if num_embeddings % n:
+            raise ValueError(f"tp={n} must divide vocab_size={num_embeddings}")
+        self.num_embeddings, self.group, self.sequence_parallel = num_embeddings, group, sequence_parallel
+        per = num_embeddings // n
+        self.vocab_start, self.vocab_end = _tp_rank(group) * per, (_tp_rank(group) + 1) * per
+        self.weight = nn.Parameter(torch.empty(per, embedding_dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    @torch.no_grad()
+    def from_embedding(cls, emb: nn.Embedding, group, sequence_parallel: bool = False):
+        m = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
+        m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
+        return m.to(emb.weight.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.group)
+        return reduce_from_tensor_model_parallel_region(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits (Megatron ``cross_entropy.py`` steps)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group, ignore_index):
+        # 1. global max over the vocabulary, for a stable softmax (one all-reduce of [N] floats).
+        m = logits.max(dim=-1).values
+        if comm.group_size(group) > 1:
+            comm.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        shifted = logits - m.unsqueeze(-1)
+        # 2. the target's logit lives on exactly one rank: others contribute 0 (all-reduce).
+        n = logits.shape[-1]
+        local_t = target - vocab_start
+        mine = (local_t >= 0) & (local_t < n)
+        idx = local_t.clamp(0, n - 1)
+        target_logit = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        # 3. sum of exponentials over the whole vocabulary (all-reduce).
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        both = torch.stack([target_logit, sum_exp])
+        if comm.group_size(group) > 1:
+            comm.all_reduce(both, group=group)
+        target_logit, sum_exp = both[0], both[1]
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit) * valid
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), idx, mine & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, onehot_here, valid = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -onehot_here.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((g * valid).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group,
+                                 vocab_start: int | None = None,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over labels ``!= ignore_index`` from vocab-sharded logits.
+
+    ``logits``: ``[*, V/tp]`` (this rank's vocabulary slice, which starts at ``vocab_start``;
+    default ``tp_rank * V/tp``), ``labels``: ``[*]`` int64 over the full vocabulary. Three
+    all-reduces of ``[N]`` floats (max, then target logit and sum of exponentials together); the
+    ``[N, V]`` logits are never gathered. Returns the same scalar on every rank.
+    """
+    if vocab_start is None:
+        vocab_start = _tp_rank(group) * logits.shape[-1]
+    flat, tgt = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
+    return per_token.sum() / (tgt != ignore_index).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+class ParallelAttention(nn.Module):
+    """GQA self-attention on this rank's ``H/tp`` query heads and their key/value heads.
+
+    ``forward(x [B,T,h] or [B,T/tp,h] under SP, cos, sin) -> same shape``. q/k/v are one
+    column-parallel group (one communication region), ``o_proj`` is row-parallel. Parameter names
+    are those of :class:`~llmlab.model.llama.Attention`.
+    """
+
+    def __init__(self, attn: Attention, group, sequence_parallel: bool = False):
+        super().__init__()
+        tp, r = comm.group_size(group), _tp_rank(group)
+        H, KV = attn.num_heads, attn.num_kv_heads
+        self.group, self.sequence_parallel, self.head_dim = group, sequence_parallel, attn.head_dim
+        self.num_heads = H // tp
+        self.kv_replicated = KV < tp
+        self.num_kv_heads = 1 if self.kv_replicated else KV // tp
+        # With fewer kv heads than ranks, rank r uses kv head r // (tp / KV) (its query heads'
+        # group), held as one of KV shards.
+        kv_shard, kv_n = (r // (tp // KV), KV) if self.kv_replicated else (r, tp)
+        self.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group)
+        self.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, shard=kv_shard, num_shards=kv_n)
+        self.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, shard=kv_shard, num_shards=kv_n)
+        self.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sequence_parallel=sequence_parallel)
+        self.kv_shard, self.kv_num_shards = kv_shard, kv_n
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = column_parallel_linears(x, [self.q_proj, self.k_proj, self.v_proj], self.group,
+                                          self.sequence_parallel)
+        B, T, D = q.shape[0], q.shape[1], self.head_dim
+        q = q.view(B, T, self.num_heads, D).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
+
+
+class ParallelMLP(nn.Module):
+    """SwiGLU MLP with ``gate/up`` column-parallel (one region) and ``down`` row-parallel.
+    ``[B,T,h] -> [B,T,h]`` (``[B,T/tp,h]`` in and out under SP); ``ffn/tp`` features per rank."""
+
+    def __init__(self, mlp: MLP, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group)
+        self.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group)
+        self.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group,
+                                                       sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = column_parallel_linears(x, [self.gate_proj, self.up_proj], self.group,
+                                           self.sequence_parallel)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole model
+# --------------------------------------------------------------------------------------------
+def validate_layout(cfg, model_config) -> None:
+    """Raise ``ValueError`` naming the constraint when ``cfg.tp`` cannot shard ``model_config``.
+
+    Called by :func:`llmlab.training.config.validate` before any rank starts.
+    """
+    tp, mc = cfg.tp, model_config
+    if getattr(cfg, "sequence_parallel", False) and tp == 1:
+        raise ValueError("--sequence-parallel needs --tp > 1 (it shards the sequence over the "
+                         "tensor-parallel ranks)")
+    if tp == 1:
+        return
+    H, KV = mc.num_attention_heads, mc.num_key_value_heads
+    if H % tp:
+        raise ValueError(f"tp={tp} must divide num_attention_heads={H}")
+    if KV >= tp and KV % tp:
+        raise ValueError(f"tp={tp} must divide num_key_value_heads={KV}")
+    if KV < tp and tp % KV:
+        raise ValueError(f"tp={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
+                         f"it (each kv head is replicated on tp/num_key_value_heads ranks)")
+    if not mc.num_experts and mc.intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide intermediate_size={mc.intermediate_size}")
+    if mc.vocab_size % tp:
+        raise ValueError(f"tp={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
+                         f"split over tp ranks and not padded)")
+    if getattr(cfg, "sequence_parallel", False):
+        if cfg.seq_len % tp:
+            raise ValueError(f"tp={tp} must divide --seq-len {cfg.seq_len} (sequence "
+                             f"parallelism shards the sequence)")
+        if mc.num_experts:
+            raise ValueError("--sequence-parallel with a mixture-of-experts model is not "
+                             "supported (the MoE layer would see a sequence shard)")
+
+
+def _sum_over_tp(params: list[nn.Parameter], group):
+    """Grad finalizer: all-reduce (sum) the gradients of ``params`` over the tp group, in one
+    flat buffer (norm weights under SP hold partial gradients)."""
+    def finalize():
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    return finalize
+
+
+def _sum_over_kv_replicas(attns: list[ParallelAttention], group):
+    """Grad finalizer: replicated kv heads sum their weight gradients over the ranks sharing them.
+
+    One all-reduce over the tp group of a ``[num_kv_heads, n]`` buffer in which each rank fills
+    the row of its kv head: row ``j`` becomes the sum over kv head ``j``'s replicas.
+    """
+    def finalize():
+        params = [p for a in attns for m in (a.k_proj, a.v_proj) for p in m.parameters()
+                  if p.grad is not None]
+        if not params:
+            return
+        a0 = attns[0]
+        buf = params[0].grad.new_zeros(a0.kv_num_shards, sum(p.numel() for p in params))
+        buf[a0.kv_shard] = torch.cat([p.grad.reshape(-1) for p in params])
+        comm.all_reduce(buf, group=group)
+        for p, part in zip(params, buf[a0.kv_shard].split([p.numel() for p in params])):
+            p.grad.copy_(part.view_as(p.grad))
+    return finalize
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False):
+    """Shard a full, seeded model over ``mesh.groups["tp"]`` in place and return it.
+
+    Replaces q/k/v/o and gate/up/down by column/row-parallel layers, the embedding and
+    ``lm_head`` by vocab-parallel ones, ``compute_loss`` by :func:`vocab_parallel_cross_entropy`,
+    and appends the gradient finalizers (SP norm weights; replicated kv heads) to
+    ``model.grad_finalizers``. MoE MLPs are left replicated (only without SP). Raises
+    ``ValueError`` naming the constraint when ``tp`` does not divide the model's dimensions.
+    """
+    group, tp = mesh.groups.get("tp"), mesh.size("tp")
+    mc = model.config
+    validate_layout(type("Cfg", (), {"tp": tp, "sequence_parallel": sequence_parallel,
+                                     "seq_len": tp})(), mc)
+    if not hasattr(model, "grad_finalizers"):
+        model.grad_finalizers = []
+    if tp == 1:
+        return model
+    sp = sequence_parallel
+    inner = model.model
+    tied = mc.tie_word_embeddings
+    inner.embed_tokens = VocabParallelEmbedding.from_embedding(inner.embed_tokens, group, sp)
+    lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp)
+    if tied:
+        lm_head.weight = inner.embed_tokens.weight
+    model.lm_head = lm_head
+    attns = []
+    for layer in inner.layers:
+        layer.self_attn = ParallelAttention(layer.self_attn, group, sp)
+        attns.append(layer.self_attn)
+        if isinstance(layer.mlp, MLP):
+            layer.mlp = ParallelMLP(layer.mlp, group, sp)
+    if sp:
+        norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
+        for p in norms:
+            p.sequence_parallel = True
+        sp_params = norms + [p for m in model.modules() if isinstance(m, RowParallelLinear)
+                             for p in m.parameters() if getattr(p, "sequence_parallel", False)]
+        model.grad_finalizers.append(_sum_over_tp(sp_params, group))
+        full_run_layers = model.run_layers
+
+        def run_layers(hidden, layers=None, seq_len=None):
+            # hidden is [B, T/tp, h]: RoPE needs the full length T.
+            return full_run_layers(hidden, layers, hidden.shape[1] * tp if seq_len is None else seq_len)
+        model.run_layers = run_layers
+    if attns and attns[0].kv_replicated:
+        model.grad_finalizers.append(_sum_over_kv_replicas(attns, group))
+    vocab_start = inner.embed_tokens.vocab_start
+    model.compute_loss = lambda logits, labels: vocab_parallel_cross_entropy(
+        logits, labels, group, vocab_start)
+    model.tensor_parallel = {"tp": tp, "sequence_parallel": sp, "group": group}
+    return model
