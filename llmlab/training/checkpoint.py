@@ -64,13 +64,18 @@ def full_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def slice_spec(local_shape, full_shape, tp_index: int, tp: int):
-    """``None`` for a whole tensor, else ``(dim, index, parts)`` of a tensor-parallel shard."""
+    """``None`` for a whole tensor, else ``(dim, index, parts)``: this rank holds part ``index`` of
+    ``parts`` equal chunks along ``dim``. Usually ``parts == tp``; fewer key/value heads than tp
+    ranks gives ``parts < tp`` (each head copied to ``tp/parts`` consecutive ranks)."""
     local_shape, full_shape = tuple(local_shape), tuple(full_shape)
     if local_shape == full_shape:
         return None
     diff = [d for d, (a, b) in enumerate(zip(local_shape, full_shape)) if a != b]
-    if len(local_shape) == len(full_shape) and len(diff) == 1 and local_shape[diff[0]] * tp == full_shape[diff[0]]:
-        return (diff[0], tp_index, tp)
+    if len(local_shape) == len(full_shape) and len(diff) == 1:
+        d = diff[0]
+        if full_shape[d] % local_shape[d] == 0 and tp % (full_shape[d] // local_shape[d]) == 0:
+            parts = full_shape[d] // local_shape[d]
+            return (d, tp_index // (tp // parts), parts)
     raise CheckpointError(f"cannot express a local tensor of shape {local_shape} as a slice of the "
                           f"full shape {full_shape} with tp={tp}")
 
