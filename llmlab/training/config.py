@@ -182,13 +182,14 @@ STRATEGY_VALIDATORS = (
 def _check_features(cfg: TrainConfig, mc: ModelConfig) -> None:
     """Refuse, with a clear message, flags whose implementation has not landed."""
     needs = [
-        (cfg.dp > 1, "--dp > 1", "llmlab.parallel.data_parallel"),
+        (cfg.dp > 1 and cfg.zero == 0, "--dp > 1", "llmlab.parallel.data_parallel"),
         (cfg.tp > 1, "--tp > 1", "llmlab.parallel.tensor_parallel"),
         (cfg.pp > 1, "--pp > 1", "llmlab.parallel.pipeline_parallel"),
         (bool(mc.num_experts), "mixture-of-experts models", "llmlab.model.moe"),
         (cfg.ep > 1, "--ep > 1", "llmlab.parallel.expert_parallel"),
         (cfg.zero > 0, "--zero > 0", "llmlab.parallel.zero"),
-        (cfg.dtype != "fp32", "--dtype bf16", "llmlab.training.precision"),
+        # ZeRO carries its own bf16 compute + fp32 master weights (llmlab.parallel.zero).
+        (cfg.dtype != "fp32" and cfg.zero == 0, "--dtype bf16", "llmlab.training.precision"),
         (cfg.activation_checkpointing, "--activation-checkpointing", "llmlab.training.recompute"),
         (cfg.cpu_offload, "--cpu-offload", "llmlab.parallel.zero"),
         (bool(cfg.checkpoint_dir), "--checkpoint-dir", "llmlab.training.checkpoint"),
