@@ -150,7 +150,7 @@ class ZeroDataParallel(nn.Module):
     reduced, divided by N, in this rank's shard); ``grad_tensors()`` (the gradient buffers this
     rank holds). ``dtype="bf16"`` stores parameters and gradients in bf16 (fp32 masters live in
     :class:`ZeroOptimizer`). ``bucket_mb``: stage 1/2 bucket size in MiB of parameters.
-    ``events`` lists the collectives issued (op, unit, phase, time) for timelines.
+    ``events`` lists the first ``max_events`` collectives issued (op, unit, phase, time).
     """
 
     def __init__(self, module: nn.Module, mesh, stage: int, dtype: str = "fp32",
@@ -166,6 +166,7 @@ class ZeroDataParallel(nn.Module):
         device = next(module.parameters()).device
         self.param_names = [n for n, _ in module.named_parameters()]
         self.events: list[dict] = []
+        self.max_events = 2000
         if stage == 3:
             units = zero3_units(module)
             groups = [(name or "root", ps) for name, _, ps in units]
@@ -265,12 +266,12 @@ class ZeroDataParallel(nn.Module):
         b.copy_grad_in(p, b.grad_full)
         p.grad = None                     # the full gradient of this parameter is gone
         b.num_ready += 1
-        if b.num_ready == sum(q.requires_grad for q in b.params):
+        if b.num_ready == b.num_grads:
             if self.stage == 3:
                 b.free()
             # Launch in bucket order, identical on every rank.
             while self._next_launch < len(self.buckets) and \
-                    self.buckets[self._next_launch].num_ready >= sum(q.requires_grad for q in self.buckets[self._next_launch].params):
+                    self.buckets[self._next_launch].num_ready >= self.buckets[self._next_launch].num_grads:
                 self._launch(self.buckets[self._next_launch], "backward")
                 self._next_launch += 1
             if self._next_launch == len(self.buckets):
@@ -340,7 +341,8 @@ class ZeroDataParallel(nn.Module):
         return out
 
     def _log(self, op, unit, phase):
-        self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
+        if len(self.events) < self.max_events:      # bounded: a long run keeps the first ones
+            self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
 class ZeroOptimizer:

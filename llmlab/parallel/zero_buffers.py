@@ -54,6 +54,8 @@ class FlatBucket:
                 self.full[o:o + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[o:o + n].view(p.shape)
         self.is_full = True
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.num_grads = sum(p.requires_grad for p in self.params)   # hooks expected per backward
         # Gradient buffers (which ones exist depends on the stage; see zero.py).
         self.grad_full: torch.Tensor | None = None     # full flat gradient (stage 1, staging)
         self.grad_shard: torch.Tensor | None = None    # this rank's reduced gradient (stages 2, 3)
@@ -82,7 +84,7 @@ class FlatBucket:
 
     def copy_grad_in(self, p: nn.Parameter, flat: torch.Tensor) -> None:
         """Copy ``p.grad`` into its place in ``flat``."""
-        i = next(i for i, q in enumerate(self.params) if q is p)
+        i = self.index[id(p)]
         flat[self.offsets[i]:self.offsets[i] + self.numels[i]].copy_(p.grad.reshape(-1))
 
     # --- ZeRO-3: keep only the shard --------------------------------------------------------
