@@ -389,8 +389,9 @@ class ZeroOptimizer:
         w = self.wrapper
         for b, m in zip(w.buckets, self.masters):
             g = w.grad_shard(b)
+            # (a device-to-host copy must be complete before Adam reads it: blocking)
             m.grad = g if (g.dtype == m.dtype and g.device == m.device) else \
-                g.to(device=m.device, dtype=torch.float32, non_blocking=True)
+                g.to(device=m.device, dtype=torch.float32)
         self.optimizer.step()
         for b, m, sep in zip(w.buckets, self.masters, self.separate):
             if sep:
