@@ -78,7 +78,9 @@ class SavedActivations:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        # Keyed by the storage object, not its address: ZeRO-3/FSDP free a parameter's storage
+        # (resize to 0) and re-allocate it, so the address changes while the storage stays.
+        self._exclude = {t.untyped_storage()._cdata for t in exclude}
         self._live: dict[int, list[int]] = {}
         self.current = 0
         self.peak = 0
@@ -87,7 +89,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         s = t.untyped_storage()
         ptr = s.data_ptr()
-        if ptr in self._exclude or s.nbytes() == 0 or t.device.type == "meta":
+        if s._cdata in self._exclude or s.nbytes() == 0 or t.device.type == "meta":
             return t
         entry = self._live.get(ptr)
         if entry is None:

@@ -184,7 +184,7 @@ STRATEGY_VALIDATORS = (
 def _check_features(cfg: TrainConfig, mc: ModelConfig) -> None:
     """Refuse, with a clear message, flags whose implementation has not landed."""
     needs = [
-        (cfg.dp > 1, "--dp > 1", "llmlab.parallel.data_parallel"),
+        (cfg.dp > 1 and cfg.zero == 0, "--dp > 1", "llmlab.parallel.data_parallel"),
         (cfg.tp > 1, "--tp > 1", "llmlab.parallel.tensor_parallel"),
         (cfg.pp > 1, "--pp > 1", "llmlab.parallel.pipeline_parallel"),
         (bool(mc.num_experts), "mixture-of-experts models", "llmlab.model.moe"),

@@ -102,7 +102,7 @@ class Engine:
             local = model
         local.to(device)
         self.scaler = None
-        if cfg.dtype != "fp32":
+        if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import DynamicLossScaler, cast_model
             cast_model(local, cfg.dtype)
             self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
