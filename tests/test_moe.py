@@ -154,7 +154,7 @@ def _ep_rank(cases, world, steps, batch, seq, layers):
     for top_k, cf, ep in cases:
         mesh = Mesh.build(dp=world, ep=ep)
         mc = get_preset("tiny-moe", num_experts_per_tok=top_k, capacity_factor=cf,
-                        num_hidden_layers=layers)
+                        num_hidden_layers=layers, router_aux_loss_coef=0.1, router_z_loss_coef=1e-3)
         model = apply_expert_parallel(LlamaForCausalLM(mc, seed=0), mesh)
         opt = make_optimizer(model.parameters(), TrainConfig(lr=3e-3))
         loader = BatchLoader(global_batch_size=batch, seq_len=seq, seed=0)
@@ -185,7 +185,7 @@ def _reference(top_k, cf, steps, batch, seq, num_microbatches):
     from llmlab.training.config import TrainConfig
     from llmlab.training.trainer import make_optimizer
     mc = get_preset("tiny-moe", num_experts_per_tok=top_k, capacity_factor=cf,
-                    num_hidden_layers=LAYERS)
+                    num_hidden_layers=LAYERS, router_aux_loss_coef=0.1, router_z_loss_coef=1e-3)
     model = LlamaForCausalLM(mc, seed=0)
     opt = make_optimizer(model.parameters(), TrainConfig(lr=3e-3))
     loader = BatchLoader(global_batch_size=batch, seq_len=seq, seed=0)
