@@ -5,8 +5,8 @@
 Trains ``tiny-moe`` on ``dp`` real gloo ranks with ``ep``-way expert parallelism
 (:func:`llmlab.parallel.ep_probe.ep_probe`) and prints, in one run:
 
-* tokens per expert per step: mean imbalance (max/mean, worst layer) for balancing-loss
-  coefficients 0, 0.01 and 0.1 (Switch Transformer §2.2);
+* tokens per expert per step: imbalance (max/mean, mean over layers) for balancing-loss
+  coefficients 0, 0.01 and 0.1, top-1 routing (Switch Transformer §2.2);
 * dropped-assignment fraction and tokens/s for capacity factors 0.5 .. 2 and dropless;
 * all-to-all payload bytes per rank per MoE layer, measured, beside ``4·k·N·h·4 + E·8``.
 """
@@ -34,15 +34,16 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     coefs = [0.0, 0.01, 0.1]
     cfs = [0.5, 1.0, 1.5, 2.0, None]
-    settings = [{"router_aux_loss_coef": c} for c in coefs] + [{"capacity_factor": cf} for cf in cfs]
+    settings = [{"router_aux_loss_coef": c, "num_experts_per_tok": 1} for c in coefs] + [{"capacity_factor": cf} for cf in cfs]
     runs = llmlab.launch(_runs, a.dp, a.dp, a.ep, a.steps, settings, backend="gloo")[0]
     out = {"dp": a.dp, "ep": a.ep, "steps": a.steps, "balance": [], "capacity": []}
     print(f"tiny-moe, dp={a.dp} ep={a.ep}, {a.steps} steps, global batch 8 x 32 tokens")
-    print("\nbalancing-loss coef   mean imbalance   final imbalance   final loss")
+    print("\ntop-1: balancing-loss coef   mean imbalance   last-10-steps imbalance   final loss")
     for c, run in zip(coefs, runs[:3]):
         m = sum(r["imbalance"] for r in run) / len(run)
-        print(f"{c:>19}   {m:14.3f}   {run[-1]['imbalance']:15.3f}   {run[-1]['loss']:.4f}")
-        out["balance"].append({"coef": c, "mean_imbalance": m, "final_imbalance": run[-1]["imbalance"],
+        last = sum(r["imbalance"] for r in run[-10:]) / len(run[-10:])
+        print(f"{c:>26}   {m:14.3f}   {last:23.3f}   {run[-1]['loss']:.4f}")
+        out["balance"].append({"coef": c, "mean_imbalance": m, "last10_imbalance": last,
                                "tokens_per_expert_final": run[-1]["tokens_per_expert"]})
     print("\ncapacity factor   dropped   tokens/s   a2a bytes/rank/layer")
     for cf, run in zip(cfs, runs[3:]):

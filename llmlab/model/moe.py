@@ -197,7 +197,8 @@ def collect_moe_stats(model: nn.Module, group=None) -> dict:
     data-parallel group: every rank counts the tokens of its own slice), then reset.
 
     Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "lb_loss": float,
-    "imbalance": float}`` (imbalance = max/mean tokens per expert, worst layer). ``{}`` for a
+    "imbalance": float, "imbalance_max": float}``: imbalance = max/mean tokens per expert,
+    averaged over layers (``imbalance_max``: the worst layer, which sets an EP step's time). ``{}`` for a
     model without MoE layers. Collective over ``group``: call it on all its ranks. Bookkeeping:
     it uses ``torch.distributed`` directly, so it is not counted in the comm bytes.
     """
@@ -220,5 +221,7 @@ def collect_moe_stats(model: nn.Module, group=None) -> dict:
         lb = packed[n + 1:] / dist.get_world_size(group)
     for m in layers:
         m.reset_stats()
+    per_layer = [imbalance(c) for c in counts]
     return {"tokens_per_expert": counts.long().tolist(), "dropped_tokens": int(dropped),
-            "lb_loss": float(lb[0]), "imbalance": max(imbalance(c) for c in counts)}
+            "lb_loss": float(lb[0]), "imbalance": sum(per_layer) / len(per_layer),
+            "imbalance_max": max(per_layer)}

@@ -7,7 +7,7 @@ measuring tool, ``llmlab train`` is the trainer), and streams one record per ste
 with :func:`llmlab.report`:
 
 ``step, loss`` (global-batch loss), ``tokens_per_expert`` (``[layers][experts]``, whole global
-batch), ``imbalance`` (max/mean, worst layer), ``dropped_tokens`` (routing assignments dropped
+batch), ``imbalance`` (max/mean, mean over layers; ``imbalance_max``: worst layer), ``dropped_tokens`` (routing assignments dropped
 over the global batch), ``dropped_fraction``, ``a2a_bytes_per_layer`` (mean payload bytes per rank
 per MoE layer this step, forward + backward, split sizes included), ``step_time_s``,
 ``tokens_per_s``. Used by ``labs/04_expert_parallel.ipynb`` and ``benchmarks/moe_ep.py``.

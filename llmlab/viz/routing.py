@@ -3,7 +3,7 @@
 ``RoutingHeatmap().update(record)`` takes the per-step records of ``llmlab.train`` for a MoE
 model (they carry ``tokens_per_expert``: ``[layers][experts]`` token counts of that step, see
 :func:`llmlab.model.moe.collect_moe_stats`) and redraws, in place, the heat-map of the step's
-routing next to the load imbalance (max/mean tokens per expert) so far. Same display-handle
+routing next to the load imbalance (max/mean tokens per expert, mean over layers) so far. Same display-handle
 mechanism as :class:`llmlab.viz.live.LivePlot`, so it passes nbval.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RoutingHeatmap:
         self.ax_imb.plot(self.steps, self.imbalance)
         self.ax_imb.axhline(1.0, color="gray", lw=0.8, ls="--")
         self.ax_imb.set_xlabel("step")
-        self.ax_imb.set_title("imbalance (max/mean, worst layer)")
+        self.ax_imb.set_title("imbalance (max/mean, mean over layers)")
         self.fig.tight_layout()
         if self.handle is not None:
             self.handle.update(self.fig)
