@@ -97,7 +97,6 @@ class ExpertParallelMoE(MoE):
         out_splits = recv_counts.sum(1).tolist()
         # 2. dispatch
         rows = _AllToAll.apply(x, out_splits, in_splits, self.ep_group)
-        self.a2a_rows = (sum(in_splits), in_splits[self.ep_rank])
         # 3. local experts: received rows are (source rank, local expert) blocks; regroup by expert.
         local_id = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts.flatten())
         order = torch.argsort(local_id, stable=True)
