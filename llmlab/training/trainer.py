@@ -212,6 +212,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         loss = global_loss(local_loss, mesh, device)
         tps = cfg.global_batch_size * cfg.seq_len / dt
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps}
+        if mc.num_experts:  # routing statistics of this step, summed over dp (collective)
+            from llmlab.model.moe import collect_moe_stats
+            rec.update(collect_moe_stats(engine.model, mesh.groups.get("dp")))
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u

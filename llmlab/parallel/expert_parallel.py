@@ -1,0 +1,172 @@
+"""Expert parallelism: each rank holds ``E/ep`` experts; tokens travel to them by all-to-all.
+
+GShard (Lepikhin et al. 2020, §2.2-3.2) and Switch Transformer (Fedus et al. 2021, §2.2) place the
+experts of a MoE layer on different devices; Megatron core carves the expert-parallel (EP) groups
+out of the data-parallel ranks (``Mesh``: ``dp/ep`` groups of ``ep`` consecutive dp ranks). Each
+rank still routes its *own* tokens (its data-parallel slice), then per MoE layer:
+
+1. **split sizes**: ``counts[E]`` (tokens this rank sends to each expert) go through an
+   all-to-all, so each rank learns how many rows it will receive from every peer for each of its
+   local experts (uneven splits must be known before the payload exchange);
+2. **dispatch**: ``all_to_all_single`` of the token rows, sorted by expert, split per
+   destination rank (``x [n,h]``: ``n = K*N`` rows when dropless);
+3. the rank applies its local experts to the rows it received (regrouped by expert);
+4. **combine**: the reverse ``all_to_all_single`` brings each row back to its token's rank,
+   where it is weighted and summed exactly as on one device.
+
+Backward is the same two all-to-alls with the splits swapped (:class:`_AllToAll`), so per layer
+and micro-batch a rank sends ``2 * K*N*h`` elements forward and as many backward
+(``(ep-1)/ep`` of them leave the rank when routing is even).
+
+Gradients. Dense weights (attention, norms, router, embeddings) are replicated and reduced over
+``dp`` as usual. An expert's weights live on one rank of each EP group; they are replicated over
+the *expert-data-parallel* group ``edp`` (size ``dp/ep``) and must be reduced there. The loss of
+the step is the mean of the ``dp`` local losses, so the right expert gradient is
+``(1/dp) * sum over all dp ranks``; the EP group already sums its ``ep`` ranks' contributions
+through the combine all-to-all, so averaging over ``edp`` alone would be ``ep`` times too large
+(Megatron scales expert gradients by ``1/dp``, not ``1/edp``, for this reason). Here the MoE
+layer divides its experts' weight gradients by ``ep`` in backward (:class:`_ScaleGrad`, the
+token gradients are unchanged), so data parallelism treats both kinds the same way: **average
+over the parameter's group** (``dp`` for dense, ``edp`` for ``p.expert_parallel``).
+
+Capacity is applied by each rank to its own tokens before dispatch (per-rank capacity, as in
+GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's slice.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmlab.model.moe import MoE, moe_layers
+from llmlab.runtime import comm
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with autograd: backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return g, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class ExpertParallelMoE(MoE):
+    """A :class:`MoE` holding only experts ``local_experts`` (global ids) of an EP group.
+
+    ``experts`` becomes an ``nn.ModuleDict`` keyed by the global expert id, so parameter names
+    (``mlp.experts.5.up_proj.weight``) are the same as in the full model. Built by
+    :func:`apply_expert_parallel`, not directly.
+    """
+
+    ep_group = None
+    ep_size = 1
+    ep_rank = 0
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Dispatch ``x [n,h]`` (sorted by expert, ``counts [E]``) to the experts' ranks, apply
+        them there, and combine back. Returns ``[n,h]`` in the same row order."""
+        ep, E = self.ep_size, self.num_experts
+        El = E // ep
+        # 1. split sizes: counts[r*El:(r+1)*El] go to rank r; we receive [ep, El] counts.
+        recv_counts = torch.empty_like(counts)
+        comm.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        send_counts, recv_counts = counts.view(ep, El), recv_counts.view(ep, El)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        # 2. dispatch
+        rows = _AllToAll.apply(x, out_splits, in_splits, self.ep_group)
+        # 3. local experts: received rows are (source rank, local expert) blocks; regroup by expert.
+        local_id = torch.arange(El, device=x.device).repeat(ep).repeat_interleave(recv_counts.flatten())
+        order = torch.argsort(local_id, stable=True)
+        per_expert = recv_counts.sum(0).tolist()
+        grouped = _ScaleGrad.apply(rows[order], float(ep))
+        chunks = grouped.split(per_expert)
+        y = torch.cat([self.experts[str(e)](c) for e, c in zip(self.local_experts, chunks)])
+        y = _ScaleGrad.apply(y, 1.0 / ep)      # expert weight grads / ep (see module doc)
+        y = y[torch.argsort(order)]            # back to (source rank, expert) blocks
+        # 4. combine
+        return _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+
+
+def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+    """Keep this rank's ``E/ep`` experts of every MoE layer of the full (seeded) ``model`` and
+    route tokens to the others with all-to-all over ``mesh.groups["ep"]``.
+
+    Rank ``i`` of an EP group holds experts ``[i*E/ep, (i+1)*E/ep)``. Expert parameters are
+    marked ``p.expert_parallel = True`` (reduce them over ``mesh.groups["edp"]``, averaging, like
+    dense ones over ``dp``; see the module doc for the 1/ep factor). Modifies ``model`` in place
+    and returns it. Raises ``ValueError`` if ``mesh.ep`` does not divide the expert count.
+    """
+    ep = mesh.ep
+    ep_rank = mesh.index("ep")
+    for layer in moe_layers(model):
+        E = layer.num_experts
+        if E % ep:
+            raise ValueError(f"ep={ep} must divide num_experts={E}")
+        El = E // ep
+        keep = list(range(ep_rank * El, (ep_rank + 1) * El))
+        experts = nn.ModuleDict({str(e): layer.experts[e] for e in keep})
+        layer.__class__ = ExpertParallelMoE
+        layer.experts = experts
+        layer.local_experts = keep
+        layer.ep_group, layer.ep_size, layer.ep_rank = mesh.groups.get("ep"), ep, ep_rank
+        for p in experts.parameters():
+            p.expert_parallel = True
+    return model
+
+
+def sync_moe_grads(model: nn.Module, mesh) -> None:
+    """Average gradients over their data-parallel group: ``edp`` for expert parameters, ``dp``
+    for the rest. The plain (no bucketing, no overlap) form of what data parallelism does for a
+    MoE model; used by the tests and the lab before ``llmlab.parallel.data_parallel`` exists."""
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        name = "edp" if getattr(p, "expert_parallel", False) else "dp"
+        group = mesh.groups.get(name)
+        if group is not None:
+            comm.all_reduce(p.grad, group=group)
+            p.grad /= mesh.size(name)
+
+
+def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:
+    """Payload bytes one rank passes to the dispatch all-to-all of one MoE layer when dropless:
+    ``K * N * h * bytes`` (the combine sends as many back; backward repeats both)."""
+    return top_k * tokens * hidden * bytes_per_element
+
+
+def validate_layout(cfg, model_config) -> None:
+    """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint)."""
+    E = model_config.num_experts
+    if cfg.ep > 1 and not E:
+        raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if E and E % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide num_experts={E}")
+    if cfg.ep > 1 and cfg.dp % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (expert-parallel groups are carved "
+                         f"out of the data-parallel ranks)")
+    if E and cfg.tp > 1:
+        raise ValueError(f"tp={cfg.tp} with a mixture-of-experts model is not supported "
+                         f"(experts are not tensor-sharded; use --ep)")
