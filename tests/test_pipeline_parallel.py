@@ -101,17 +101,22 @@ def _reference_grads(mc, m):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None):
-    """Runs on every rank: trainer runs per case, grads vs torch's Schedule1F1B."""
+def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
+    """Runs on every rank: trainer runs per case, grads vs torch's Schedule1F1B, and saved
+    activations at a fixed micro-batch size of 2 rows (``memory_cases``: (schedule, M))."""
     import torch.nn.functional as F_
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from llmlab.parallel.pipeline_parallel import build_pipeline
     from llmlab.runtime.mesh import Mesh
 
-    out = {"train": {}, "torch": {}, "interleaved_grads": None}
+    out = {"train": {}, "torch": {}, "interleaved_grads": None, "memory": {}}
     for schedule, m, v in cases:
         out["train"][(schedule, m, v)] = rank_main(cfg_for(pp, schedule, m, v))
+    for schedule, m in memory_cases:
+        r = rank_main(cfg_for(pp, schedule, m, steps=1, gb=2 * m))
+        out["memory"][(schedule, m)] = (r["memory_bytes"]["activations_peak"],
+                                        r["pipeline"]["peak_inflight_microbatches"])
 
     for m in torch_cases:
         mesh = Mesh.build(pp=pp)
@@ -175,7 +180,8 @@ def _check_torch_grads(results, pp, m):
 
 def test_pp2_all_schedules_equal_one_rank_and_torch():
     cases = [(s, m, 1) for s, m in CASES_V1] + [("interleaved", 4, 2), ("interleaved", 8, 2)]
-    results = llmlab.launch(_pp_ranks, 2, 2, cases, [4], backend="gloo")
+    memory_cases = [(s, m) for s in ("gpipe", "1f1b") for m in (2, 4)]
+    results = llmlab.launch(_pp_ranks, 2, 2, cases, [4], None, memory_cases, backend="gloo")
     refs = _reference_losses([(s, m) for s, m, _ in cases])
     _check_losses(results, refs, 2)
     _check_torch_grads(results, 2, 4)
@@ -197,6 +203,14 @@ def test_pp2_all_schedules_equal_one_rank_and_torch():
         hidden = get_preset("tiny").hidden_size
         # one activation per (mb, chunk boundary) forward plus its gradient back: GB*T*h*4 bytes each
         assert sum(sends) == (2 * v - 1) * 2 * STEPS * GB * T * hidden * 4
+    # saved activations at a fixed micro-batch size: GPipe grows with M, 1F1B stops at p
+    mem = [r["memory"] for r in results]
+    g2, g4 = mem[0][("gpipe", 2)][0], mem[0][("gpipe", 4)][0]
+    o2, o4 = mem[0][("1f1b", 2)][0], mem[0][("1f1b", 4)][0]
+    assert g4 == pytest.approx(2 * g2, rel=0.05)  # rank 0 holds all M micro-batches
+    assert o4 == pytest.approx(o2, rel=0.01) and o4 < 0.75 * g4  # rank 0 holds at most p = 2
+    assert mem[0][("gpipe", 4)][1] == 4 and mem[0][("1f1b", 4)][1] == 2
+    assert mem[1][("1f1b", 4)][1] == 1
 
 
 def test_pp4_schedules_equal_one_rank_and_torch_and_interleaved_grads():
@@ -221,21 +235,3 @@ def test_pp4_schedules_equal_one_rank_and_torch_and_interleaved_grads():
         assert names == set(ref)  # every parameter lives on exactly one rank
 
 
-def test_activation_memory_gpipe_grows_1f1b_bounded():
-    """Fixed micro-batch size (2 rows): GPipe's saved activations grow with M, 1F1B's stop at p."""
-    def fn():
-        out = {}
-        for schedule in ("gpipe", "1f1b"):
-            for m in (2, 4):
-                r = rank_main(cfg_for(2, schedule, m, steps=1, gb=2 * m))
-                out[(schedule, m)] = (r["memory_bytes"]["activations_peak"],
-                                      r["pipeline"]["peak_inflight_microbatches"])
-        return out
-
-    res = llmlab.launch(fn, 2, backend="gloo")
-    g2, g4 = res[0][("gpipe", 2)][0], res[0][("gpipe", 4)][0]
-    o2, o4 = res[0][("1f1b", 2)][0], res[0][("1f1b", 4)][0]
-    assert g4 == pytest.approx(2 * g2, rel=0.05)  # rank 0 holds all M micro-batches
-    assert o4 == pytest.approx(o2, rel=0.01) and o4 < 0.75 * g4  # rank 0 holds at most p = 2
-    assert res[0][("gpipe", 4)][1] == 4 and res[0][("1f1b", 4)][1] == 2
-    assert res[1][("1f1b", 4)][1] == 1
