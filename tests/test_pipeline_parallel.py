@@ -90,6 +90,16 @@ def test_cli_refuses_before_launch():
 
 
 # --- real ranks -----------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The one-rank references run in this process, beside the ranks: one thread, like them
+    (two threads on an oversubscribed 2-core box make a step ~30x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _reference_losses(cases):
     return {m: [s["loss"] for s in rank_main(cfg_for(m=m))["steps"]] for m in {m for _, m in cases}}
 
