@@ -1,0 +1,325 @@
+"""Pipeline parallelism: model chunks on ranks, micro-batches, and one runner for every schedule.
+
+The model's decoder layers are cut into ``p*v`` equal *virtual stages* (``p`` = ``--pp``, ``v`` =
+``--virtual-stages``, 1 except for the interleaved schedule). Rank ``r`` holds chunks
+``c = 0..v-1``, i.e. virtual stages ``s = c*p + r``; stage 0 also holds the embedding, the last
+stage the final norm, ``lm_head`` and the loss (Megatron-LM SC'21, Narayanan et al. 2021, §2.2).
+
+:class:`PipelineRunner` executes the action list that
+:func:`~llmlab.parallel.pipeline_schedules.build_schedule` produced for this rank (GPipe, 1F1B or
+interleaved 1F1B): forwards, backwards, and activations / activation-gradients sent point to point
+(:mod:`llmlab.runtime.comm`, bytes counted). Every message has the same shape, known in advance
+(``[micro_batch, seq_len, hidden]``), so no shape handshake is needed; each carries a tag made of
+(kind, receiving virtual stage, micro-batch), so a receive can only match its own send.
+Consecutive p2p actions are posted as one ``batch_isend_irecv``; sends never block the rank, a
+receive waits for data an earlier op of another rank produces, and
+:func:`~llmlab.parallel.pipeline_schedules.simulate` proves for each schedule that no wait is circular.
+
+Per step the runner records a timeline (forward, backward, send, recv per rank, in seconds from
+the start of the flush) and the measured bubble: ``1 - (forward+backward time) / flush time``,
+where the flush time runs from a barrier of the pipeline group to the end of the slowest rank.
+
+Each micro-batch's loss is divided by ``M`` (as in the trainer without pipelining), so the last
+stage's returned loss, the sum over micro-batches, equals the one-rank loss of the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmlab.parallel.pipeline_schedules import (
+    B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
+    build_schedule, check_schedule_args, message_key)
+from llmlab.runtime import comm
+
+
+def num_chunks(cfg) -> int:
+    """Model chunks per rank: ``virtual_stages`` for the interleaved schedule, else 1."""
+    return cfg.virtual_stages if cfg.pp_schedule == "interleaved" else 1
+
+
+def validate_layout(cfg, model_config) -> None:
+    """Refuse, before any rank starts, what the pipeline cannot run. Raises ``ValueError``:
+
+    * ``virtual_stages > 1`` without ``--pp > 1 --pp-schedule interleaved``;
+    * layers not divisible by ``pp * virtual_stages``;
+    * interleaved with ``num_microbatches`` not a multiple of ``pp``, or ``virtual_stages < 2``;
+    * tied input/output embeddings across stages (``tie_word_embeddings``).
+    """
+    if cfg.pp == 1:
+        if cfg.virtual_stages != 1:
+            raise ValueError(f"--virtual-stages {cfg.virtual_stages} needs --pp > 1 and "
+                             f"--pp-schedule interleaved")
+        return
+    v = cfg.virtual_stages
+    check_schedule_args(cfg.pp_schedule, cfg.pp, cfg.num_microbatches, v)
+    L, S = model_config.num_hidden_layers, cfg.pp * num_chunks(cfg)
+    if L % S:
+        what = f"pp*virtual_stages = {cfg.pp}*{v} = {S}" if S != cfg.pp else f"pp={cfg.pp}"
+        raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
+                         f"the same number of layers)")
+    if model_config.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings is not supported with --pp > 1 (the embedding is "
+                         "on the first stage and lm_head on the last; untie them)")
+    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+        raise ValueError(f"tp={cfg.tp} must divide --seq-len {cfg.seq_len} for sequence parallel")
+
+
+class StageChunk(nn.Module):
+    """One virtual stage: ``forward(x)`` with ``x`` the token ids ``[B,T]`` (stage 0) or the
+    hidden state ``[B,T,h]``; returns the hidden state ``[B,T,h]`` or, on the last stage, the
+    logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
+    ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers, seq_len: int | None):
+        super().__init__()
+        self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        if self.is_first:
+            self.embed_tokens = model.model.embed_tokens
+        self.layers = nn.ModuleList(layers)
+        if self.is_last:
+            self.norm, self.lm_head = model.model.norm, model.lm_head
+        object.__setattr__(self, "_model", model)  # not a submodule: its params are not ours
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self._model
+        h = m.embed(x) if self.is_first else x
+        h = m.run_layers(h, layers=self.layers, seq_len=self.seq_len)
+        return m.head(h) if self.is_last else h
+
+    def aux_loss(self):
+        """Auxiliary (MoE load-balancing) losses of this chunk's layers from the last forward."""
+        total = 0.0
+        for layer in self.layers:
+            a = getattr(layer.mlp, "aux_loss", None)
+            if a is not None:
+                total = total + a
+        return total
+
+
+class PipelineModule(nn.Module):
+    """What a rank holds: ``chunks[c]`` is virtual stage ``c*p + r``. Not called directly."""
+
+    def __init__(self, chunks: list[StageChunk]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+
+def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | None = None):
+    """Cut ``model`` into ``p*v`` stages and return this rank's chunks (a :class:`PipelineModule`).
+
+    The model is stripped of what other ranks hold (their layers, and the embedding / norm /
+    lm_head where this rank does not need them) so only this rank's parameters stay in memory.
+    """
+    L, S = model.config.num_hidden_layers, p * v
+    if L % S:
+        raise ValueError(f"pp*virtual_stages = {S} must divide num_hidden_layers={L}")
+    per = L // S
+    layers = list(model.model.layers)
+    chunks = [StageChunk(model, c * p + r, S, layers[(c * p + r) * per:(c * p + r + 1) * per], seq_len)
+              for c in range(v)]
+    held = [l for ch in chunks for l in ch.layers]
+    model.model.layers = nn.ModuleList(held)
+    if not any(ch.is_first for ch in chunks):
+        model.model.embed_tokens = None
+    if not any(ch.is_last for ch in chunks):
+        model.model.norm, model.lm_head = None, None
+    return PipelineModule(chunks)
+
+
+class PipelineRunner:
+    """Runs one pipeline flush per step on this rank (see the module docstring).
+
+    ``module``: this rank's :class:`PipelineModule`; ``run(microbatches)`` takes the list of
+    ``(input_ids [b,T], labels [b,T])`` of the step (every rank passes the same list; only the
+    first stage reads the ids and the last the labels) and returns the loss (sum over
+    micro-batches of loss/M, a float) on the last stage, ``None`` elsewhere. ``stats()`` returns
+    the CONTRACT ``pipeline`` fields of this rank plus the per-step timelines.
+    """
+
+    def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
+                 group, schedule: str, hidden_shape_fn):
+        self.model, self.module = model, module
+        self.stage_ranks, self.group = stage_ranks, group
+        self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
+        self.v = len(module.chunks)
+        self.schedule_name = schedule
+        self.hidden_shape_fn = hidden_shape_fn
+        self.wrapper = None
+        self.has_aux = bool(getattr(model.config, "num_experts", 0))
+        self._schedules: dict[int, list[Action]] = {}
+        self.timelines: list[list] = []
+        self.bubbles: list[float] = []
+        self.peak_inflight = 0
+        self.num_microbatches = None
+
+    def attach(self, wrapper) -> None:
+        """Called by the trainer with the data-parallel wrapper: its ``no_sync()`` is used for
+        every backward but the last of the flush."""
+        self.wrapper = wrapper
+
+    def actions(self, m: int) -> list[Action]:
+        if m not in self._schedules:
+            self._schedules[m] = build_schedule(self.schedule_name, self.p, m, self.v)[self.r]
+        return self._schedules[m]
+
+    def _tag(self, a: Action, m: int) -> int:
+        kind, s, mb = message_key(a, self.r, self.p)
+        return ((0 if kind == "act" else 1) * self.p * self.v + s) * m + mb
+
+    # --- one flush --------------------------------------------------------------------------
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        m = len(microbatches)
+        self.num_microbatches = m
+        acts = self.actions(m)
+        last_b = max(i for i, a in enumerate(acts) if a.op == B)
+        device = microbatches[0][0].device
+        dtype = next(self.module.parameters()).dtype
+        inputs, outputs, grads, to_send = {}, {}, {}, {}
+        pending_sends, events = [], []
+        loss_total, aux_total, inflight = 0.0, 0.0, 0
+        dist.barrier(group=self.group)  # bookkeeping: a common start for the flush
+        t_start = time.perf_counter()
+        i = 0
+        while i < len(acts):
+            a = acts[i]
+            if a.op in COMM:  # post consecutive p2p actions as one batch
+                j = i
+                while j < len(acts) and acts[j].op in COMM:
+                    j += 1
+                batch = acts[i:j]
+                t0 = time.perf_counter()
+                ops, recvs = [], []
+                for b in batch:
+                    peer = self.stage_ranks[b.peer]
+                    tag = self._tag(b, m)
+                    if b.op == SEND_ACT:
+                        t = to_send.pop((b.chunk, b.mb)).contiguous()
+                        ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
+                    elif b.op == SEND_GRAD:
+                        t = grads.pop((b.chunk, b.mb)).contiguous()
+                        ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
+                    else:
+                        t = torch.empty(self.hidden_shape_fn(microbatches[b.mb][0]),
+                                        dtype=dtype, device=device)
+                        ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
+                        recvs.append((b, t))
+                works = comm.batch_isend_irecv(ops)
+                for op, w in zip(ops, works):
+                    if op.op is dist.irecv:
+                        w.wait()
+                    else:
+                        pending_sends.append((w, op.tensor))
+                for b, t in recvs:
+                    if b.op == RECV_ACT:
+                        inputs[(b.chunk, b.mb)] = t.requires_grad_()
+                    else:
+                        grads[(b.chunk, b.mb)] = t
+                kind = "recv" if recvs else "send"
+                events.append([kind, batch[0].chunk, batch[0].mb, t0 - t_start,
+                               time.perf_counter() - t_start])
+                i = j
+                continue
+            t0 = time.perf_counter()
+            chunk = self.module.chunks[a.chunk]
+            key = (a.chunk, a.mb)
+            if a.op == F:
+                x = microbatches[a.mb][0] if chunk.is_first else inputs[key]
+                out = chunk(x)
+                aux = chunk.aux_loss() if self.has_aux else 0.0
+                if chunk.is_last:
+                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) / m
+                    loss_total += loss.item()
+                    out = loss
+                else:
+                    to_send[key] = out.detach()
+                if torch.is_tensor(aux):
+                    aux_total += float(aux.detach()) / m
+                    out = (out, aux / m)
+                outputs[key] = out
+                inflight += 1
+                self.peak_inflight = max(self.peak_inflight, inflight)
+            else:
+                out = outputs.pop(key)
+                tensors, grad_tensors = (list(out), None) if isinstance(out, tuple) else ([out], None)
+                if not chunk.is_last:
+                    grad_tensors = [grads.pop(key)] + [None] * (len(tensors) - 1)
+                ctx = (self.wrapper.no_sync() if self.wrapper is not None and i != last_b
+                       else contextlib.nullcontext())
+                with ctx:
+                    torch.autograd.backward(tensors, grad_tensors)
+                if not chunk.is_first:
+                    grads[key] = inputs.pop(key).grad
+                inflight -= 1
+            events.append([a.op, a.chunk, a.mb, t0 - t_start, time.perf_counter() - t_start])
+            i += 1
+        t0 = time.perf_counter()
+        for w, _ in pending_sends:
+            w.wait()
+        if pending_sends:
+            events.append(["send", 0, -1, t0 - t_start, time.perf_counter() - t_start])
+        self._record(events, time.perf_counter() - t_start, device)
+        if self.has_aux:  # bookkeeping: every stage's aux loss into the reported loss
+            t = torch.tensor([aux_total], dtype=torch.float64, device=device)
+            dist.all_reduce(t, group=self.group)
+            loss_total += t.item()
+        if self.r == self.p - 1:  # the last virtual stage is on the last rank
+            return loss_total
+        return None
+
+    def _record(self, events: list, local_end: float, device) -> None:
+        """Flush time = slowest rank's end (an all-reduce MAX on the pipeline group)."""
+        t = torch.tensor([local_end], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # bookkeeping, not counted
+        span = t.item()
+        busy = sum(e[4] - e[3] for e in events if e[0] in (F, B))
+        self.timelines.append({"span_s": span, "events": events})
+        self.bubbles.append(1.0 - busy / span if span > 0 else 0.0)
+
+    def stats(self) -> dict:
+        """This rank's CONTRACT ``pipeline`` fields plus details: ``bubble_fraction_measured``
+        (mean over steps after the first, which includes connection set-up), per-step values,
+        ``timeline`` (per step: ``span_s`` and events ``[op, chunk, mb, t0_s, t1_s]``, op in
+        F, B, send, recv), ``peak_inflight_microbatches`` (chunk-forwards held at once)."""
+        steady = self.bubbles[1:] or self.bubbles
+        m = self.num_microbatches or 1
+        return {
+            "schedule": self.schedule_name,
+            "stage": self.r,
+            "num_stages": self.p,
+            "virtual_stages": self.v,
+            "num_microbatches": m,
+            "bubble_fraction_measured": sum(steady) / len(steady) if steady else 0.0,
+            "bubble_fraction_theory": bubble_fraction_theory(self.schedule_name, self.p, m, self.v),
+            "bubble_fraction_per_step": list(self.bubbles),
+            "peak_inflight_microbatches": self.peak_inflight,
+            "timeline": self.timelines,
+        }
+
+
+def build_pipeline(model: nn.Module, mesh, cfg) -> PipelineRunner:
+    """Keep this rank's stages of ``model`` and return the runner (trainer protocol).
+
+    ``model``: the full seeded :class:`~llmlab.model.llama.LlamaForCausalLM` (possibly already
+    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: a
+    :class:`~llmlab.training.config.TrainConfig` (``pp_schedule``, ``virtual_stages``,
+    ``num_microbatches``, ``seq_len``, ``sequence_parallel``, ``tp``). Raises ``ValueError`` if
+    the layout is invalid (:func:`validate_layout`).
+    """
+    validate_layout(cfg, model.config)
+    p, r, v = mesh.pp, mesh.coords["pp"], num_chunks(cfg)
+    sp = bool(getattr(cfg, "sequence_parallel", False)) and cfg.tp > 1
+    module = split_model(model, p, r, v, seq_len=cfg.seq_len if sp else None)
+    h = model.config.hidden_size
+
+    def hidden_shape(ids: torch.Tensor):
+        b, T = ids.shape
+        return (b, T // cfg.tp if sp else T, h)
+
+    return PipelineRunner(model, module, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
+                          cfg.pp_schedule, hidden_shape)
