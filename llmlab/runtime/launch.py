@@ -153,7 +153,8 @@ def _context():
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         _ctx = mp.get_context(method)
         if method == "forkserver":
-            _ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle"])
+            _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo",
+                                         "cloudpickle"])
             # OpenMP threads that spin while idle starve other ranks (and other jobs) on a few
             # cores; the fork server reads this when it loads torch, and its ranks inherit it.
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
