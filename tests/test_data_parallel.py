@@ -96,13 +96,20 @@ def _grads_vs_torch_ddp(mode, bucket_mb, accumulate):
     return worst, first_bucket, names
 
 
-@pytest.mark.parametrize("mode,accumulate", [("ddp", False), ("ddp", True), ("naive", True), ("ring", False)])
-def test_grads_equal_pytorch_ddp(mode, accumulate):
-    res = llmlab.launch(_grads_vs_torch_ddp, 2, mode, 0.05, accumulate, backend="gloo")
-    for worst, first_bucket, names in res:
-        assert worst < 1e-5
-        if mode != "naive":  # buckets fill in reverse registration order, like PyTorch DDP
-            assert first_bucket[0] == names[-1] == "lm_head.weight"
+VARIANTS = [("ddp", False), ("ddp", True), ("naive", True), ("ring", False)]
+
+
+def _all_variants():
+    return [_grads_vs_torch_ddp(mode, 0.05, acc) for mode, acc in VARIANTS]
+
+
+def test_grads_equal_pytorch_ddp():
+    """One launch, every mode, with and without gradient accumulation (no_sync)."""
+    for per_rank in llmlab.launch(_all_variants, 2, backend="gloo"):
+        for (mode, acc), (worst, first_bucket, names) in zip(VARIANTS, per_rank):
+            assert worst < 1e-5, (mode, acc, worst)
+            if mode != "naive":  # buckets fill in reverse registration order, like PyTorch DDP
+                assert first_bucket[0] == names[-1] == "lm_head.weight"
 
 
 def _timeline():
@@ -132,7 +139,11 @@ def test_bucket_all_reduces_overlap_backward():
         assert {b for k, b, _ in events if k == "done"} == set(range(nb))
 
 
-def _ring(n_elems):
+def _ring(sizes):
+    return [_ring_one(n) for n in sizes]
+
+
+def _ring_one(n_elems):
     import torch.distributed as dist
 
     from llmlab.parallel.data_parallel import ring_all_reduce
@@ -147,17 +158,17 @@ def _ring(n_elems):
     return (t - expect).abs().max().item(), comm.COUNTER.snapshot(), len(trace)
 
 
-@pytest.mark.parametrize("n_elems", [4096, 1001])
-def test_ring_all_reduce_equals_all_reduce_and_moves_2_n_minus_1_over_n(n_elems):
-    n = 4
-    for err, counts, steps in llmlab.launch(_ring, n, n_elems, backend="gloo"):
-        assert err < 1e-5
-        assert steps == 2 * (n - 1)
-        if n_elems % n == 0:
-            assert counts["send"] == counts["recv"] == 2 * (n - 1) * n_elems * 4 // n
-        else:  # chunk sizes differ by at most one element
-            assert abs(counts["send"] - 2 * (n - 1) / n * n_elems * 4) <= 2 * 4
-        assert counts["all_reduce"] == 0
+def test_ring_all_reduce_equals_all_reduce_and_moves_2_n_minus_1_over_n():
+    n, sizes = 4, [4096, 1001]
+    for per_rank in llmlab.launch(_ring, n, sizes, backend="gloo"):
+        for n_elems, (err, counts, steps) in zip(sizes, per_rank):
+            assert err < 1e-5
+            assert steps == 2 * (n - 1)
+            if n_elems % n == 0:
+                assert counts["send"] == counts["recv"] == 2 * (n - 1) * n_elems * 4 // n
+            else:  # chunk sizes differ by at most one element
+                assert abs(counts["send"] - 2 * (n - 1) / n * n_elems * 4) <= 2 * 4
+            assert counts["all_reduce"] == 0
 
 
 def _expert_groups():
