@@ -175,8 +175,8 @@ class NaiveDataParallel(_DataParallelBase):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            p.grad.div_(size)  # before the sum, so 16-bit gradients cannot overflow
             comm.all_reduce(p.grad, group=self.mesh.groups[key])
-            p.grad.div_(size)
 
 
 class Bucket:
@@ -209,8 +209,7 @@ class Bucket:
             self.view(j).copy_(g)
 
     def copy_out(self) -> None:
-        """Average and hand the buffer back: ``p.grad`` becomes a view of the bucket."""
-        self.buffer.div_(self.size)
+        """Hand the reduced buffer back: ``p.grad`` becomes a view of the bucket."""
         for j, p in enumerate(self.params):
             p.grad = self.view(j)
 
@@ -252,7 +251,8 @@ class DistributedDataParallel(_DataParallelBase):
     order (a ready bucket waits for the earlier ones) so every rank issues the collectives in the
     same order even if gradients arrive in a different order. ``finish_grad_sync`` launches the
     buckets whose parameters got no gradient (unused parameters count as zero), waits for all,
-    divides by the group size and leaves ``p.grad`` as a view of its bucket.
+    and leaves ``p.grad`` as a view of its bucket. Each bucket is divided by the group size
+    *before* the sum (as PyTorch's default comm hook does), so fp16/bf16 sums stay finite.
 
     With ``record_timeline=True``, ``timeline`` collects ``("backward_start"|"grad_ready"|
     "launch"|"done", bucket or None, t)`` events (``time.perf_counter`` seconds); "done" is
@@ -300,6 +300,7 @@ class DistributedDataParallel(_DataParallelBase):
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         self._event("launch", b.index)
+        b.buffer.div_(b.size)  # average = sum of grad/N; dividing first keeps 16-bit sums finite
         b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
         if self.record_timeline:
             b.work.get_future().then(lambda f, i=b.index: self._event("done", i))
@@ -341,6 +342,7 @@ class RingDataParallel(DistributedDataParallel):
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
+        b.buffer.div_(b.size)
         ring_all_reduce(b.buffer, group=b.group)
         b.work = _Done()
 
