@@ -214,16 +214,22 @@ class Bucket:
             p.grad = self.view(j)
 
 
-def build_buckets(params: list[nn.Parameter], mesh, bucket_bytes: float) -> list[Bucket]:
+FIRST_BUCKET_MB = 1.0  # PyTorch DDP's _DEFAULT_FIRST_BUCKET_BYTES (1 MiB)
+
+
+def build_buckets(params: list[nn.Parameter], mesh, bucket_bytes: float,
+                  first_bucket_bytes: float = FIRST_BUCKET_MB * 2**20) -> list[Bucket]:
     """Group ``params`` into buckets of about ``bucket_bytes`` each, in reverse order.
 
     Reverse registration order approximates the order backward produces gradients (the last
     layer first), so the first bucket fills first, as in PyTorch DDP
-    (``_compute_bucket_assignment_by_size``). A bucket closes once it holds ``bucket_bytes`` or
-    more; parameters of different groups (dp / edp), dtypes or devices never share a bucket.
-    Parameters whose group has a single rank need no bucket.
+    (``_compute_bucket_assignment_by_size``). A bucket closes once it holds its limit or more:
+    ``min(first_bucket_bytes, bucket_bytes)`` for the first bucket (small, so communication
+    starts early in backward, as PyTorch does), ``bucket_bytes`` after that. Parameters of
+    different groups (dp / edp), dtypes or devices never share a bucket. Parameters whose group
+    has a single rank need no bucket.
     """
-    open_, out = {}, []
+    open_, closed, out = {}, set(), []
     for p in reversed(params):
         key = _group_key(p)
         if mesh.size(key) == 1:
@@ -231,9 +237,11 @@ def build_buckets(params: list[nn.Parameter], mesh, bucket_bytes: float) -> list
         k = (key, p.dtype, p.device)
         cur = open_.setdefault(k, [])
         cur.append(p)
-        if sum(q.numel() * q.element_size() for q in cur) >= bucket_bytes:
+        limit = bucket_bytes if k in closed else min(first_bucket_bytes, bucket_bytes)
+        if sum(q.numel() * q.element_size() for q in cur) >= limit:
             out.append(cur)
             open_[k] = []
+            closed.add(k)
     out.extend(b for b in open_.values() if b)
     buckets = []
     for i, ps in enumerate(out):
