@@ -145,3 +145,13 @@ def test_launch_joins_torchrun_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines == [[[0, 7, 1.0], [1, 7, 1.0]]] * 2
+
+
+def _env_value():
+    return os.environ.get("LLMLAB_TEST_ENV")
+
+
+def test_ranks_see_the_callers_current_environment(monkeypatch):
+    llmlab.launch(_env_value, 1, backend="gloo")  # the fork server is already running now
+    monkeypatch.setenv("LLMLAB_TEST_ENV", "set-after-the-fork-server-started")
+    assert llmlab.launch(_env_value, 2, backend="gloo") == ["set-after-the-fork-server-started"] * 2

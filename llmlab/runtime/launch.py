@@ -81,8 +81,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _entry(rank, world_size, backend, host, port, payload, log_dir, threads):
+def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env):
     _die_with_parent()
+    # The fork server's environment dates from its start; apply the caller's current one.
+    os.environ.update(env)
     log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -200,7 +202,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     ctx = _context()
     procs = [ctx.Process(target=_entry, name=f"llmlab-rank{r}", daemon=False,
                          args=(r, world_size, backend, "127.0.0.1", store.port, payload,
-                               str(log_dir), threads))
+                               str(log_dir), threads, dict(os.environ)))
              for r in range(world_size)]
     seen = [0] * world_size
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -180,6 +182,17 @@ def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
     return t.item() / mesh.dp
 
 
+def _fault_injection(rank: int) -> int | None:
+    """``LLMLAB_KILL_RANK_AT_STEP="R:S"`` kills rank R (SIGKILL) when it reaches step S: the
+    fault-tolerance lab and tests use it to show a crashed rank stopping the job, named, and
+    ``--resume`` continuing from the last good checkpoint."""
+    spec = os.environ.get("LLMLAB_KILL_RANK_AT_STEP")
+    if not spec:
+        return None
+    r, s = (int(v) for v in spec.split(":"))
+    return s if r == rank else None
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -199,7 +212,10 @@ def rank_main(cfg: TrainConfig) -> dict:
             first = meta["next_data_step"]
     comm.COUNTER.reset()
     steps = []
+    kill_at = _fault_injection(mesh.rank)
     for step in range(first, cfg.steps + 1):
+        if step == kill_at:  # a simulated hardware fault: this rank dies without a word
+            os.kill(os.getpid(), signal.SIGKILL)
         micro = [(x.to(device), y.to(device)) for x, y in
                  loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)]
         if device.type == "cuda":

@@ -1,0 +1,64 @@
+"""Composed layouts (DP x TP x PP, ZeRO, mixed precision) give the single-rank losses; checkpoints
+move between layouts; a killed rank stops the job, named, and --resume continues."""
+import pytest
+
+import llmlab
+from llmlab.runtime.launch import RankError
+from llmlab.training.config import TrainConfig
+
+KW = dict(seed=2, global_batch_size=8, seq_len=32)
+
+
+def _losses(m):
+    return {s["step"]: s["loss"] for s in m["steps"]}
+
+
+def _gap(a, b):
+    return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return _losses(llmlab.train(TrainConfig(steps=4, **KW), progress=False))
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, tp=2),
+    dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
+    dict(dp=2, pp=2, num_microbatches=2, pp_schedule="gpipe"),
+    dict(dp=2, tp=2, pp=2, num_microbatches=2),  # 8 ranks
+], ids=["dp2xtp2", "tp2xpp2+sp", "dp2xpp2", "dp2xtp2xpp2"])
+def test_composed_layout_equals_one_rank(layout, one_rank):
+    m = llmlab.train(TrainConfig(steps=4, **KW, **layout), progress=False)
+    assert _gap(_losses(m), one_rank) < 1e-4
+    ranks = m["ranks"]
+    assert len(ranks) == m["config"]["world_size"]
+    # every rank of a model-parallel layout holds less than the whole model
+    full = max(r["memory_bytes"]["params"] for r in ranks)
+    if layout.get("tp", 1) * layout.get("pp", 1) > 1:
+        assert full < 919_808
+
+
+def test_checkpoint_saved_at_dp2xtp2_resumes_at_tp4_and_on_one_rank(tmp_path, one_rank):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        llmlab.train(TrainConfig(steps=2, dp=2, tp=2, checkpoint_dir=str(d), **KW), progress=False)
+    tp4 = _losses(llmlab.train(TrainConfig(steps=4, tp=4, checkpoint_dir=str(a), resume=True, **KW),
+                               progress=False))
+    single = _losses(llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(b), resume=True, **KW),
+                                  progress=False))
+    assert sorted(tp4) == sorted(single) == [3, 4]
+    assert _gap(tp4, one_rank) < 1e-4 and _gap(single, one_rank) < 1e-4
+
+
+def test_killed_rank_stops_the_job_and_resume_continues(tmp_path, monkeypatch, one_rank):
+    monkeypatch.setenv("LLMLAB_KILL_RANK_AT_STEP", "1:4")
+    with pytest.raises(RankError) as info:
+        llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, **KW),
+                     progress=False)
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+    monkeypatch.delenv("LLMLAB_KILL_RANK_AT_STEP")
+    resumed = _losses(llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), resume=True,
+                                               **KW), progress=False))
+    assert sorted(resumed) == [4]
+    assert _gap(resumed, one_rank) < 1e-4
