@@ -4,6 +4,11 @@ Ranks are real processes (gloo on CPU); keep every test small.
 """
 import os
 
+# Notebook kernels are separate processes: let them import this checkout's llmlab even when the
+# package is not installed (pytest's own `pythonpath` setting reaches only this process).
+_root = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_root, os.environ.get("PYTHONPATH")) if p)
+
 os.environ.setdefault("LLMLAB_LIVE", "0")          # plots redraw once, at the end
 os.environ.setdefault("LLMLAB_PG_TIMEOUT", "120")  # a stuck collective fails within 2 minutes
 os.environ.setdefault("LLMLAB_SOLUTIONS", "1")     # labs run their exercise cells with the solutions
