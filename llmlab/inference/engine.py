@@ -393,6 +393,11 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                              req.finished, m)
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""
+        return {f"{s.request_id}.{s.sample_index}": list(s.block_table)
+                for s in self.scheduler.running}
+
     def get_output(self, request_id: str) -> RequestOutput:
         return self._output(self.requests[str(request_id)])
 
