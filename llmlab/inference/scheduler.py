@@ -38,8 +38,6 @@ class SchedulerConfig:
     def validate(self) -> "SchedulerConfig":
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
-            pass  # allowed: decodes simply wait their turn
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -152,7 +150,9 @@ class Scheduler:
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens
             num_new = seq.num_tokens - computed
             if num_new > budget:
-                if not cfg.enable_chunked_prefill:
+                # A sequence resumed after preemption may have outgrown the budget: it is
+                # recomputed in chunks even without chunked prefill, or it would wait forever.
+                if not cfg.enable_chunked_prefill and not seq.num_preemptions:
                     break
                 num_new = budget
             if not bm.can_allocate(seq, num_new, hits):
