@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop strings")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
-                   "for max-num-seqs full-length sequences, at most 256 MiB)")
+                   "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     p.add_argument("--enable-prefix-caching", action="store_true")

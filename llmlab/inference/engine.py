@@ -132,8 +132,9 @@ class LLMEngine:
 
     Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
     device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
-    ``kv_cache_memory_bytes``); ``num_host_blocks`` host blocks for swap preemption (default: as
-    many as device blocks when ``preemption_mode == "swap"``); ``max_num_seqs``,
+    ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
+    host blocks for swap preemption (default: as many as device blocks when
+    ``preemption_mode == "swap"``); ``max_num_seqs``,
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
     CUDA); ``max_model_len`` (default: the model's ``max_position_embeddings``); ``dtype`` of
@@ -150,7 +151,7 @@ class LLMEngine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = False,
                  enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 kv_cache_memory_bytes: int = 256 * 2**20, check_invariants: bool = False,
+                 kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
                  on_step=None):
         self.device = _pick_device(device)
         model, self.tokenizer, self.eos_token_ids = loader.load(model, tokenizer)
@@ -162,6 +163,9 @@ class LLMEngine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if num_gpu_blocks is None:
+            if kv_cache_memory_bytes is None:      # 64 MiB on CPU; 40% of free memory on CUDA
+                kv_cache_memory_bytes = (int(0.4 * torch.cuda.mem_get_info(self.device)[0])
+                                         if self.device.type == "cuda" else 64 * 2**20)
             per_block = kv_bytes_per_block(cfg, block_size, dtype)
             want = max_num_seqs * math.ceil(self.max_model_len / block_size)
             num_gpu_blocks = max(math.ceil(self.max_model_len / block_size),
