@@ -133,7 +133,7 @@ def test_shipped_default_model_has_learned_the_corpus():
     ids = torch.tensor([ByteTokenizer().encode(text)])
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(ids[:, :-1])[0], ids[0, 1:]).item()
-    assert loss < 2.5 < math.log(256)   # nats/byte; uniform 5.55, byte unigram of English ~2.9
+    assert loss < 2.3 < math.log(256)   # nats/byte; uniform 5.55, byte unigram of English ~2.9
     out = llm.generate("ROMEO:", SamplingParams(temperature=0.8, seed=0, max_tokens=64))[0]
     words = out.outputs[0].text.split()
     assert len(words) >= 5 and all(c.isprintable() or c.isspace() for c in out.outputs[0].text)
