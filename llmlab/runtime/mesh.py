@@ -43,10 +43,7 @@ class Mesh:
 
     Attributes: degrees ``dp, tp, pp, ep``; ``rank``; ``coords`` (``{"dp","tp","pp","ep"}``);
     ``groups[name]`` and ``ranks[name]`` for ``dp, tp, pp, ep, edp`` (edp = expert-data-parallel).
-    Every group is a real process group, also when it has a single rank (collectives on it are
-    then no-ops in :mod:`llmlab.runtime.comm`); groups are ``None`` only without
-    ``torch.distributed`` (a plain single process). Never pass ``None`` for a mesh group to a
-    collective inside a multi-rank job: ``None`` means the whole world.
+    A group is ``None`` when it has a single rank (collectives on it are no-ops).
     """
 
     dp: int = 1
@@ -84,8 +81,7 @@ class Mesh:
         for name, lists in families.items():
             for members in lists:
                 # new_group is collective over the whole world, even for groups we are not in.
-                # Groups of one rank are created too: ``None`` would mean the *world* group.
-                g = dist.new_group(members) if dist.is_initialized() else None
+                g = dist.new_group(members) if dist.is_initialized() and len(members) > 1 else None
                 if rank in members:
                     mesh.groups[name], mesh.ranks[name] = g, members
         return mesh
