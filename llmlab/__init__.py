@@ -15,8 +15,9 @@ from llmlab.runtime.launch import RankError, launch, report
 from llmlab.runtime.mesh import Mesh
 from llmlab.training.config import TrainConfig
 from llmlab.training.trainer import train
+from llmlab import inference  # noqa: E402  (llmlab.inference.LLM / SamplingParams)
 
 __version__ = "0.1.0"
 
 __all__ = ["launch", "report", "RankError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
-           "LlamaForCausalLM", "TrainConfig", "train", "__version__"]
+           "LlamaForCausalLM", "TrainConfig", "train", "inference", "__version__"]

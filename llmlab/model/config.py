@@ -92,6 +92,11 @@ PRESETS: dict[str, ModelConfig] = {
                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                             max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=96),
+    # ~0.86 M parameters: the default inference model shipped in llmlab/assets/models/shakespeare
+    # (trained on the bundled corpus in ~10 CPU minutes; the command is in docs/inference.md).
+    "shakespeare": ModelConfig(name="shakespeare", vocab_size=256, hidden_size=128,
+                               intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=512),
     # ~6.6 M parameters: a few minutes on CPU, seconds on a GPU.
     "small": ModelConfig(name="small", vocab_size=256, hidden_size=256, intermediate_size=768,
                          num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,

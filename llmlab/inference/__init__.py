@@ -1,0 +1,18 @@
+"""A vLLM-style inference engine that runs on CPU and GPU.
+
+Paged KV cache with a ref-counted block pool, prefix caching and copy-on-write
+(:mod:`~llmlab.inference.block_manager`, Kwon et al., SOSP 2023), iteration-level scheduling with
+chunked prefill and preemption (:mod:`~llmlab.inference.scheduler`, Orca, Yu et al., OSDI 2022),
+PagedAttention in PyTorch (:mod:`~llmlab.inference.paged_attention`) and the ``LLM`` API
+(:mod:`~llmlab.inference.engine`). ``llmlab generate`` is :mod:`~llmlab.inference.cli`.
+"""
+from llmlab.inference.block_manager import BlockManager
+from llmlab.inference.engine import (LLM, CompletionOutput, LLMEngine, RequestMetrics,
+                                     RequestOutput, StepMetrics)
+from llmlab.inference.sampling import SamplingParams
+from llmlab.inference.scheduler import Scheduler, SchedulerConfig
+from llmlab.inference.sequence import Sequence, SequenceStatus
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "RequestMetrics", "StepMetrics", "BlockManager", "Scheduler", "SchedulerConfig",
+           "Sequence", "SequenceStatus"]

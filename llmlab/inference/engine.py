@@ -1,0 +1,474 @@
+"""The engine loop: schedule, run, sample, stop; ``LLM.generate`` and streaming on top.
+
+``LLMEngine.step()`` is one iteration (Orca's iteration-level scheduling): the scheduler plans
+(which sequences, how many tokens, which block copies), the model runner computes those tokens
+through the paged cache, every sequence whose last token was computed samples its next token, and
+finished sequences give their blocks back. ``LLM`` wraps it as vLLM's offline API::
+
+    from llmlab.inference import LLM, SamplingParams
+    llm = LLM("shakespeare")                      # the model shipped with llmlab
+    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
+    print(out[0].outputs[0].text)
+
+Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
+blocks used, preemptions, ...), ``on_step`` receives each as it is made, and every
+:class:`RequestOutput` carries :class:`RequestMetrics` (arrival, first scheduled, first token and
+finish times, seconds from ``time.perf_counter``), from which TTFT and TPOT follow.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmlab.inference import loader
+from llmlab.inference.block_manager import BlockManager
+from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
+from llmlab.inference.sampling import SamplingParams, make_generator, sample_token
+from llmlab.inference.scheduler import Scheduler, SchedulerConfig
+from llmlab.inference.sequence import Sequence
+
+
+@dataclass
+class RequestMetrics:
+    """Times in seconds (``time.perf_counter``). ``ttft`` = first token - arrival; ``tpot`` =
+    (finish - first token) / (output tokens - 1) of the longest sample."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_prefix_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None     # None while running, then "stop" | "length" | "abort"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class StepMetrics:
+    """One engine step. Times in seconds; ``kv_tokens_stored`` counts the cache slots holding a
+    computed token (shared blocks once), so ``1 - kv_tokens_stored / (kv_blocks_used *
+    block_size)`` is the fraction of allocated KV memory that is wasted."""
+
+    step: int
+    start_time: float
+    duration_s: float
+    num_seqs: int                 # batch size: sequences computed this step
+    num_batched_tokens: int
+    num_prefill_tokens: int       # tokens of sequences that computed more than one token
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int          # preempted in this step
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_tokens_stored: int
+    block_size: int
+    num_cow_copies: int
+    num_prefix_hit_tokens: int    # cumulative
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        alloc = self.kv_blocks_used * self.block_size
+        return 0.0 if alloc == 0 else 1.0 - self.kv_tokens_stored / alloc
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and (
+            len(self.seqs) == self.params.n or any(s.finish_reason == "abort" for s in self.seqs))
+
+
+def _pick_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(device)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
+    device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
+    ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
+    host blocks for swap preemption (default: as many as device blocks when
+    ``preemption_mode == "swap"``); ``max_num_seqs``,
+    ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
+    CUDA); ``max_model_len`` (default: the model's ``max_position_embeddings``); ``dtype`` of
+    weights and cache (default fp32); ``seed`` for requests without one; ``check_invariants``
+    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook.
+
+    Raises ``ValueError`` for inconsistent sizes and, in :meth:`add_request`, for requests that
+    can never run (empty prompt, longer than the context or than the whole cache).
+    """
+
+    def __init__(self, model="shakespeare", tokenizer=None, *, block_size: int = 16,
+                 num_gpu_blocks: int | None = None, num_host_blocks: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
+                 device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
+                 on_step=None):
+        self.device = _pick_device(device)
+        model, self.tokenizer, self.eos_token_ids = loader.load(model, tokenizer)
+        cfg = model.config
+        self.model_config = cfg
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        if num_gpu_blocks is None:
+            if kv_cache_memory_bytes is None:      # 64 MiB on CPU; 40% of free memory on CUDA
+                kv_cache_memory_bytes = (int(0.4 * torch.cuda.mem_get_info(self.device)[0])
+                                         if self.device.type == "cuda" else 64 * 2**20)
+            per_block = kv_bytes_per_block(cfg, block_size, dtype)
+            want = max_num_seqs * math.ceil(self.max_model_len / block_size)
+            num_gpu_blocks = max(math.ceil(self.max_model_len / block_size),
+                                 min(want, kv_cache_memory_bytes // per_block))
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
+        preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
+        if num_host_blocks is None:
+            num_host_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+        self.block_size = block_size
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(2048, self.max_model_len),
+            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode).validate()
+        self.block_manager = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching,
+                                          num_host_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype, num_host_blocks)
+        self.check_invariants = check_invariants
+        self.on_step = on_step
+        self.step_metrics: list[StepMetrics] = []
+        self.requests: dict[str, _Request] = {}
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._step = 0
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # --- requests --------------------------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        """``prompt``: text, a list of token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        [...]}``. Returns (text or None, token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a request needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served."""
+        params = params or SamplingParams()
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        V = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size={V})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
+                             f"max_model_len={self.max_model_len}")
+        need = self.block_manager.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
+        if self.block_manager.blocks_for(len(ids)) > self.num_gpu_blocks:
+            raise ValueError(f"prompt of {len(ids)} tokens needs {self.block_manager.blocks_for(len(ids))} "
+                             f"KV blocks of {self.block_size} tokens but the whole cache has "
+                             f"num_gpu_blocks={self.num_gpu_blocks}")
+        if need > self.num_gpu_blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                             f"{need} KV blocks of {self.block_size} tokens but the whole cache has "
+                             f"num_gpu_blocks={self.num_gpu_blocks}; lower max_tokens or add blocks")
+        sc = self.scheduler_config
+        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens="
+                             f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+        if params.n > sc.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        base = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq.generator = make_generator(base, "cpu")
+        seq.seed = base
+        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now), [seq])
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks return to the pool."""
+        req = self.requests.get(str(request_id))
+        if req is None:
+            return
+        live = [s for s in req.seqs if not s.is_finished]
+        for seq in live:
+            self.scheduler.finish(seq, "abort")
+        if live:
+            req.metrics.finish_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- stopping --------------------------------------------------------------------------------
+    def _decode(self, ids) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if type(self.tokenizer).__name__ == "ByteTokenizer":
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _check_stop(self, seq: Sequence) -> str | None:
+        p: SamplingParams = seq.params
+        tok = seq.token_ids[-1]
+        out = seq.output_token_ids
+        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+        text = self._decode(out[:-1] if stop_tok else out)
+        if text is not None:
+            seq.text = text
+            for s in p.stop:
+                i = text.find(s, max(0, seq.stop_text_offset - len(s)))
+                if i >= 0:
+                    seq.text = text[:i]
+                    return "stop"
+            seq.stop_text_offset = len(text)
+        if stop_tok:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _visible_text(self, seq: Sequence) -> str | None:
+        """Text to show; while running, a tail that could still become a stop string is held back."""
+        if self.tokenizer is None:
+            return None
+        text = seq.text
+        if seq.is_finished or not seq.params.stop:
+            return text
+        hold = 0
+        for s in seq.params.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return text[:len(text) - hold]
+
+    # --- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the requests that changed in it."""
+        t0 = time.perf_counter()
+        sched, bm = self.scheduler, self.block_manager
+        cow_before = bm.stats["cow_copies"]
+        out = sched.schedule()
+        if out.is_empty:
+            if sched.has_unfinished():
+                raise RuntimeError(f"scheduler made no progress: {len(sched.waiting)} waiting, "
+                                   f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
+                                   f"{bm.num_free_blocks}/{bm.num_blocks} blocks free")
+            return []
+        self.runner.swap_out(out.swap_out)
+        self.runner.swap_in(out.swap_in)
+        self.runner.copy_blocks(out.copies)
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = t0
+                m = self.requests[seq.request_id].metrics
+                m.first_scheduled_time = m.first_scheduled_time or t0
+        logits = self.runner.execute(out)
+        sched.update(out)
+        now = time.perf_counter()
+        changed = {}
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue                                           # mid-prompt chunk: no token
+            req = self.requests[seq.request_id]
+            group = [seq]
+            if seq.pending_fork > 1:
+                children = sched.fork(seq, seq.pending_fork)
+                for child in children:
+                    child.generator = make_generator(seq.seed + child.sample_index, "cpu")
+                req.seqs += children
+                group += children
+            for s in group:
+                s.append_token(sample_token(logits[seq.seq_id], s.params, s.generator))
+                if s.first_token_time is None:
+                    s.first_token_time = now
+                    req.metrics.first_token_time = req.metrics.first_token_time or now
+                reason = self._check_stop(s)
+                if reason is not None:
+                    sched.finish(s, reason)
+                    s.finish_time = now
+            changed[req.request_id] = req
+        for req in changed.values():
+            if req.finished:
+                req.metrics.finish_time = now
+        if self.check_invariants:
+            bm.check_invariants([s for s in sched.live_sequences()])
+        self._record(out, t0, cow_before)
+        return [self._output(r) for r in changed.values()]
+
+    def _record(self, out, t0: float, cow_before: int) -> None:
+        bm, sched, bs = self.block_manager, self.scheduler, self.block_size
+        filled = {}
+        for seq in sched.running:
+            for i, b in enumerate(seq.block_table):
+                f = max(0, min(bs, seq.num_computed_tokens - i * bs))
+                filled[b] = max(filled.get(b, 0), f)
+        self._step += 1
+        m = StepMetrics(
+            step=self._step, start_time=t0, duration_s=time.perf_counter() - t0,
+            num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
+            num_prefill_tokens=sum(n for _, n in out.scheduled if n > 1),
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped), num_preemptions=len(out.preempted),
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+            kv_tokens_stored=sum(filled.values()), block_size=bs,
+            num_cow_copies=bm.stats["cow_copies"] - cow_before,
+            num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"])
+        self.step_metrics.append(m)
+        if self.on_step is not None:
+            self.on_step(m)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seqs = sorted(req.seqs, key=lambda s: s.sample_index)
+        m = req.metrics
+        m.num_preemptions = sum(s.num_preemptions for s in seqs)
+        m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
+        m.num_output_tokens = max(s.num_output_tokens for s in seqs)
+        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids), self._visible_text(s),
+                                 s.finish_reason) for s in seqs]
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
+                             req.finished, m)
+
+    def block_tables(self) -> dict[str, list[int]]:
+        """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""
+        return {f"{s.request_id}.{s.sample_index}": list(s.block_table)
+                for s in self.scheduler.running}
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return self._output(self.requests[str(request_id)])
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping (its blocks are already back in the pool)."""
+        self.requests.pop(str(request_id), None)
+
+
+class LLM:
+    """Offline generation, vLLM style: ``LLM(model, **engine_args).generate(prompts, params)``.
+
+    ``model``: a preset with shipped weights (default ``"shakespeare"``), a checkpoint directory,
+    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``engine_args`` as :class:`LLMEngine`.
+    """
+
+    def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
+        self.engine = LLMEngine(model, tokenizer, **engine_args)
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:                         # refuse the whole batch, leak nothing
+                self.engine.abort_request(rid)
+                self.engine.release(rid)
+            raise
+        return ids
+
+    def stream(self, prompts, sampling_params=None):
+        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming)."""
+        ids = self._add(prompts, sampling_params)
+        try:
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
+        finally:
+            for rid in ids:
+                self.engine.abort_request(rid)     # no-op when finished; frees on early exit
+                self.engine.release(rid)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts)."""
+        ids = self._add(prompts, sampling_params)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="generate")
+        try:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    if bar is not None and o.finished:
+                        bar.update(1)
+            return [self.engine.get_output(rid) for rid in ids]
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:
+                self.engine.abort_request(rid)
+                self.engine.release(rid)

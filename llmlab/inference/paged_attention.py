@@ -1,0 +1,80 @@
+"""PagedAttention, the PyTorch reference (Kwon et al., SOSP 2023, §4.1).
+
+Keys and values live in a cache of fixed-size blocks, ``[num_blocks, block_size, kv_heads, D]``;
+a sequence's tokens are scattered over the blocks its *block table* names. Attention gathers
+them back through the table. One call serves a whole step: every sequence contributes
+``query_len`` new tokens (a prompt, a prompt chunk, or one decode token) that attend causally to
+its ``context_len`` cached tokens (the new ones included, written first by :func:`write_kv`).
+
+Readable, vectorised PyTorch: queries are padded to the longest query of the step and keys to the
+longest context; a mask keeps each query to its own sequence's past. The Triton kernel (a later
+issue) must give the same numbers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def slot_mapping(block_table: list[int], positions, block_size: int) -> list[int]:
+    """Flat cache slot (``block * block_size + offset``) of each position of one sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store ``k, v [N, kv_heads, D]`` at flat ``slots [N]`` of the caches
+    ``[num_blocks, block_size, kv_heads, D]`` (in place)."""
+    kvh, D = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, D).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, D).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of the step's new tokens over the paged cache.
+
+    Shapes: ``q [N, H, D]`` (the ``S`` sequences' new tokens, concatenated in order, N =
+    ``query_lens.sum()``); ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` with ``H`` a
+    multiple of ``Hkv`` (grouped-query attention); ``block_tables [S, max_blocks]`` int64 (unused
+    entries may hold any valid block id); ``context_lens [S]`` tokens in the cache for each
+    sequence *including* its new ones; ``query_lens [S]``. Query ``j`` of sequence ``s`` sits at
+    position ``context_lens[s] - query_lens[s] + j`` and sees keys at positions ``<=`` that.
+    Returns ``[N, H, D]``. ``scale`` defaults to ``1/sqrt(D)``.
+    """
+    N, H, D = q.shape
+    S = block_tables.shape[0]
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
+    nb = -(-max_ctx // block_size)
+    tables = block_tables[:, :nb]
+    k = k_cache[tables].reshape(S, nb * block_size, Hkv, D).transpose(1, 2)   # [S, Hkv, T, D]
+    v = v_cache[tables].reshape(S, nb * block_size, Hkv, D).transpose(1, 2)
+    if Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    # Pad the queries: row s holds its query_lens[s] tokens, then padding.
+    j = torch.arange(max_q, device=dev)
+    valid = j[None, :] < query_lens[:, None]                                   # [S, max_q]
+    qp = q.new_zeros(S, max_q, H, D)
+    qp[valid] = q
+    pos = (context_lens - query_lens)[:, None] + j[None, :]                    # [S, max_q]
+    t = torch.arange(nb * block_size, device=dev)
+    mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=mask[:, None], scale=scale)  # [S, H, max_q, D]
+    return out.transpose(1, 2)[valid]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The contiguous baseline for one sequence: ``q [Tq, H, D]`` are the last ``Tq`` of the
+    ``T`` positions of ``k, v [T, Hkv, D]``; causal. Returns ``[Tq, H, D]``."""
+    Tq, H, D = q.shape
+    T, Hkv = k.shape[0], k.shape[1]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, dim=0), v.repeat_interleave(H // Hkv, dim=0)
+    mask = torch.arange(T)[None, :] <= (T - Tq + torch.arange(Tq))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask.to(q.device))
+    return out.transpose(0, 1)

@@ -1,0 +1,116 @@
+"""Request state: the tokens of one sequence, how many of them have K/V in the cache, and where.
+
+The central idea of vLLM v1 (Kwon et al., SOSP 2023; vLLM v1 scheduler) is that a sequence only
+tracks ``num_computed_tokens``: the tokens whose keys and values already sit in the paged cache.
+Each step the scheduler hands a sequence ``k`` more tokens to compute. A fresh prompt (prefill),
+a chunk of a long prompt (chunked prefill), a prompt whose first blocks were found in the prefix
+cache, a sequence resumed after preemption, and a decode step (``k = 1``) are then the same thing.
+
+Pure Python: nothing here knows about torch.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # in the waiting queue (new, or preempted by recompute)
+    RUNNING = "running"      # holds blocks in the device cache
+    SWAPPED = "swapped"      # preempted by swapping its blocks to host memory
+    FINISHED = "finished"    # done (stop, length or abort); owns no blocks
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One generated sample. A request with ``n > 1`` is forked into ``n`` sequences after its
+    prompt is computed (they share the prompt's blocks; see :meth:`BlockManager.fork`).
+
+    ``token_ids`` is prompt + output. ``block_table[i]`` is the physical block holding tokens
+    ``[i * block_size, (i + 1) * block_size)``. ``num_computed_tokens`` counts the leading tokens
+    whose K/V is in the cache (``0 <= num_computed_tokens <= len(token_ids)``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: object                       # SamplingParams (kept opaque here)
+    arrival_time: float = 0.0
+    sample_index: int = 0                # which of the request's n samples this is
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)   # while SWAPPED
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    pending_fork: int = 1                # > 1: fork into this many samples after the prompt
+    num_preemptions: int = 0
+    num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
+    # Timestamps (seconds, time.perf_counter): first_scheduled/first_token/finish.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # Opaque slots for the engine: a torch.Generator, the detokenised text, ...
+    generator: object = None
+    seed: int = 0
+    text: str = ""
+    stop_text_offset: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    # --- views -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return math.ceil(num_tokens / block_size)
+
+    # --- transitions -------------------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the cache entries are dropped; the tokens (prompt and output
+        so far) are kept and will be recomputed as one long prompt when the sequence resumes."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """A copy sharing every token so far (the caller shares the blocks and ref-counts them)."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
+                         sample_index=sample_index, token_ids=list(self.token_ids),
+                         num_computed_tokens=self.num_computed_tokens,
+                         block_table=list(self.block_table), status=self.status,
+                         pending_fork=1, num_prefix_cached_tokens=self.num_prefix_cached_tokens,
+                         first_scheduled_time=self.first_scheduled_time)
+        return child

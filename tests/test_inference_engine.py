@@ -1,0 +1,178 @@
+"""Engine behaviour: sampling, stops, n > 1 with copy-on-write, streaming, errors, metrics, the
+shipped default model and ``llmlab generate``. The pool is checked after every step
+(``check_invariants``) and must be full again at the end of every test."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from llmlab.data import ByteTokenizer, load_corpus
+from llmlab.inference import LLM, SamplingParams
+from llmlab.inference.loader import shipped_model_dir
+from llmlab.inference.sampling import filter_logits
+from llmlab.model.config import get_preset
+
+CFG = get_preset("tiny", num_hidden_layers=2, initializer_range=0.2)
+
+
+def make_llm(**kw):
+    kw.setdefault("block_size", 4)
+    return LLM(CFG, device="cpu", check_invariants=True, **kw)
+
+
+def assert_pool_full(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
+
+
+def naive_greedy(model, ids, n):
+    ids = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0].tolist()
+
+
+def test_greedy_equals_no_cache_oracle_and_top_k1_top_p_tiny_are_greedy():
+    llm = make_llm()
+    prompts = ["ROMEO:", "a", "JULIET: O Romeo"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    model = llm.engine.runner.model
+    for p, o in zip(prompts, greedy):
+        ids = ByteTokenizer().encode(p)
+        assert ids + o.outputs[0].token_ids == naive_greedy(model, ids, 6)
+    for sp in (SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=6),
+               SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=6)):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == \
+               [o.outputs[0].token_ids for o in greedy]
+    assert_pool_full(llm)
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.81)).tolist() == [True, True, True, False]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=10)
+    alone = make_llm().generate(["ROMEO:"], sp)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=5 + i) for i in range(6)]
+    llm = make_llm(num_gpu_blocks=12)                     # small: forces preemptions
+    outs = llm.generate(["x" * 9, "ROMEO:", "yy", "To be", "Macbeth", "z" * 13, "MAC"],
+                        [others[0], sp] + others[1:])
+    assert outs[1].outputs[0].token_ids == alone
+    assert sum(m.num_preemptions for m in llm.engine.step_metrics) > 0
+    unseeded = make_llm().generate(["ROMEO:"] * 2, SamplingParams(temperature=1.0, max_tokens=10))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+    assert_pool_full(llm)
+
+
+def test_n_samples_share_the_prompt_and_copy_on_write():
+    llm = make_llm()
+    out = llm.generate("ROMEO:", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8))[0]
+    toks = [c.token_ids for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(t) == 8 for t in toks)
+    assert len({tuple(t) for t in toks}) == 3
+    assert sum(m.num_cow_copies for m in llm.engine.step_metrics) == 2   # 6 % 4 != 0: 2 copies
+    assert out.finished
+    assert_pool_full(llm)
+
+
+def test_bad_requests_are_refused_clearly_and_leak_nothing():
+    llm = make_llm(num_gpu_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([""], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate(["ok", "x" * 65], SamplingParams())
+    with pytest.raises(ValueError, match="whole cache"):
+        llm.generate(["x" * 40], SamplingParams(max_tokens=1))      # 10 blocks > 8
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert_pool_full(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_streaming_and_abort_and_metrics():
+    llm = make_llm()
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    final = llm.generate(["ROMEO:", "MAC"], sp)
+    seen = {}
+    for o in llm.stream(["ROMEO:", "MAC"], sp):
+        prev = seen.get(o.prompt, [])
+        assert o.outputs[0].token_ids[:len(prev)] == prev and len(o.outputs[0].token_ids) == len(prev) + 1
+        seen[o.prompt] = o.outputs[0].token_ids
+    assert [seen["ROMEO:"], seen["MAC"]] == [o.outputs[0].token_ids for o in final]
+    gen = llm.stream(["ROMEO:"], SamplingParams(max_tokens=50))
+    next(gen)
+    assert llm.engine.block_manager.num_used_blocks > 0
+    gen.close()                                      # client goes away: request aborted
+    assert_pool_full(llm)
+    assert not llm.engine.has_unfinished_requests()
+    m = final[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+    assert m.ttft > 0 and m.tpot > 0 and m.num_output_tokens == 6
+    steps = llm.engine.step_metrics
+    assert steps[0].num_seqs == 2 and steps[0].num_prefill_tokens == 9
+    assert all(0.0 <= s.kv_waste_fraction < 1.0 for s in steps if s.kv_blocks_used)
+    assert_pool_full(llm)
+
+
+# --- the shipped model and the CLI -----------------------------------------------------------------
+def test_shipped_default_model_has_learned_the_corpus():
+    assert shipped_model_dir("shakespeare") is not None
+    llm = LLM(device="cpu")                                   # default: the shipped model
+    model = llm.engine.runner.model
+    text = load_corpus()[10000:10000 + 256]
+    ids = torch.tensor([ByteTokenizer().encode(text)])
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1])[0], ids[0, 1:]).item()
+    assert loss < 2.3 < math.log(256)   # nats/byte; uniform 5.55, byte unigram of English ~2.9
+    out = llm.generate("ROMEO:", SamplingParams(temperature=0.8, seed=0, max_tokens=64))[0]
+    words = out.outputs[0].text.split()
+    assert len(words) >= 5 and all(c.isprintable() or c.isspace() for c in out.outputs[0].text)
+
+
+def test_max_tokens_one_stop_strings_and_stop_token_ids():
+    llm = LLM(device="cpu", block_size=4, check_invariants=True)     # shipped model: ASCII text
+    ref = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert ref.text == bytes(ref.token_ids).decode()
+    one = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+    assert one.token_ids == ref.token_ids[:1] and one.finish_reason == "length"
+    stop = ref.text[10:13]                             # three bytes: split across three tokens
+    first = ref.text.find(stop)
+    got = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0].outputs[0]
+    assert got.finish_reason == "stop" and got.text == ref.text[:first]
+    assert got.token_ids == ref.token_ids[:first + 3]
+    tok = ref.token_ids[5]
+    k = ref.token_ids.index(tok)
+    got = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=24,
+                                                stop_token_ids=[tok]))[0].outputs[0]
+    assert got.finish_reason == "stop" and got.token_ids == ref.token_ids[:k + 1]
+    assert got.text == ref.text[:k]
+    assert_pool_full(llm)
+
+
+def test_cli_generate_prompt_and_jsonl(tmp_path, capsys):
+    from llmlab.cli import main
+    assert main(["generate", "--prompt", "ROMEO:", "--max-tokens", "16", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "JULIET:", "max_tokens": 3}) + "\n"
+                   + json.dumps({"prompt_token_ids": [65, 66], "temperature": 0, "stop": ["\n"]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts-file", str(src), "--output", str(out), "--max-tokens", "5",
+                 "--block-size", "4", "--enable-prefix-caching", "--enable-chunked-prefill"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1]
+    assert rows[0]["prompt_token_ids"] == list(b"JULIET:") and len(rows[0]["token_ids"]) == 3
+    assert rows[1]["prompt_token_ids"] == [65, 66] and rows[1]["finish_reason"] in ("stop", "length")
+    assert set(rows[1]) == {"index", "prompt_token_ids", "token_ids", "text", "finish_reason"}
+    assert main(["generate", "--prompt", "", "--device", "cpu"]) == 2        # clear error, no hang
+    assert "empty prompt" in capsys.readouterr().err
