@@ -39,6 +39,25 @@ def test_composed_layout_equals_one_rank(layout, one_rank):
         assert full < 919_808
 
 
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, pp=2, zero=1, num_microbatches=2),
+    dict(dp=2, zero=2, dtype="bf16"),
+], ids=["dp2xpp2+zero1", "dp2+zero2+bf16"])
+def test_zero_in_composed_layouts(layout, one_rank):
+    m = llmlab.train(TrainConfig(steps=4, **KW, **layout), progress=False)
+    tol = 1e-4 if layout.get("dtype", "fp32") == "fp32" else 2e-2
+    assert _gap(_losses(m), one_rank) < tol
+
+
+def test_experts_over_ep_with_tensor_parallel_dense_layers():
+    moe = dict(KW, model="tiny-moe")
+    ref = _losses(llmlab.train(TrainConfig(steps=3, **moe), progress=False))
+    m = llmlab.train(TrainConfig(steps=3, dp=2, ep=2, tp=2, **moe), progress=False)  # 4 ranks
+    assert _gap(_losses(m), ref) < 1e-4
+    assert {r["coords"]["ep"] for r in m["ranks"]} == {0, 1}
+    assert all(r["comm_bytes"]["all_to_all"] > 0 for r in m["ranks"])
+
+
 def test_checkpoint_saved_at_dp2xtp2_resumes_at_tp4_and_on_one_rank(tmp_path, one_rank):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

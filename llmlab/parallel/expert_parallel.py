@@ -167,6 +167,7 @@ def validate_layout(cfg, model_config) -> None:
     if cfg.ep > 1 and cfg.dp % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (expert-parallel groups are carved "
                          f"out of the data-parallel ranks)")
-    if E and cfg.tp > 1:
-        raise ValueError(f"tp={cfg.tp} with a mixture-of-experts model is not supported "
-                         f"(experts are not tensor-sharded; use --ep)")
+    if E and cfg.tp > 1 and cfg.sequence_parallel:
+        raise ValueError(f"--sequence-parallel (tp={cfg.tp}) with a mixture-of-experts model is not "
+                         f"supported (experts are not tensor-sharded: each tp rank runs them on the "
+                         f"full sequence; drop --sequence-parallel)")

@@ -97,9 +97,10 @@ def validate_layout(cfg, model_config) -> None:
     if cfg.zero == 0:
         return
     for flag in ("tp", "pp", "ep"):
-        if getattr(cfg, flag) > 1:
+        if getattr(cfg, flag) > 1 and not (flag == "pp" and cfg.zero == 1):
             raise ValueError(f"--zero {cfg.zero} with --{flag} {getattr(cfg, flag)} > 1 is not "
-                             f"supported yet (ZeRO here shards a whole replica over --dp)")
+                             f"supported yet (ZeRO here shards a whole replica, or with --zero 1 "
+                             f"a pipeline stage, over --dp)")
     if cfg.zero >= 2 and model_config.num_experts:
         raise ValueError(f"--zero {cfg.zero} needs a dense model: experts that get no tokens on "
                          f"some ranks would reorder the gradient reduce-scatters (use --zero 1)")
