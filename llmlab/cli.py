@@ -71,7 +71,11 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
         cfg = TrainConfig.from_file(args.config, **{k: v for k, v in values.items() if k in given})
     else:
         cfg = TrainConfig(**values)
-    metrics = train(cfg, progress=not args.no_progress)
+    import os
+    leader = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
+    metrics = train(cfg, progress=not args.no_progress and leader)
+    if not leader:
+        return 0
     steps = metrics["steps"]
     if steps:
         print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "

@@ -81,3 +81,22 @@ def test_killed_rank_stops_the_job_and_resume_continues(tmp_path, monkeypatch, o
                                                **KW), progress=False))
     assert sorted(resumed) == [4]
     assert _gap(resumed, one_rank) < 1e-4
+
+
+def test_torchrun_starts_the_ranks_and_llmlab_train_joins_them(tmp_path, one_rank):
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "m.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "4", "-m", "llmlab", "train", "--dp", "2", "--tp", "2",
+                           "--steps", "4", "--seed", "2", "--global-batch-size", "8", "--seq-len", "32",
+                           "--no-progress", "--metrics-json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(out.read_text())
+    assert m["config"]["world_size"] == 4 and len(m["ranks"]) == 4
+    assert _gap(_losses(m), one_rank) < 1e-4
+    assert proc.stdout.count("step 1:") == 1  # one summary line, from rank 0

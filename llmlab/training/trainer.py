@@ -291,7 +291,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
         if bar is not None:
             bar.close()
     metrics = assemble_metrics(cfg, results)
-    if cfg.metrics_json and (not dist.is_initialized() or dist.get_rank() == 0):
+    if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
         Path(cfg.metrics_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.metrics_json).write_text(json.dumps(metrics, indent=1))
     return metrics
