@@ -27,6 +27,7 @@ import ctypes
 import datetime
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -176,7 +177,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
             ``"nccl"``.
         timeout: seconds before the whole run is killed (``None``: no limit; collectives
             still time out after ``LLMLAB_PG_TIMEOUT`` seconds, default 300).
-        log_dir: where ``rank<r>.log`` files go (default: a fresh temporary directory).
+        log_dir: where ``rank<r>.log`` files go (default: a fresh temporary directory, removed
+            after a clean run and kept when a rank fails so its log can be read).
         on_metric: called as ``on_metric(rank, record)`` in the caller for each :func:`report`.
 
     Raises:
@@ -194,6 +196,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as e:  # noqa: BLE001
         raise TypeError(f"cannot send {fn!r} and its arguments to the ranks: {e}") from e
+    own_logs = not log_dir  # a temporary log folder is removed again after a clean run
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmlab-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
@@ -223,7 +226,10 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
                                    f"(logs in {log_dir})")
             time.sleep(0.02)
         _drain(store, seen, on_metric)
-        return [cloudpickle.loads(store.get(f"res/{r}")) for r in range(world_size)]
+        results = [cloudpickle.loads(store.get(f"res/{r}")) for r in range(world_size)]
+        if own_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        return results
     finally:
         _stop(procs)
         del store
