@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from llmlab.inference.bench import bench_serve
 
@@ -36,14 +37,21 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--matched-batch", type=int, default=8)
     p.add_argument("--request-rate", type=float, default=None)
+    p.add_argument("--prompt-len-median", type=float, default=24.0)
+    p.add_argument("--output-len-median", type=float, default=16.0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write both runs here")
     args = p.parse_args(argv)
     common = dict(model=args.model, num_requests=args.num_requests, request_rate=args.request_rate,
-                  baseline="hf", device=args.device)
+                  baseline="hf", device=args.device, prompt_len_median=args.prompt_len_median,
+                  output_len_median=args.output_len_median)
 
+    t0 = time.perf_counter()
     matched = bench_serve(memory_matched_batch=args.matched_batch, **common)
+    print(f"(memory-matched runs took {time.perf_counter() - t0:.0f} s)", flush=True)
+    t0 = time.perf_counter()
     free = bench_serve(**common, check=False)
+    print(f"(unconstrained runs took {time.perf_counter() - t0:.0f} s)", flush=True)
     wl = matched["workload"]
     print(f"workload: {wl['num_requests']} requests, prompt lengths {min(wl['prompt_lens'])}.."
           f"{max(wl['prompt_lens'])} (mean {sum(wl['prompt_lens']) / len(wl['prompt_lens']):.0f}), "

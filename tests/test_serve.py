@@ -129,3 +129,29 @@ def test_equal_output_gate_catches_a_different_model(tmp_path):
     save_hf_checkpoint(other, tmp_path / "m")
     with pytest.raises(RuntimeError, match="greedy tokens differ"):
         bench.check_equal_outputs(str(tmp_path / "m"), hf, wl, num=3)
+
+
+def test_engine_int8_weights_bytes_perplexity_and_greedy_tokens():
+    from llmlab.data import ByteTokenizer, load_corpus
+    from llmlab.inference import LLM, SamplingParams
+    from llmlab.model.quantize import Int8Linear, linear_weight_bytes, perplexity
+    with pytest.raises(ValueError, match="quantization"):
+        LLM("shakespeare", device="cpu", quantization="int4", num_gpu_blocks=8)
+    fp = LLM("shakespeare", device="cpu", num_gpu_blocks=16)
+    q8 = LLM("shakespeare", device="cpu", num_gpu_blocks=16, quantization="int8")
+    m_fp, m_q = fp.engine.runner.model, q8.engine.runner.model
+    cfg = m_fp.config
+    rows = sum(m.out_features for m in m_q.modules() if isinstance(m, Int8Linear))
+    assert sum(isinstance(m, Int8Linear) for m in m_q.modules()) == 7 * cfg.num_hidden_layers
+    head = cfg.vocab_size * cfg.hidden_size * 4                       # lm_head stays fp32
+    before, after = linear_weight_bytes(m_fp), linear_weight_bytes(m_q)
+    assert after == (before - head) // 4 + 4 * rows + head            # measured 3.28 MB -> 0.94 MB
+    tokens = torch.tensor(ByteTokenizer().encode(load_corpus()[-20000:]))
+    ppl, ppl_q = (perplexity(m, tokens, seq_len=64, max_windows=4) for m in (m_fp, m_q))
+    assert abs(ppl_q - ppl) / ppl < 0.01                              # measured ~0.01% change
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["ROMEO:", "KING HENRY:"]
+    a = [o.outputs[0].token_ids for o in fp.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in q8.generate(prompts, sp)]
+    same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb)) / sum(map(len, a))
+    assert same >= 0.9                                                # measured 1.0 (all equal)
