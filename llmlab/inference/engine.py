@@ -138,7 +138,10 @@ class LLMEngine:
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
     CUDA); ``max_model_len`` (default: the model's ``max_position_embeddings``); ``dtype`` of
-    weights and cache (default fp32); ``seed`` for requests without one; ``check_invariants``
+    weights and cache (default fp32); ``quantization="int8"`` stores every linear weight but the
+    output head as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; weight bytes
+    about 1/4 of fp32, activations and cache stay in ``dtype``; a model object passed in is
+    quantised in place); ``seed`` for requests without one; ``check_invariants``
     verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook.
 
     Raises ``ValueError`` for inconsistent sizes and, in :meth:`add_request`, for requests that
@@ -152,9 +155,15 @@ class LLMEngine:
                  enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
-                 on_step=None):
+                 on_step=None, quantization: str | None = None):
         self.device = _pick_device(device)
+        if quantization not in (None, "int8"):
+            raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
         model, self.tokenizer, self.eos_token_ids = loader.load(model, tokenizer)
+        if quantization == "int8":
+            from llmlab.model.quantize import quantize_int8
+            quantize_int8(model)                 # in place: every linear but lm_head
+        self.quantization = quantization
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = max_model_len or cfg.max_position_embeddings
