@@ -6,14 +6,22 @@ them back through the table. One call serves a whole step: every sequence contri
 ``query_len`` new tokens (a prompt, a prompt chunk, or one decode token) that attend causally to
 its ``context_len`` cached tokens (the new ones included, written first by :func:`write_kv`).
 
-Readable, vectorised PyTorch: queries are padded to the longest query of the step and keys to the
-longest context; a mask keeps each query to its own sequence's past. The Triton kernel (a later
-issue) must give the same numbers.
+:func:`paged_attention_reference` is readable, vectorised PyTorch: queries are padded to the
+longest query of the step and keys to the longest context; a mask keeps each query to its own
+sequence's past. :func:`paged_attention`, what the engine calls, dispatches: the Triton kernel
+(:mod:`llmlab.kernels.paged_attention`, which walks the block tables without gathering) on CUDA
+tensors when triton is installed, the reference otherwise; ``llmlab.kernels.enable(
+paged_attention="reference" | "triton" | "auto")`` or ``LLMLAB_KERNELS=paged_attention=...``
+(``LLMLAB_KERNELS=0``: no Triton) choose otherwise.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+import llmlab.kernels as K
 
 
 def slot_mapping(block_table: list[int], positions, block_size: int) -> list[int]:
@@ -30,10 +38,53 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kvh, D).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return K.triton_available()          # find_spec once, not once per layer and step
+
+
+def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernel handles these shapes and dtypes (``head_dim`` a power of two in
+    [16, 256]; fp32/fp16/bf16), without importing triton."""
+    D = q.shape[-1]
+    ok = (torch.float32, torch.float16, torch.bfloat16)
+    return 16 <= D <= 256 and not D & (D - 1) and q.dtype in ok and k_cache.dtype in ok
+
+
+def use_triton(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The dispatch rule of :func:`paged_attention` under the current
+    ``llmlab.kernels.settings().paged_attention``: ``"reference"`` never; ``"auto"`` for CUDA
+    tensors the kernel supports when triton is installed; ``"triton"`` wherever Triton runs
+    (CUDA, or CPU under ``TRITON_INTERPRET=1``); the kernel's own checks then raise for shapes
+    it does not support."""
+    impl = K.settings().paged_attention
+    if impl == "reference" or not _triton_installed():
+        return False
+    if impl == "auto":
+        return q.is_cuda and kernel_supports(q, k_cache)
+    return q.is_cuda or (q.device.type == "cpu" and K.triton_interpreted())
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of the step's new tokens over the paged cache.
+    """Causal attention of the step's new tokens over the paged cache: the Triton kernel
+    (:func:`llmlab.kernels.paged_attention.paged_attention_triton`) where :func:`use_triton`
+    says so, else :func:`paged_attention_reference`. Same arguments, shapes and result as
+    :func:`paged_attention_reference`; errors are those of the implementation chosen."""
+    if use_triton(q, k_cache):
+        from llmlab.kernels.paged_attention import paged_attention_triton
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                      query_lens, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
+                                     query_lens, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of the step's new tokens over the paged cache, in PyTorch (gathers the
+    blocks into a padded ``[S, H, max_context, D]`` copy).
 
     Shapes: ``q [N, H, D]`` (the ``S`` sequences' new tokens, concatenated in order, N =
     ``query_lens.sum()``); ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` with ``H`` a

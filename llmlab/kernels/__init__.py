@@ -7,6 +7,8 @@ Files (one idea each):
   materialised, FlashAttention's tiled algorithm in PyTorch, RMSNorm, SwiGLU.
 * :mod:`~llmlab.kernels.flash_attention`: Triton FlashAttention forward and backward.
 * :mod:`~llmlab.kernels.fused_rmsnorm`, :mod:`~llmlab.kernels.fused_swiglu`: fused Triton ops.
+* :mod:`~llmlab.kernels.paged_attention`: Triton PagedAttention (decode and prefill over block
+  tables) for the inference engine.
 * :mod:`~llmlab.kernels.bench`: timing (GPU) and memory-versus-sequence-length measurements.
 
 The model (:mod:`llmlab.model.llama`) uses PyTorch by default: SDPA for attention, eager RMSNorm
@@ -23,6 +25,11 @@ tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before they were 
 The environment variable ``LLMLAB_KERNELS`` (e.g. ``attention=triton,rmsnorm,swiglu``) sets the
 initial state, which reaches ``llmlab train`` and ranks started by :func:`llmlab.launch`
 when set before Python starts; otherwise call ``enable`` inside the rank function.
+
+The inference engine's PagedAttention is the exception: ``paged_attention="auto"`` (default)
+uses the Triton kernel on CUDA tensors whenever triton is installed, the PyTorch reference
+otherwise; ``"triton"`` also uses it on CPU tensors under the interpreter, ``"reference"``
+never. ``LLMLAB_KERNELS=0`` (or ``off``) switches every Triton kernel off, this one included.
 
 Triton is optional: importing this package never imports it.
 """
@@ -42,17 +49,21 @@ from llmlab.kernels.reference import (attention_reference, flash_attention_refer
                                       rms_norm_reference, swiglu_reference)
 
 ATTENTION_IMPLS = ("sdpa", "eager", "reference", "triton")
+PAGED_ATTENTION_IMPLS = ("auto", "triton", "reference")
 TRITON_PIP = "pip install triton==3.9.0"
 
 
 @dataclasses.dataclass
 class KernelSettings:
     """Which implementation the model uses. ``attention`` in :data:`ATTENTION_IMPLS`;
-    ``rmsnorm``/``swiglu``: use the fused Triton kernels where they can run."""
+    ``rmsnorm``/``swiglu``: use the fused Triton kernels where they can run;
+    ``paged_attention`` in :data:`PAGED_ATTENTION_IMPLS`: the inference engine's attention
+    (``"auto"``: Triton on CUDA tensors when triton is installed)."""
 
     attention: str = "sdpa"
     rmsnorm: bool = False
     swiglu: bool = False
+    paged_attention: str = "auto"
 
 
 _settings = KernelSettings()
@@ -81,11 +92,11 @@ def settings() -> KernelSettings:
 
 
 def enable(attention: str | None = None, rmsnorm: bool | None = None,
-           swiglu: bool | None = None) -> KernelSettings:
+           swiglu: bool | None = None, paged_attention: str | None = None) -> KernelSettings:
     """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
 
-    Returns the previous settings. Raises ``ValueError`` for an unknown attention
-    implementation and ``RuntimeError`` if a Triton kernel is requested without triton installed.
+    Returns the previous settings. Raises ``ValueError`` for an unknown attention or
+    paged_attention implementation and ``RuntimeError`` if a Triton kernel is requested without triton installed.
     """
     global _settings
     new = dataclasses.replace(_settings)
@@ -97,7 +108,13 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
         new.rmsnorm = bool(rmsnorm)
     if swiglu is not None:
         new.swiglu = bool(swiglu)
-    wants_triton = new.attention == "triton" or new.rmsnorm or new.swiglu
+    if paged_attention is not None:
+        if paged_attention not in PAGED_ATTENTION_IMPLS:
+            raise ValueError(f"paged_attention={paged_attention!r} must be one of "
+                             f"{PAGED_ATTENTION_IMPLS}")
+        new.paged_attention = paged_attention
+    wants_triton = (new.attention == "triton" or new.rmsnorm or new.swiglu
+                    or new.paged_attention == "triton")
     if wants_triton and not triton_available():
         raise RuntimeError(f"the Triton kernels need the triton package: {TRITON_PIP}")
     if wants_triton and not torch.cuda.is_available() and not triton_interpreted():
@@ -108,17 +125,19 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
 
 
 def disable() -> KernelSettings:
-    """Back to the defaults (SDPA, eager RMSNorm and SwiGLU). Returns the previous settings."""
+    """Back to the defaults (SDPA, eager RMSNorm and SwiGLU, ``paged_attention="auto"``).
+    Returns the previous settings."""
     global _settings
     old, _settings = _settings, KernelSettings()
     return old
 
 
 @contextlib.contextmanager
-def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None):
+def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None,
+        paged_attention: str | None = None):
     """Context manager: :func:`enable` on entry, previous settings restored on exit."""
     global _settings
-    old = enable(attention, rmsnorm, swiglu)
+    old = enable(attention, rmsnorm, swiglu, paged_attention)
     try:
         yield settings()
     finally:
@@ -177,22 +196,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _from_env(spec: str) -> KernelSettings:
     s = KernelSettings()
+    if spec.strip().lower() in ("0", "off", "false", "none"):
+        return KernelSettings(paged_attention="reference")      # PyTorch everywhere
     for item in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = item.partition("=")
         if key == "attention" and val in ATTENTION_IMPLS:
             s.attention = val
+        elif key == "paged_attention" and val in PAGED_ATTENTION_IMPLS:
+            s.paged_attention = val
         elif key in ("rmsnorm", "swiglu") and val in ("", "1", "true", "0", "false"):
             setattr(s, key, val in ("", "1", "true"))
         else:
             raise ValueError(f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
-                             f"rmsnorm[=0|1] or swiglu[=0|1]")
+                             f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1] "
+                             f"or swiglu[=0|1] (or LLMLAB_KERNELS=0: no Triton kernel)")
     return s
 
 
 if os.environ.get("LLMLAB_KERNELS"):
     _settings = _from_env(os.environ["LLMLAB_KERNELS"])
 
-__all__ = ["KernelSettings", "ATTENTION_IMPLS", "enable", "disable", "use", "settings",
+__all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable", "disable", "use", "settings",
            "use_fused", "attention", "rms_norm", "swiglu", "triton_available",
            "triton_interpreted", "triton_runs_on", "attention_reference",
            "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
