@@ -89,7 +89,7 @@ def _paged_attention(Q, KC, VC, O, TABLES, CTX, QLEN, QSTART, sm_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # rows past the queries: not stored
     tl.store(O + (q0 + j)[:, None] * son + h[:, None] * soh + offs_d[None, :] * sod,
              acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
