@@ -96,7 +96,8 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
     """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
 
     Returns the previous settings. Raises ``ValueError`` for an unknown attention or
-    paged_attention implementation and ``RuntimeError`` if a Triton kernel is requested without triton installed.
+    paged_attention implementation and ``RuntimeError`` if a Triton kernel is requested without
+    triton installed.
     """
     global _settings
     new = dataclasses.replace(_settings)
