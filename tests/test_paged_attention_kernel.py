@@ -48,10 +48,10 @@ def make_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype=torch.float32, 
     nblk = [-(-c // block_size) for c in ctx_lens]
     num_blocks = sum(nblk) + 3
     if strided:      # K and V interleaved in one buffer: cache strides are not contiguous ones
-        kv = torch.zeros(num_blocks, block_size, Hkv, 2, D, dtype=dtype)
-        k_cache, v_cache = kv[:, :, :, 0], kv[:, :, :, 1]
+        kv = torch.zeros(num_blocks, block_size, Hkv, 2, D, dtype=dtype, device=DEV)
+        k_cache, v_cache = kv[:, :, :, 0], kv[:, :, :, 1]       # built on DEV: .to() would copy
     else:
-        k_cache = torch.zeros(num_blocks, block_size, Hkv, D, dtype=dtype)
+        k_cache = torch.zeros(num_blocks, block_size, Hkv, D, dtype=dtype, device=DEV)
         v_cache = torch.zeros_like(k_cache)
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -66,9 +66,10 @@ def make_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype=torch.float32, 
         v = torch.randn(ctx, Hkv, D, generator=g).to(dtype)
         if share_first_block and s == 1:      # the shared block holds sequence 0's tokens
             n = min(block_size, ctx)
-            k[:n] = k_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n]
-            v[:n] = v_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n]
-        write_kv(k_cache, v_cache, k, v, torch.tensor(slot_mapping(table, range(ctx), block_size)))
+            k[:n] = k_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n].cpu()
+            v[:n] = v_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n].cpu()
+        write_kv(k_cache, v_cache, k.to(DEV), v.to(DEV),
+                 torch.tensor(slot_mapping(table, range(ctx), block_size), device=DEV))
         tables.append(table)
     width = max(nblk) + 1
     bt = torch.tensor([t + [rng.randrange(num_blocks) for _ in range(width - len(t))] for t in tables])
