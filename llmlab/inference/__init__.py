@@ -3,7 +3,8 @@
 Paged KV cache with a ref-counted block pool, prefix caching and copy-on-write
 (:mod:`~llmlab.inference.block_manager`, Kwon et al., SOSP 2023), iteration-level scheduling with
 chunked prefill and preemption (:mod:`~llmlab.inference.scheduler`, Orca, Yu et al., OSDI 2022),
-PagedAttention in PyTorch (:mod:`~llmlab.inference.paged_attention`) and the ``LLM`` API
+PagedAttention in PyTorch (:mod:`~llmlab.inference.paged_attention`; on CUDA the Triton kernel
+of :mod:`llmlab.kernels.paged_attention`) and the ``LLM`` API
 (:mod:`~llmlab.inference.engine`). ``llmlab generate`` is :mod:`~llmlab.inference.cli`.
 """
 from llmlab.inference.block_manager import BlockManager
