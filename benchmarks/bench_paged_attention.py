@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--heads", default="8,4,32", help="num_heads,num_kv_heads,head_dim")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-n", type=int, default=64, help="kernel's tokens per K/V tile")
     args = p.parse_args(argv)
     if not triton_available():
         print("triton is not installed (pip install triton==3.9.0): nothing to compare")
@@ -80,16 +81,16 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     contexts = (128, 2048) if args.quick else (128, 256, 512, 1024, 2048)
     print(f"\n== decode on {torch.cuda.get_device_name()}: {args.num_seqs} seqs, H={H}, Hkv={Hkv}, "
-          f"D={D}, block_size={args.block_size}, {args.dtype} ==")
+          f"D={D}, block_size={args.block_size}, block_n={args.block_n}, {args.dtype} ==")
     print(f"{'context':>8} {'ref ms':>9} {'triton ms':>10} {'ref/triton':>11} {'kernel GB/s':>12} "
           f"{'max|diff|':>10}")
     for ctx_len in contexts:
         batch = decode_batch(args.num_seqs, ctx_len, args.block_size, H, Hkv, D, dtype, "cuda")
         ref = paged_attention_reference(*batch)
-        out = paged_attention_triton(*batch)
+        out = paged_attention_triton(*batch, block_n=args.block_n)
         diff = (out.float() - ref.float()).abs().max().item()
         t_ref = triton.testing.do_bench(lambda: paged_attention_reference(*batch))
-        t_tri = triton.testing.do_bench(lambda: paged_attention_triton(*batch))
+        t_tri = triton.testing.do_bench(lambda: paged_attention_triton(*batch, block_n=args.block_n))
         kv_bytes = 2 * args.num_seqs * ctx_len * Hkv * D * batch[1].element_size()
         print(f"{ctx_len:>8} {t_ref:>9.3f} {t_tri:>10.3f} {t_ref / t_tri:>10.2f}x "
               f"{kv_bytes / (t_tri * 1e-3) / 1e9:>12.1f} {diff:>10.2e}")
