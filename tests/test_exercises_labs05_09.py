@@ -44,6 +44,30 @@ def _zero1_sign_flipped(flat_param, grad_shard, rank, world, lr):
     return exercises.zero1_update(flat_param, -grad_shard, rank, world, lr)
 
 
+# --- lab 06: paged KV cache ------------------------------------------------------------------------
+def _slots_contiguous(block_table, positions, block_size):
+    return list(positions)                                     # as if the cache were contiguous
+
+
+def _slots_block_plus_offset(block_table, positions, block_size):
+    return [block_table[p // block_size] + p % block_size for p in positions]   # forgot * block_size
+
+
+def _hashes_with_partial_block(token_ids, block_size):
+    from llmlab.inference.block_manager import chain_hash
+    hashes, parent = [], None
+    for i in range(0, len(token_ids), block_size):             # includes the partly filled last block
+        parent = chain_hash(parent, token_ids[i:i + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def _hashes_not_chained(token_ids, block_size):
+    from llmlab.inference.block_manager import chain_hash
+    return [chain_hash(None, token_ids[i * block_size:(i + 1) * block_size])
+            for i in range(len(token_ids) // block_size)]
+
+
 WRONG = [
     ("zero2_grad_shard", _zero2_sum_not_mean, ["rank 0's shard [0:4)", "divide by world"]),
     ("zero2_grad_shard", _zero2_no_reduce, ["rank 0's shard", "reduced over all ranks"]),
@@ -51,6 +75,13 @@ WRONG = [
     ("zero1_update", _zero1_no_all_gather, ["rank 0's updated parameters", "owned by rank 1",
                                             "all-gather the shards of the others"]),
     ("zero1_update", _zero1_sign_flipped, ["first wrong element 0 (owned by rank 0)", "p - lr * grad_shard"]),
+    ("slot_mapping", _slots_contiguous, ["position 0 with block_table [3]", "physical block 3",
+                                         "look the logical block up in block_table"]),
+    ("slot_mapping", _slots_block_plus_offset, ["position 0 with block_table [3]", "offset 0",
+                                                "physical_block * block_size"]),
+    ("prefix_block_hashes", _hashes_with_partial_block, ["a prompt of 10 tokens, block_size 4",
+                                                         "number of hashes", "only full blocks"]),
+    ("prefix_block_hashes", _hashes_not_chained, ["hash of block 1 (tokens", "chain it with the previous"]),
 ]
 
 
