@@ -68,6 +68,47 @@ def _hashes_not_chained(token_ids, block_size):
             for i in range(len(token_ids) // block_size)]
 
 
+# --- lab 08: 3D parallelism ------------------------------------------------------------------------
+def _groups_pp_fastest(dp, tp, pp):
+    # rank order with pp fastest (not Megatron's): groups have the right sizes, wrong members
+    def rank(d, t, p):
+        return (t * dp + d) * pp + p
+    return {"tp": [[rank(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+            "dp": [[rank(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+            "pp": [[rank(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)]}
+
+
+def _groups_tp_dp_swapped(dp, tp, pp):
+    g = exercises.parallel_groups(dp, tp, pp)
+    return {"tp": g["dp"], "dp": g["tp"], "pp": g["pp"]}
+
+
+def _layout_ignores_pp(num_params, num_gpus, gpu_bytes, gpus_per_node=8):
+    for tp in (1, 2, 4, 8):                                    # divides only by tp: 70B never fits
+        if num_gpus % tp == 0 and 16 * num_params / tp <= gpu_bytes:
+            return num_gpus // tp, tp, 1
+    raise ValueError("does not fit")
+
+
+def _layout_most_model_parallel(num_params, num_gpus, gpu_bytes, gpus_per_node=8):
+    tp = min(8, num_gpus)                                      # always the biggest TP: fits, but wastes dp
+    return num_gpus // tp, tp, 1
+
+
+def test_parallel_groups_reference_equals_the_real_mesh():
+    import llmlab
+    from llmlab.runtime.mesh import Mesh
+
+    def groups(dp, tp, pp):
+        return Mesh.build(dp=dp, tp=tp, pp=pp).ranks
+
+    ref = exercises.parallel_groups(2, 1, 2)
+    for rank, ranks in enumerate(llmlab.launch(groups, 4, 2, 1, 2, backend="gloo")):
+        for kind in ("tp", "dp", "pp"):
+            assert ranks[kind] in ref[kind], (rank, kind, ranks[kind], ref[kind])
+            assert rank in ranks[kind]
+
+
 WRONG = [
     ("zero2_grad_shard", _zero2_sum_not_mean, ["rank 0's shard [0:4)", "divide by world"]),
     ("zero2_grad_shard", _zero2_no_reduce, ["rank 0's shard", "reduced over all ranks"]),
@@ -81,6 +122,11 @@ WRONG = [
                                                 "physical_block * block_size"]),
     ("prefix_block_hashes", _hashes_with_partial_block, ["a prompt of 10 tokens, block_size 4",
                                                          "number of hashes", "only full blocks"]),
+    ("parallel_groups", _groups_pp_fastest, ["the tp groups of dp2 x tp2 x pp1", "rank = (pp_index * dp + dp_index)"]),
+    ("parallel_groups", _groups_tp_dp_swapped, ["the tp groups of dp2 x tp2 x pp1", "these are the dp groups"]),
+    ("pick_layout", _layout_ignores_pp, ["70B parameters on 16 GPUs of 80 GB: a layout fits", "got:      'ValueError: does not fit'", "tp8 x pp2"]),
+    ("pick_layout", _layout_most_model_parallel, ["the layout for 8B parameters on 8 GPUs of 56 GB",
+                                                  "dp1 x tp8 x pp1 needs 16.0 GB", "take the largest dp"]),
     ("prefix_block_hashes", _hashes_not_chained, ["hash of block 1 (tokens", "chain it with the previous"]),
 ]
 
