@@ -109,6 +109,52 @@ def test_parallel_groups_reference_equals_the_real_mesh():
             assert rank in ranks[kind]
 
 
+# --- lab 09: kernels -------------------------------------------------------------------------------
+def _layer_norm_stats(x, weight, eps=1e-5):
+    xc = x.float() - x.float().mean(-1, keepdim=True)          # LayerNorm, not RMSNorm
+    rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
+    return (xc * rstd[:, None] * weight).to(x.dtype), rstd
+
+
+def _rms_eps_outside_sqrt(x, weight, eps=1e-5):
+    rstd = 1 / (x.float().pow(2).mean(-1).sqrt() + eps)
+    return (x.float() * rstd[:, None] * weight).to(x.dtype), rstd
+
+
+def _tiles_skip_diagonal(q_tile, block_m, block_n, seq_len):
+    visit = list(range(q_tile * block_m // block_n))          # stops before the diagonal tile
+    return {"visit": visit, "masked": []}
+
+
+def _tiles_mask_only_same_index(q_tile, block_m, block_n, seq_len):
+    ref = exercises.causal_k_tiles(q_tile, block_m, block_n, seq_len)
+    return {"visit": ref["visit"], "masked": [j for j in ref["visit"] if j == q_tile]}   # assumes block_m == block_n
+
+
+def test_causal_k_tiles_reference_gives_exact_causal_attention():
+    # visiting only the reference's tiles, masking only its masked ones, equals full causal attention
+    from llmlab.kernels.reference import attention_reference
+    T, D, bm, bn = 13, 4, 4, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, T, D, generator=g) for _ in range(3))
+    want = attention_reference(q, k, v)[0, 0]
+    out = torch.empty(T, D)
+    for i in range(-(-T // bm)):
+        rows = torch.arange(i * bm, min((i + 1) * bm, T))
+        m, l, acc = torch.full((len(rows),), float("-inf")), torch.zeros(len(rows)), torch.zeros(len(rows), D)
+        tiles = exercises.causal_k_tiles(i, bm, bn, T)
+        for j in tiles["visit"]:
+            cols = torch.arange(j * bn, min((j + 1) * bn, T))
+            s = q[0, 0, rows] @ k[0, 0, cols].T / D ** 0.5
+            if j in tiles["masked"]:
+                s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+            else:
+                assert (cols[None, :] <= rows[:, None]).all()  # an unmasked tile is wholly visible
+            m, l, acc = exercises.online_softmax_update(m, l, acc, s, v[0, 0, cols])
+        out[rows] = acc / l[:, None]
+    assert torch.allclose(out, want, atol=1e-5)
+
+
 WRONG = [
     ("zero2_grad_shard", _zero2_sum_not_mean, ["rank 0's shard [0:4)", "divide by world"]),
     ("zero2_grad_shard", _zero2_no_reduce, ["rank 0's shard", "reduced over all ranks"]),
@@ -127,6 +173,12 @@ WRONG = [
     ("pick_layout", _layout_ignores_pp, ["70B parameters on 16 GPUs of 80 GB: a layout fits", "got:      'ValueError: does not fit'", "tp8 x pp2"]),
     ("pick_layout", _layout_most_model_parallel, ["the layout for 8B parameters on 8 GPUs of 56 GB",
                                                   "dp1 x tp8 x pp1 needs 16.0 GB", "take the largest dp"]),
+    ("rms_norm_forward", _layer_norm_stats, ["rstd, one fp32 value per row, row 0", "RMSNorm does not subtract the mean"]),
+    ("rms_norm_forward", _rms_eps_outside_sqrt, ["row 2", "eps goes inside the square root"]),
+    ("causal_k_tiles", _tiles_skip_diagonal, ["query tile 0 (queries 0..3) with block_m 4", "key tiles visited",
+                                              "tiles 0 .. 3 // block_n"]),
+    ("causal_k_tiles", _tiles_mask_only_same_index, ["query tile 0 (queries 0..3) with block_m 4, block_n 2",
+                                                     "need the causal mask", "after the tile's first query (0)"]),
     ("prefix_block_hashes", _hashes_not_chained, ["hash of block 1 (tokens", "chain it with the previous"]),
 ]
 
