@@ -32,3 +32,14 @@ def test_lab_size_on_cpu():
     s = lab_size(force_cpu=True)
     assert (s.kind, s.device, s.backend, s.world_size, s.model) == ("cpu", "cpu", "gloo", 2, "tiny")
     assert "2 ranks on CPU" in s.describe()
+
+
+def test_lab_size_steps_and_single_process_labs(monkeypatch):
+    s = lab_size(max_ranks=1, min_ranks=1, force_cpu=True, cpu_steps=3, gpu_steps=30)
+    assert (s.world_size, s.device, s.steps) == (1, "cpu", 3)
+    assert lab_size(force_cpu=True).steps == 20                     # defaults unchanged
+    monkeypatch.delenv("LLMLAB_DEVICE", raising=False)
+    monkeypatch.setattr("llmlab.runtime.hardware.gpu_count", lambda: 1)
+    one = lab_size(max_ranks=1, min_ranks=1, cpu_steps=3, gpu_steps=30)
+    assert (one.kind, one.device, one.backend, one.world_size, one.steps) == ("gpu", "cuda", "nccl", 1, 30)
+    assert lab_size(max_ranks=4, min_ranks=2).device == "cpu"      # one GPU cannot host 2 NCCL ranks

@@ -18,4 +18,35 @@ def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,
     return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ v
 
 
-EXERCISES = [online_softmax_update]
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5):
+    """Lab 09. What the fused RMSNorm kernel computes in one pass (Zhang & Sennrich 2019, eq. 4;
+    ``llmlab/kernels/fused_rmsnorm.py``).
+
+    ``x [rows, N]``, ``weight [N]``. Per row, in fp32: ``rstd = 1 / sqrt(mean(x², -1) + eps)``
+    (no mean is subtracted: that is LayerNorm), then ``y = x * rstd * weight``. Return
+    ``(y [rows, N] in x.dtype, rstd [rows] fp32)``: ``rstd`` is the one number per row the kernel
+    keeps for backward, instead of eager autograd's intermediates.
+    """
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * rstd[:, None] * weight.float()).to(x.dtype), rstd
+
+
+def causal_k_tiles(q_tile: int, block_m: int, block_n: int, seq_len: int) -> dict[str, list[int]]:
+    """Lab 09. Which key tiles a query tile of causal FlashAttention visits (Dao 2023,
+    *FlashAttention-2*, §3.1.1 "causal masking").
+
+    Query tile ``q_tile`` holds rows ``[q_tile*block_m, min((q_tile+1)*block_m, seq_len))``; key
+    tile ``j`` holds keys ``[j*block_n, min((j+1)*block_n, seq_len))``. Query ``i`` may only see
+    keys ``<= i``, so a key tile whose first key is after the tile's last query is skipped
+    entirely (about half the tiles for long sequences), a tile whose last key is after the tile's
+    first query is visited with the causal mask, and the others are visited unmasked. Return
+    ``{"visit": [key tiles visited, ascending], "masked": [those among them that need the mask]}``.
+    """
+    q_last = min((q_tile + 1) * block_m, seq_len) - 1
+    visit = list(range(q_last // block_n + 1))
+    masked = [j for j in visit if min((j + 1) * block_n, seq_len) - 1 > q_tile * block_m]
+    return {"visit": visit, "masked": masked}
+
+
+EXERCISES = [online_softmax_update, rms_norm_forward, causal_k_tiles]
