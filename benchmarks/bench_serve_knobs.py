@@ -1,6 +1,6 @@
 """The serving tuning knobs of the seed, each swept side by side in one run (shipped model, CPU).
 
-    PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py                      # every knob, ~1-2 min
+    PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py                # every knob, ~2-3 min
     PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py --knobs max_num_seqs chunked_prefill
     PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py --json knobs.json
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=2,
-                   help="runs per setting, round-robin; the fastest is kept (shared machines are noisy)")
+                   help="runs per setting, round-robin; the fastest is kept (noisy machines)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
     p.add_argument("--json", default=None, help="write every row (without token ids) here")
     a = p.parse_args(argv)
@@ -46,11 +46,13 @@ def main(argv=None) -> int:
     out = {}
     for knob in a.knobs:
         print(f"\n== {knob}")
-        rows = sweep(knob, num_requests=a.num_requests, seed=a.seed, repeats=a.repeats, model=a.model, device=a.device,
+        rows = sweep(knob, num_requests=a.num_requests, seed=a.seed, repeats=a.repeats,
+                     model=a.model, device=a.device,
                      on_run=lambda r: print("  " + format_row(r), flush=True))
         base = rows[0]
         print("  vs first row: " + ", ".join(
-            f"{r['label']}: throughput x{r['throughput_tokens_per_s'] / base['throughput_tokens_per_s']:.2f}"
+            f"{r['label']}: throughput "
+            f"x{r['throughput_tokens_per_s'] / base['throughput_tokens_per_s']:.2f}"
             f", TTFT p99 x{r['ttft_s']['p99'] / base['ttft_s']['p99']:.2f}" for r in rows[1:]))
         out[knob] = rows
     if a.json:

@@ -61,3 +61,20 @@ def test_max_num_seqs_and_bad_knob():
     with pytest.raises(ValueError, match="repeats=0"):
         sweep("max_tokens", repeats=0)
     assert set(SWEEPS) == {"max_tokens", "sampling", "max_model_len", "max_num_seqs", "chunked_prefill"}
+
+
+def test_benchmark_script_writes_json(tmp_path, capsys):
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_serve_knobs.py"
+    spec = importlib.util.spec_from_file_location("bench_serve_knobs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "knobs.json"
+    assert mod.main(["--knobs", "max_tokens", "--num-requests", "2", "--repeats", "1",
+                     "--threads", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["max_tokens"]
+    assert [r["label"] for r in rows] == ["max_tokens=natural", "max_tokens=64", "max_tokens=16",
+                                          "max_tokens=1"]
+    assert rows[-1]["num_output_tokens"] == 2 and "vs first row" in capsys.readouterr().out

@@ -42,7 +42,8 @@ _HINTS = {
     "tpot_s": "TPOT is (finish - first token) / (output tokens - 1), the gaps between tokens; a "
               "one-token request has no TPOT and is left out.",
     "throughput_tokens_per_s": "throughput is all output tokens over the span from the first "
-                               "arrival to the last finish (not a sum or mean of per-request times).",
+                               "arrival to the last finish (not a sum or mean of per-request "
+                               "times).",
 }
 
 
@@ -96,7 +97,8 @@ def preempt_victims(fn) -> bool:
                 hint = ("too many victims: stop as soon as the requests still running need no more "
                         "blocks than are free; a preempted request needs nothing this step.")
             elif not want[0]:
-                hint = "nothing needs to be preempted when the free blocks cover every request's need."
+                hint = ("nothing needs to be preempted when the free blocks cover every "
+                        "request's need.")
             else:
                 hint = ("vLLM preempts the most recently arrived running request (ties: the later "
                         "in the list), so the oldest requests keep making progress.")

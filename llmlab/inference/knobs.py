@@ -87,8 +87,8 @@ def _repeated_4gram_fraction(ids: list[int]) -> float:
     return 0.0 if not grams else 1.0 - len(set(grams)) / len(grams)
 
 
-def serve(workload: dict, *, model="shakespeare", device: str = "cpu", max_tokens: int | None = None,
-          temperature: float = 0.0, top_k: int = 0, seed: int = 0, on_step=None,
+def serve(workload: dict, *, model="shakespeare", device: str = "cpu",
+          max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, seed: int = 0, on_step=None,
           **engine_args) -> dict:
     """Serve ``workload`` once; returns throughput (output tokens/s), ``ttft_s``/``tpot_s``/
     ``e2e_s`` p50/p99 (seconds), KV usage (peak and mean fraction of blocks), preemptions, step
@@ -117,7 +117,8 @@ def serve(workload: dict, *, model="shakespeare", device: str = "cpu", max_token
     outs = [eng.get_output(r) for r in ids]
     sm = eng.step_metrics
     res = summarize([RequestTiming(o.metrics.arrival_time, o.metrics.first_token_time,
-                                   o.metrics.finish_time, o.metrics.num_output_tokens) for o in outs])
+                                   o.metrics.finish_time, o.metrics.num_output_tokens)
+                     for o in outs])
     tokens = [o.outputs[0].token_ids for o in outs]
     res.update({
         "wall_s": wall, "num_requests": len(ids), "rejected": rejected,
@@ -195,7 +196,8 @@ def sweep(knob: str, values=None, *, num_requests: int = 16, seed: int = 0, mode
             label, kw = _setting(knob, v)
             res = serve(wl, model=model, device=device, seed=seed, **{**BASE[knob], **kw})
             runs[j].append(res["throughput_tokens_per_s"])
-            if best[j] is None or res["throughput_tokens_per_s"] > best[j]["throughput_tokens_per_s"]:
+            tok_s = res["throughput_tokens_per_s"]
+            if best[j] is None or tok_s > best[j]["throughput_tokens_per_s"]:
                 best[j] = res
             if rep < repeats - 1:
                 continue

@@ -52,7 +52,8 @@ class ServingDashboard(LivePlot):
         self._last_step = m.step
         rec = {"step": m.step, "duration_s": m.duration_s, "num_running": m.num_running,
                "num_waiting": m.num_waiting, "num_seqs": m.num_seqs,
-               "num_batched_tokens": m.num_batched_tokens, "num_prefill_tokens": m.num_prefill_tokens,
+               "num_batched_tokens": m.num_batched_tokens,
+               "num_prefill_tokens": m.num_prefill_tokens,
                "kv_usage": m.kv_blocks_used / m.kv_blocks_total if m.kv_blocks_total else 0.0,
                "num_preemptions": m.num_preemptions}
         self.steps.append(rec)
