@@ -75,12 +75,16 @@ class LivePlot:
             ax.set_xlabel("step")
             if name in self.logy:
                 ax.set_yscale("log")
-            if any(self.data[name].keys() - {""}):
+            self._decorate(name, ax)
+            if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
                 ax.legend(fontsize=8)
         self.fig.tight_layout()
         if self.handle is not None:
             self.handle.update(self.fig)
         self._last = time.monotonic()
+
+    def _decorate(self, name: str, ax) -> None:
+        """Subclasses add to panel ``name`` after its lines are drawn (reference lines, markers)."""
 
     def finish(self) -> None:
         """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""
