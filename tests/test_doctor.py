@@ -32,3 +32,18 @@ def test_lab_size_on_cpu():
     s = lab_size(force_cpu=True)
     assert (s.kind, s.device, s.backend, s.world_size, s.model) == ("cpu", "cpu", "gloo", 2, "tiny")
     assert "2 ranks on CPU" in s.describe()
+
+
+def test_lab_size_takes_a_lab_specific_model_and_steps(monkeypatch):
+    s = lab_size(max_ranks=2, force_cpu=True, cpu_model="tiny-moe", gpu_model="small", cpu_steps=5)
+    assert (s.model, s.steps, s.world_size) == ("tiny-moe", 5, 2)
+    assert "model 'tiny-moe', 5 steps" in s.describe()
+    import llmlab.runtime.hardware as hw
+    monkeypatch.setattr(hw, "gpu_count", lambda: 8)      # a node of 8 GPUs, seen by lab_size
+    g = hw.lab_size(max_ranks=4, min_ranks=2, force_cpu=False, gpu_model="small", gpu_steps=30)
+    assert (g.kind, g.device, g.backend, g.world_size, g.model, g.steps) == (
+        "multi-gpu", "cuda", "nccl", 4, "small", 30)
+    assert hw.lab_size(max_ranks=4, force_cpu=False).model == "base"   # the default for 8 GPUs
+    monkeypatch.setattr(hw, "gpu_count", lambda: 1)      # one GPU: a 2-rank lab stays on CPU
+    assert hw.lab_size(min_ranks=2, force_cpu=False).device == "cpu"
+    assert hw.lab_size(min_ranks=1, force_cpu=False).world_size == 1
