@@ -40,6 +40,61 @@ WRONG += [
 ]
 
 
+# --- lab 01 -----------------------------------------------------------------------------------
+def _ring_gather(chunks, rank, world, send_of, add):
+    chunks = [c.clone() for c in chunks]
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for s in range(world - 1):
+        i, j = send_of(rank, s, world), (send_of(rank, s, world) - 1) % world
+        buf = torch.empty_like(chunks[j])
+        if rank % 2 == 0:
+            dist.send(chunks[i], right); dist.recv(buf, left)
+        else:
+            dist.recv(buf, left); dist.send(chunks[i], right)
+        chunks[j] = chunks[j] + buf if add else buf
+    return torch.cat(chunks)
+
+
+def _gather_off_by_one(chunks, rank, world):  # the reduce-scatter's indices: sends a stale chunk
+    return _ring_gather(chunks, rank, world, lambda r, s, w: (r - s) % w, add=False)
+
+
+def _gather_adds(chunks, rank, world):  # adds the received chunk instead of overwriting it
+    return _ring_gather(chunks, rank, world, lambda r, s, w: (r + 1 - s) % w, add=True)
+
+
+def _buckets_forward_order(sizes, cap, first=2**20):
+    out = exercises.ddp_buckets(sizes[::-1], cap, first)  # forgot that backward runs last-to-first
+    return [[len(sizes) - 1 - i for i in b] for b in out]
+
+
+def _buckets_no_first_cap(sizes, cap, first=2**20):
+    return exercises.ddp_buckets(sizes, cap, cap)  # every bucket, the first too, at bucket_cap
+
+
+WRONG += [
+    ("ring_all_gather", _gather_off_by_one, "rank 0 should end with every reduced chunk"),
+    ("ring_all_gather", _gather_adds, "rank 0 should end with every reduced chunk; chunk(s) [0, 2] differ"),
+    ("ddp_buckets", _buckets_forward_order, "bucket 0 differs (4 buckets expected, 4 returned)"),
+    ("ddp_buckets", _buckets_no_first_cap, "first bucket cap 4 bytes: bucket 0 differs"),
+]
+
+
+def test_ddp_buckets_reference_is_llmlab_ddp_rule():
+    """The exercise's rule is the one DistributedDataParallel uses (build_buckets) on the tiny model."""
+    from types import SimpleNamespace
+    from llmlab import LlamaForCausalLM, get_preset
+    from llmlab.parallel.data_parallel import build_buckets
+    params = list(LlamaForCausalLM(get_preset("tiny"), seed=0).parameters())
+    mesh = SimpleNamespace(size=lambda key: 2, groups={"dp": None, "edp": None})
+    index = {id(p): i for i, p in enumerate(params)}
+    sizes = [p.numel() * p.element_size() for p in params]
+    for cap, first in ((0.05 * 2**20, 2**20), (25 * 2**20, 2**20), (64 * 1024, 16 * 1024)):
+        real = [[index[id(p)] for p in b.params] for b in build_buckets(params, mesh, cap, first)]
+        assert exercises.ddp_buckets(sizes, cap, first) == real
+        assert len(real) > 1 or cap > sum(sizes)
+
+
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
 def test_wrong_answer_is_explained(name, wrong, words):
