@@ -95,6 +95,50 @@ def test_ddp_buckets_reference_is_llmlab_ddp_rule():
         assert len(real) > 1 or cap > sum(sizes)
 
 
+# --- lab 02 -----------------------------------------------------------------------------------
+def _column_no_bias(x, w, b, gather, group=None):
+    return exercises.column_parallel_forward(x, w, None, gather, group)
+
+
+def _column_gather_wrong_dim(x, w, b, gather, group=None):
+    y = x @ w.t() + b
+    if not gather:
+        return y
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y, group=group)
+    return torch.cat(parts, dim=0)  # stacks batches instead of features
+
+
+def _ce_local_max(logits, target, start, group=None):
+    m = logits.max(-1).values  # no MAX all-reduce: each rank shifts by its own max
+    sum_exp = (logits - m[:, None]).exp().sum(-1)
+    dist.all_reduce(sum_exp, group=group)
+    local = target - start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    t = (logits - m[:, None]).gather(-1, local.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0] * mine
+    dist.all_reduce(t, group=group)
+    return sum_exp.log() - t
+
+
+def _ce_no_target_mask(logits, target, start, group=None):
+    m = logits.max(-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = (logits - m[:, None]).exp().sum(-1)
+    dist.all_reduce(sum_exp, group=group)
+    idx = (target - start).clamp(0, logits.shape[-1] - 1)  # every rank adds a logit, not only the owner
+    t = (logits - m[:, None]).gather(-1, idx[:, None])[:, 0]
+    dist.all_reduce(t, group=group)
+    return sum_exp.log() - t
+
+
+WRONG += [
+    ("column_parallel_forward", _column_no_bias, "rank 0, gather_output=False: output differs from slice 0"),
+    ("column_parallel_forward", _column_gather_wrong_dim, "concatenate them on the last dim in rank order"),
+    ("vocab_parallel_cross_entropy", _ce_local_max, "ReduceOp.MAX"),
+    ("vocab_parallel_cross_entropy", _ce_no_target_mask, "rank 0: per-token loss differs from F.cross_entropy"),
+]
+
+
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
 def test_wrong_answer_is_explained(name, wrong, words):
