@@ -139,6 +139,41 @@ WRONG += [
 ]
 
 
+# --- lab 03 -----------------------------------------------------------------------------------
+def _bubble_over_ideal(p, m, v=1):
+    return (p - 1) / (v * m)  # relative to the ideal time, not to the whole flush
+
+
+def _bubble_ignores_v(p, m, v=1):
+    return (p - 1) / (m + p - 1)
+
+
+def _pipe_reversed_order(mbs, stage_fn, rank, world):
+    out = exercises.pipeline_forward(mbs, stage_fn, rank, world)
+    return out[::-1] if out is not None else None  # last stage hands micro-batches back reversed
+
+
+def _pipe_last_stage_skips_layers(mbs, stage_fn, rank, world):
+    outs = []
+    for mb in mbs:
+        x = mb if rank == 0 else torch.empty_like(mb)
+        if rank > 0:
+            dist.recv(x, rank - 1)
+        if rank < world - 1:
+            dist.send(stage_fn(x).contiguous(), rank + 1)
+        else:
+            outs.append(x)  # forgot to run the last stage's own layers
+    return outs if rank == world - 1 else None
+
+
+WRONG += [
+    ("bubble_fraction", _bubble_over_ideal, "p=4 stages, m=8 micro-batches, v=1"),
+    ("bubble_fraction", _bubble_ignores_v, "v=2 chunks per rank"),
+    ("pipeline_forward", _pipe_reversed_order, "it is the output of micro-batch 2"),
+    ("pipeline_forward", _pipe_last_stage_skips_layers, "rank 2 (last stage), output of micro-batch 0"),
+]
+
+
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
 def test_wrong_answer_is_explained(name, wrong, words):
