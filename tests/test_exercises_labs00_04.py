@@ -174,6 +174,36 @@ WRONG += [
 ]
 
 
+# --- lab 04 -----------------------------------------------------------------------------------
+def _lb_without_e(probs, idx, E):
+    return exercises.load_balancing_loss(probs, idx, E) / E  # forgot the factor E
+
+
+def _lb_first_choice_only(probs, idx, E):
+    return exercises.load_balancing_loss(probs, idx[:, :1], E)  # f from the top-1 choice only
+
+
+def _splits_no_exchange(counts, group=None):
+    send = counts.reshape(dist.get_world_size(group), -1).sum(1).tolist()
+    return send, send  # assumes every rank receives what it sends
+
+
+def _splits_strided_experts(counts, group=None):
+    ep = dist.get_world_size(group)
+    recv = torch.empty_like(counts)
+    strided = counts.reshape(-1, ep).t().contiguous().reshape(-1)  # expert e on rank e % ep
+    dist.all_to_all_single(recv, strided, group=group)
+    return strided.reshape(ep, -1).sum(1).tolist(), recv.reshape(ep, -1).sum(1).tolist()
+
+
+WRONG += [
+    ("load_balancing_loss", _lb_without_e, "loss for T=16 tokens, E=4 experts, top-1"),
+    ("load_balancing_loss", _lb_first_choice_only, "loss for T=16 tokens, E=4 experts, top-2"),
+    ("a2a_split_sizes", _splits_no_exchange, "output_splits (rows received from each rank)"),
+    ("a2a_split_sizes", _splits_strided_experts, "rank 0 of ep=3, E=6: input_splits"),
+]
+
+
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
 def test_wrong_answer_is_explained(name, wrong, words):
