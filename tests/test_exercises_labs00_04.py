@@ -174,6 +174,13 @@ WRONG += [
 ]
 
 
+def test_bubble_fraction_reference_is_what_the_simulator_measures():
+    from llmlab.parallel.pipeline_schedules import build_schedule, simulate
+    for name, p, m, v in (("gpipe", 4, 8, 1), ("1f1b", 2, 3, 1), ("interleaved", 4, 8, 2)):
+        sim = simulate(build_schedule(name, p, m, v), t_f=1.0, t_b=2.0)
+        assert abs(exercises.bubble_fraction(p, m, v) - sim["bubble_fraction"]) < 1e-9
+
+
 # --- lab 04 -----------------------------------------------------------------------------------
 def _lb_without_e(probs, idx, E):
     return exercises.load_balancing_loss(probs, idx, E) / E  # forgot the factor E
@@ -202,6 +209,19 @@ WRONG += [
     ("a2a_split_sizes", _splits_no_exchange, "output_splits (rows received from each rank)"),
     ("a2a_split_sizes", _splits_strided_experts, "rank 0 of ep=3, E=6: input_splits"),
 ]
+
+
+def test_load_balancing_loss_reference_is_the_moe_layers_lb_loss():
+    from llmlab import get_preset
+    from llmlab.model.moe import MoE
+    torch.manual_seed(1)
+    layer = MoE(get_preset("tiny-moe"))
+    x = torch.randn(1, 20, layer.gate.in_features)
+    with torch.no_grad():
+        layer(x)
+        _, probs, topi, _ = layer.route(x.reshape(-1, x.shape[-1]))
+    assert abs(float(exercises.load_balancing_loss(probs, topi, layer.num_experts)) - layer.lb_loss) < 1e-6
+    assert layer.lb_loss > 1.0   # a random router is not balanced: the loss is above its minimum 1
 
 
 # --- the tests ----------------------------------------------------------------------------------

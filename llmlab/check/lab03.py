@@ -26,10 +26,8 @@ def one_f_one_b(fn) -> bool:
 
 def bubble_fraction(fn) -> bool:
     name = "bubble_fraction"
-    from llmlab.parallel.pipeline_schedules import bubble_fraction_theory
     for p, m, v in ((4, 8, 1), (2, 1, 1), (4, 16, 1), (1, 4, 1), (4, 8, 2), (2, 8, 4)):
         want, got = ex.bubble_fraction(p, m, v), fn(p, m, v)
-        assert math.isclose(want, bubble_fraction_theory("interleaved" if v > 1 else "1f1b", p, m, v))
         if not (isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)):
             hint = ("the bubble is relative to the total time of a flush: (p-1) idle slots over "
                     "m + p - 1 slots" if v == 1 else

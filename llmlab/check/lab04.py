@@ -51,7 +51,6 @@ def load_balancing_loss(fn) -> bool:
             _fail(name, f"loss for {what}", float(want), got,
                   "f_i counts assignments (all k choices of every token, divided by T·k), P_i averages "
                   "the router probabilities over tokens, and the loss is E · Σ f_i · P_i (1.0 when uniform).")
-    assert abs(float(ex.load_balancing_loss(probs, topi, layer.num_experts)) - layer.lb_loss) < 1e-5
     return _ok(name, "the Switch balancing loss matches for 5 routings, llmlab's MoE router among them")
 
 
