@@ -224,6 +224,10 @@ def test_load_balancing_loss_reference_is_the_moe_layers_lb_loss():
     assert layer.lb_loss > 1.0   # a random router is not balanced: the loss is above its minimum 1
 
 
+def _returns_nothing(*args):
+    return None  # a stub that forgot its return statement
+
+
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
 def test_wrong_answer_is_explained(name, wrong, words):
@@ -242,3 +246,11 @@ def test_every_new_exercise_has_a_wrong_answer_here():
         if lab in labs and name not in ("training_memory_bytes", "ring_reduce_scatter",
                                         "row_parallel_forward", "one_f_one_b", "topk_route"):
             assert name in covered, name
+
+
+@pytest.mark.parametrize("name", ["training_flops_and_time", "ring_all_reduce_seconds", "ddp_buckets",
+                                  "bubble_fraction", "load_balancing_loss", "column_parallel_forward"])
+def test_a_function_returning_none_is_explained_not_crashed(name):
+    with pytest.raises(ExerciseFailed) as info:
+        getattr(check, name)(_returns_nothing)
+    assert "got:      None" in str(info.value) and "hint:" in str(info.value)

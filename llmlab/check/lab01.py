@@ -67,6 +67,9 @@ def ddp_buckets(fn) -> bool:
         got = [list(b) for b in got] if isinstance(got, (list, tuple)) else got
         if got != want:
             label = "the tiny model's parameters" if sizes is tiny else f"parameter bytes {sizes}"
+            if not isinstance(got, list):
+                _fail(name, f"{label}: return a list of buckets, each a list of parameter indices",
+                      want, got, "e.g. [[5, 4], [3, 2, 1], [0]]: the last parameters come first.")
             i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
             _fail(name, f"{label}, bucket_cap {cap} bytes, first bucket cap {first} bytes: "
                         f"bucket {i} differs ({len(want)} buckets expected, {len(got)} returned)",
