@@ -25,19 +25,21 @@ def row_parallel_forward(fn, tp: int = 2) -> bool:
     return _ok(name, f"on {tp} real ranks the row-parallel output equals the full linear layer")
 
 
-def _column_job(fn, tp, gather):
+def _column_job(fn, tp):
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
     r = dist.get_rank()
     full = x @ w.t() + b
-    got = fn(x, w.chunk(tp, dim=0)[r].contiguous(), b.chunk(tp)[r].contiguous(), gather, None)
-    return got, (full if gather else full.chunk(tp, dim=1)[r])
+    w_r, b_r = w.chunk(tp, dim=0)[r].contiguous(), b.chunk(tp)[r].contiguous()
+    return {gather: (fn(x, w_r, b_r, gather, None), full if gather else full.chunk(tp, dim=1)[r])
+            for gather in (False, True)}
 
 
 def column_parallel_forward(fn, tp: int = 2) -> bool:
     name = "column_parallel_forward"
+    results = _run_on_ranks(name, _column_job, tp, fn, tp)
     for gather in (False, True):
-        for r, (got, want) in enumerate(_run_on_ranks(name, _column_job, tp, fn, tp, gather)):
+        for r, (got, want) in enumerate(res[gather] for res in results):
             if not _close(got, want):
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 if not gather and shape == tuple(want.shape):
