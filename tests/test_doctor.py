@@ -43,3 +43,18 @@ def test_lab_size_steps_and_single_process_labs(monkeypatch):
     one = lab_size(max_ranks=1, min_ranks=1, cpu_steps=3, gpu_steps=30)
     assert (one.kind, one.device, one.backend, one.world_size, one.steps) == ("gpu", "cuda", "nccl", 1, 30)
     assert lab_size(max_ranks=4, min_ranks=2).device == "cpu"      # one GPU cannot host 2 NCCL ranks
+
+
+def test_lab_size_takes_a_lab_specific_model_and_steps(monkeypatch):
+    s = lab_size(max_ranks=2, force_cpu=True, cpu_model="tiny-moe", gpu_model="small", cpu_steps=5)
+    assert (s.model, s.steps, s.world_size) == ("tiny-moe", 5, 2)
+    assert "model 'tiny-moe', 5 steps" in s.describe()
+    import llmlab.runtime.hardware as hw
+    monkeypatch.setattr(hw, "gpu_count", lambda: 8)      # a node of 8 GPUs, seen by lab_size
+    g = hw.lab_size(max_ranks=4, min_ranks=2, force_cpu=False, gpu_model="small", gpu_steps=30)
+    assert (g.kind, g.device, g.backend, g.world_size, g.model, g.steps) == (
+        "multi-gpu", "cuda", "nccl", 4, "small", 30)
+    assert hw.lab_size(max_ranks=4, force_cpu=False).model == "base"   # the default for 8 GPUs
+    monkeypatch.setattr(hw, "gpu_count", lambda: 1)      # one GPU: a 2-rank lab stays on CPU
+    assert hw.lab_size(min_ranks=2, force_cpu=False).device == "cpu"
+    assert hw.lab_size(min_ranks=1, force_cpu=False).world_size == 1

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
              global_batch_size: int = 8, seq_len: int = 32, lr: float = 3e-3, seed: int = 0,
-             tag: str = "", **model_overrides) -> list[dict]:
+             tag: str = "", device: str = "cpu", **model_overrides) -> list[dict]:
     """Run on ``dp`` ranks; returns this rank's list of step records (see module doc).
 
     ``model_overrides`` are :class:`~llmlab.model.config.ModelConfig` fields, e.g.
     ``num_experts_per_tok=1, capacity_factor=1.0, router_aux_loss_coef=0.0``. ``tag`` is copied
-    into every record (to tell several runs apart in one ``on_metric`` callback).
+    into every record (to tell several runs apart in one ``on_metric`` callback). ``device``:
+    ``cpu``, or ``cuda`` (this rank's current GPU; launch with the nccl backend).
     Raises ``ValueError`` if ``ep`` does not divide ``dp`` or the expert count.
     """
     from llmlab.data import BatchLoader
@@ -43,7 +44,8 @@ def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
 
     mesh = Mesh.build(dp=dp, ep=ep)
     mc = get_preset(model, **model_overrides)
-    net = LlamaForCausalLM(mc, seed=seed)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    net = LlamaForCausalLM(mc, seed=seed).to(dev)
     if ep > 1:
         net = apply_expert_parallel(net, mesh)
     opt = make_optimizer(net.parameters(), TrainConfig(lr=lr))
@@ -51,7 +53,7 @@ def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
     n_layers = max(1, len(moe_layers(net)))
     records = []
     for step in range(1, steps + 1):
-        x, y = loader.local_batch(step, mesh.coords["dp"], dp)
+        x, y = (t.to(dev) for t in loader.local_batch(step, mesh.coords["dp"], dp))
         comm.COUNTER.reset()
         t0 = time.perf_counter()
         loss = net(x, y)
@@ -59,12 +61,15 @@ def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
         sync_moe_grads(net, mesh)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         a2a = torch.tensor([float(comm.COUNTER.bytes["all_to_all"]), loss.item(), dt],
                            dtype=torch.float64)
         if dist.is_initialized() and dp > 1:      # bookkeeping, not counted
+            a2a = a2a.to(dev)
             dist.all_reduce(a2a, group=mesh.groups.get("dp"))
-            a2a /= dp
+            a2a = a2a.cpu() / dp
         stats = collect_moe_stats(net, mesh.groups.get("dp"))
         routed = sum(map(sum, stats["tokens_per_expert"]))
         rec = {"step": step, "loss": float(a2a[1]), "step_time_s": float(a2a[2]),

@@ -44,17 +44,21 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None,
-             cpu_steps: int = 20, gpu_steps: int = 200) -> LabSize:
+def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,
+             cpu_model: str = "tiny", gpu_model: str | None = None, cpu_steps: int = 20,
+             gpu_steps: int = 200) -> LabSize:
     """Choose a lab's size from the hardware.
 
     ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
     the lab uses ``min_ranks`` gloo processes (the 2-core laptop target); with N >= ``min_ranks``
     GPUs it uses ``min(N, max_ranks)`` ranks, one GPU each; with one GPU, one rank... unless the
     lab needs ``min_ranks`` > 1, in which case it falls back to CPU ranks (NCCL cannot put two
-    ranks on one GPU). ``steps`` is ``cpu_steps`` on CPU and ``gpu_steps`` on GPUs (a lab whose
-    runs are short on CPU asks for fewer). Single-process labs use ``max_ranks=1, min_ranks=1``:
-    one rank, on the GPU if there is one.
+    ranks on one GPU). Single-process labs use ``max_ranks=1, min_ranks=1``: one rank, on the
+    GPU if there is one.
+
+    A lab whose model must meet a constraint (an MoE preset; ``tp`` dividing the heads; ``pp``
+    dividing the layers) names its presets: ``cpu_model`` on CPU, ``gpu_model`` on GPUs (default:
+    ``small`` below 8 GPUs, ``base`` from 8). ``cpu_steps``/``gpu_steps``: its demo length.
     """
     cores = os.cpu_count() or 1
     n = gpu_count()
@@ -62,6 +66,7 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
         force_cpu = os.environ.get("LLMLAB_DEVICE", "").lower() == "cpu"
     if not force_cpu and n >= max(min_ranks, 1):
         ranks = min(n, max_ranks)
-        return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl",
-                       "small" if n < 8 else "base", gpu_steps, n, cores)
-    return LabSize("cpu", "cpu", min_ranks, "gloo", "tiny", cpu_steps, n, cores)
+        model = gpu_model or ("small" if n < 8 else "base")
+        return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model, gpu_steps,
+                       n, cores)
+    return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
