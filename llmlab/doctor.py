@@ -22,11 +22,9 @@ import time
 
 import torch
 
-from llmlab.runtime.hardware import gpu_count, lab_size
+from llmlab.runtime.hardware import LAB_SIZES, gpu_count, lab_size, lab_size_for
 
-LABS = ["00_three_walls", "01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel",
-        "04_expert_parallel", "05_zero", "06_paged_kv_cache", "07_continuous_batching",
-        "08_3d_parallelism", "09_kernels"]
+LABS = list(LAB_SIZES)
 
 FIXES = {
     "gloo": "gloo needs loopback TCP: check that 'localhost' resolves and no firewall blocks "
@@ -134,7 +132,7 @@ def diagnose(comm_ranks: int = 2) -> dict:
     report["triton"] = check_triton()
     size = lab_size()
     report["lab_size"] = size.as_dict()
-    report["labs"] = {lab: size.describe() for lab in LABS}
+    report["labs"] = {lab: lab_size_for(lab).as_dict() for lab in LABS}
     problems = []
     for c in report["comm"]:
         if not c["ok"]:
@@ -171,6 +169,9 @@ def format_report(r: dict) -> str:
     lines.append(f"  triton: {t.get('version', 'not installed')}"
                  + (f", compiles: {t['compiles']}" if "compiles" in t else ""))
     lines.append(f"  {lab_size_line(r)}")
+    for lab, s in r["labs"].items():
+        lines.append(f"    {lab:<24} {s['world_size']} rank{'s' if s['world_size'] != 1 else ''} "
+                     f"({s['backend']}, {s['device']}), model '{s['model']}', {s['steps']} steps")
     for p in r["problems"]:
         lines.append(f"  problem: {p['check']}: {p['error']}\n    fix: {p['fix']}")
     return "\n".join(lines)
@@ -178,8 +179,8 @@ def format_report(r: dict) -> str:
 
 def lab_size_line(r: dict) -> str:
     s = r["lab_size"]
-    return (f"labs will run as: {s['kind']}, {s['world_size']} ranks ({s['backend']}, {s['device']}), "
-            f"model '{s['model']}'")
+    where = f"{s['num_gpus']} GPU(s)" if s["device"] == "cuda" else f"CPU, {s['cpu_cores']} cores"
+    return f"labs will run as ({s['kind']}: {where}):"
 
 
 def add_arguments(p) -> None:

@@ -5,7 +5,11 @@ import torch
 
 from llmlab.cli import main
 from llmlab.doctor import check_comm
-from llmlab.runtime.hardware import lab_size
+from pathlib import Path
+
+import pytest
+
+from llmlab.runtime.hardware import LAB_SIZES, lab_size, lab_size_for
 
 
 def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
@@ -18,6 +22,11 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
     assert set(report["labs"]) >= {"00_three_walls", "06_paged_kv_cache"}
     text = capsys.readouterr().out
     assert "gloo all-reduce over 2 ranks: ok" in text and "labs will run as" in text
+    if not torch.cuda.is_available():  # each lab's own size, as the notebook will choose it
+        assert report["labs"]["04_expert_parallel"]["model"] == "tiny-moe"
+        assert report["labs"]["06_paged_kv_cache"]["world_size"] == 1
+        assert "08_3d_parallelism        4 ranks (gloo, cpu), model 'tiny', 20 steps" in text
+        assert "05_zero                  2 ranks (gloo, cpu), model 'tiny', 2 steps" in text
     assert rc == (0 if report["verdict"] == "ok" else 1)
 
 
@@ -58,3 +67,14 @@ def test_lab_size_takes_a_lab_specific_model_and_steps(monkeypatch):
     monkeypatch.setattr(hw, "gpu_count", lambda: 1)      # one GPU: a 2-rank lab stays on CPU
     assert hw.lab_size(min_ranks=2, force_cpu=False).device == "cpu"
     assert hw.lab_size(min_ranks=1, force_cpu=False).world_size == 1
+
+
+def test_every_lab_takes_its_size_from_the_one_table():
+    labs = sorted(p.stem for p in Path(__file__).resolve().parents[1].joinpath("labs").glob("*.ipynb"))
+    assert labs == sorted(LAB_SIZES)
+    for lab in labs:
+        src = Path(__file__).resolve().parents[1].joinpath("labs", lab + ".ipynb").read_text()
+        assert f'lab_size_for(\\"{lab}\\")' in src, lab
+    assert lab_size_for("04_expert_parallel", force_cpu=True).model == "tiny-moe"
+    with pytest.raises(KeyError, match="no lab named '10_x'"):
+        lab_size_for("10_x")
