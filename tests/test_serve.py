@@ -86,13 +86,47 @@ def test_bench_serve_json_has_contract_keys(tmp_path, extra):
         assert d["llmlab"]["num_gpu_blocks"] == math.ceil(2 * max_len / 16)
         # the padded static cache wastes more than the paged one
         assert d["hf"]["kv_cache_waste_fraction"] > d["llmlab"]["kv_cache_waste_fraction"]
+        assert d["hf"]["outputs_vs_llmlab"]["requests_equal"] == 6
+        # transformers' own continuous batching, same blocks, same greedy tokens (measured: all)
+        if bench.hf_continuous_available(bench.load_hf(bench_model_path())) is None:
+            cb = d["hf_continuous"]
+            assert {"throughput_tokens_per_s", "ttft_s", "tpot_s"} <= set(cb)
+            assert cb["throughput_tokens_per_s"] > 0 and cb["num_output_tokens"] == sum(wl["output_lens"])
+            assert cb["num_gpu_blocks"] == d["llmlab"]["num_gpu_blocks"]
+            assert cb["kv_cache_bytes"] == d["llmlab"]["kv_cache_bytes"]
+            assert cb["gate_vs_llmlab"]["requests_equal"] == cb["gate_vs_llmlab"]["num_requests"] == 4
+            assert cb["outputs_vs_llmlab"] == {"requests_equal": 6, "num_requests": 6,
+                                               "tokens_equal": sum(wl["output_lens"]),
+                                               "num_tokens": sum(wl["output_lens"]),
+                                               "first_difference": None}
+        else:
+            assert "hf_continuous" not in d and d["hf_continuous_skipped"]
+        assert d["config"]["num_threads"] == 1
     else:
         assert "hf" not in d
 
 
+def bench_model_path():
+    from llmlab.inference.loader import resolve_model_path
+    return resolve_model_path("shakespeare")
+
+
+def test_compare_outputs_counts_requests_and_tokens():
+    c = bench.compare_outputs([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [6, 7]])
+    assert c == {"requests_equal": 1, "num_requests": 3, "tokens_equal": 5, "num_tokens": 7,
+                 "first_difference": [1, 1]}
+
+
+def test_hf_continuous_skipped_with_reason_where_unavailable():
+    class Old:                                   # a model without init_continuous_batching
+        pass
+    assert "no continuous batching" in bench.hf_continuous_available(Old())
+
+
 def test_hf_sweep_with_poisson_arrivals_reports_best_batch():
     r = bench.bench_serve(num_requests=5, request_rate=50.0, baseline="hf", prompt_len_median=8,
-                          output_len_median=4, hf_batch_sizes=(2, 8), check=False)
+                          output_len_median=4, hf_batch_sizes=(2, 8), check=False,
+                          hf_continuous=False)
     sweep = r["hf"]["sweep"]
     assert [s["batch_size"] for s in sweep] == [2, 5]
     assert r["hf"]["throughput_tokens_per_s"] == max(s["throughput_tokens_per_s"] for s in sweep)
