@@ -189,3 +189,20 @@ def test_engine_int8_weights_bytes_perplexity_and_greedy_tokens():
     b = [o.outputs[0].token_ids for o in q8.generate(prompts, sp)]
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb)) / sum(map(len, a))
     assert same >= 0.9                                                # measured 1.0 (all equal)
+
+
+def test_kv_waste_is_last_block_fragmentation_and_matches_the_engine():
+    # lengths 5 and 16 in blocks of 4: 8 + 16 slots allocated, 21 hold a token
+    assert bench.kv_waste([5, 16], 4) == pytest.approx(1 - 21 / 24)
+    assert bench.kv_waste([5, 16], 1) == 0.0 and bench.kv_waste([], 16) == 0.0
+    # prompts 3 and 2, outputs 3 and 1: after step 1 both prompts cached, then 4 tokens of the first
+    assert bench.concurrent_trace([3, 2], [3, 1]) == [[3], [4]]
+    wl = bench.sharegpt_workload(6, seed=2, prompt_len_median=10, output_len_median=8)
+    r = bench.run_llmlab(str(bench_model_path()), wl, [0.0] * 6, block_size=4)
+    # the engine allocates nothing ahead: its measured waste is exactly the last-block fragmentation
+    # of the sequences it holds, which is what the concurrent trace predicts offline
+    assert r["kv_cache_waste_fraction"] == pytest.approx(r["kv_waste_by_block_size"]["4"])
+    assert r["kv_cache_waste_fraction"] == pytest.approx(
+        bench.trace_waste(bench.concurrent_trace(wl["prompt_lens"], wl["output_lens"]), 4))
+    w = [r["kv_waste_by_block_size"][str(b)] for b in bench.WASTE_BLOCK_SIZES]
+    assert w[0] == 0.0 and all(a <= b for a, b in zip(w, w[1:]))

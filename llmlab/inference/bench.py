@@ -92,6 +92,35 @@ def poisson_arrivals(num_requests: int, request_rate: float | None, seed: int = 
     return out
 
 
+# --- KV-cache waste ------------------------------------------------------------------------------
+def kv_waste(seq_lens, block_size: int) -> float:
+    """Share of allocated KV slots holding no token when sequences of ``seq_lens`` tokens each
+    own ``ceil(L / block_size)`` blocks (PagedAttention, Kwon et al. 2023 §2.3 / §4.2: only the
+    last block of a sequence is partly empty). 0.0 for no sequences. About
+    ``(block_size - 1) / 2 / (mean L + (block_size - 1) / 2)`` when lengths are spread evenly
+    modulo ``block_size``: short sequences waste a larger share."""
+    alloc = sum(-(-L // block_size) * block_size for L in seq_lens)
+    return 0.0 if alloc == 0 else 1.0 - sum(seq_lens) / alloc
+
+
+def trace_waste(step_seq_lens, block_size: int) -> float:
+    """:func:`kv_waste` averaged over the steps of a trace (a list of per-step length lists) that
+    held any sequence: the engine's ``kv_cache_waste_fraction`` recomputed at ``block_size``."""
+    ws = [kv_waste(lens, block_size) for lens in step_seq_lens if lens]
+    return sum(ws) / len(ws) if ws else 0.0
+
+
+def concurrent_trace(prompt_lens, output_lens) -> list[list[int]]:
+    """The per-step cached lengths if every request runs from step 1 (offline, cache large
+    enough): after step ``k`` a request with prompt ``p`` and output ``o > k`` holds ``p + k - 1``
+    tokens (its newest sampled token is written at the next step)."""
+    return [[p + k - 1 for p, o in zip(prompt_lens, output_lens) if o > k]
+            for k in range(1, max(output_lens))]
+
+
+WASTE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
+
+
 # --- llmlab --------------------------------------------------------------------------------------
 def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: int | None = None,
                block_size: int = 16, max_num_seqs: int = 256, device: str = "cpu",
@@ -124,11 +153,15 @@ def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: 
                              o.metrics.finish_time, o.metrics.num_output_tokens) for o in outs]
     steps = eng.step_metrics
     res = summarize(timings)
-    res["kv_cache_waste_fraction"] = sum(s.kv_waste_fraction for s in steps) / len(steps)
+    held = [s for s in steps if s.kv_blocks_used]          # a step holding no block has no waste share
+    res["kv_cache_waste_fraction"] = (sum(s.kv_waste_fraction for s in held) / len(held)
+                                      if held else 0.0)
     res["num_preemptions"] = sum(s.num_preemptions for s in steps)
     res["num_gpu_blocks"] = eng.num_gpu_blocks
     res["kv_cache_bytes"] = eng.runner.kv_cache_bytes
     res["num_steps"] = len(steps)
+    res["kv_waste_by_block_size"] = {str(b): trace_waste([s.seq_lens for s in steps], b)
+                                     for b in WASTE_BLOCK_SIZES}    # same steps, other blocks
     res["token_ids"] = [o.outputs[0].token_ids for o in outs]
     return res
 
