@@ -269,8 +269,9 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
     paged cache of ``num_blocks`` whole-model blocks of ``block_size`` tokens, scheduled by a
     background thread). ``generate_batch`` itself takes one ``max_new_tokens`` for all prompts, so
     the requests are added to the same manager one by one, each with its own output length and no
-    EOS (``eos_token_id=-1``), at their arrival times. Token times are the manager's per-token
-    timestamps (``time.perf_counter``, like ours). Same entry as :func:`run_llmlab` plus
+    EOS (``eos_token_id=-1``), at their arrival times, streamed. Token times are the manager's
+    per-token timestamps (``time.perf_counter``, like ours); those restart when HF preempts a
+    request, and then its first token's time is when its stream delivered it. Same entry as :func:`run_llmlab` plus
     ``kv_cache_bytes`` (HF's cache tensor, trash sectors excluded) and
     ``kv_cache_waste_fraction = None``: HF does not expose its per-step block usage."""
     from transformers import GenerationConfig
@@ -285,38 +286,46 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
     manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     order = sorted(range(n), key=lambda i: arrivals[i])
-    results = {}
+    results, first_seen = {}, {}
     try:
-        cache = manager.batch_processor.cache if manager.batch_processor is not None else None
         t0 = time.perf_counter()
-        for i in order:
-            wait = arrivals[i] - (time.perf_counter() - t0)
-            if wait > 0:
-                time.sleep(wait)
-            manager.add_request(prompts[i], request_id=str(i), max_new_tokens=olens[i],
-                                record_timestamps=True, eos_token_id=-1)
+        k = 0
         while len(results) < n:
-            r = manager.get_result(timeout=60)
+            now = time.perf_counter() - t0
+            while k < n and arrivals[order[k]] <= now:
+                i = order[k]
+                manager.add_request(prompts[i], request_id=str(i), max_new_tokens=olens[i],
+                                    record_timestamps=True, eos_token_id=-1, streaming=True)
+                k += 1
+            wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
+            r = manager.get_result(timeout=min(wait, 60.0))
             if r is None:
-                raise RuntimeError(f"HF continuous batching returned {len(results)}/{n} requests "
-                                   f"(thread running: {manager.is_running()})")
+                if k == n:
+                    raise RuntimeError(f"HF continuous batching returned {len(results)}/{n} "
+                                       f"requests (thread running: {manager.is_running()})")
+                continue
+            if r.generated_tokens and r.request_id not in first_seen:
+                first_seen[r.request_id] = time.perf_counter()
             if r.is_finished():
                 if r.error is not None:
                     raise RuntimeError(f"HF continuous batching: request {r.request_id}: {r.error}")
                 results[r.request_id] = r
-        if cache is None and manager.batch_processor is not None:
-            cache = manager.batch_processor.cache
+        cache = manager.batch_processor.cache if manager.batch_processor is not None else None
     finally:
         manager.stop(block=True, timeout=10)
         manager.destroy()
     timings, tokens = [], []
     for i in range(n):
         r = results[str(i)]
-        ts = r.timestamps
-        if len(r.generated_tokens) != olens[i] or len(ts) != olens[i]:
+        if len(r.generated_tokens) != olens[i]:
             raise RuntimeError(f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
                                f"tokens, expected {olens[i]}")
-        timings.append(RequestTiming(t0 + arrivals[i], ts[0], ts[-1], olens[i]))
+        # per-token timestamps restart when HF preempts (offloads) a request; then the first
+        # token's time is when its stream delivered it
+        ts = r.timestamps or []
+        first = ts[0] if len(ts) == olens[i] else first_seen[str(i)]
+        finish = ts[-1] if ts else first_seen[str(i)]
+        timings.append(RequestTiming(t0 + arrivals[i], first, finish, olens[i]))
         tokens.append(list(r.generated_tokens))
     res = summarize(timings)
     res["kv_cache_waste_fraction"] = None
