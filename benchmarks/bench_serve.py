@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--no-hf-continuous", action="store_true")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of parts 1-2, systems taking turns; each reports its median round")
+    p.add_argument("--spread-repeats", type=int, default=1)
     p.add_argument("--spread-sigmas", default="0,0.5,0.9,1.3",
                    help="lognormal sigmas of part 4 (same mean lengths); empty to skip")
     p.add_argument("--spread-requests", type=int, default=32)
@@ -80,12 +83,14 @@ def main(argv=None) -> int:
     print(f"start: {_load()}", flush=True)
     t0 = time.perf_counter()
     matched = bench_serve(num_requests=args.num_requests, memory_matched_batch=args.matched_batch,
+                          repeats=args.repeats,
                           prompt_len_median=args.prompt_len_median,
                           output_len_median=args.output_len_median,
                           hf_continuous=not args.no_hf_continuous, **common)
     print(f"(memory-matched runs took {time.perf_counter() - t0:.0f} s; {_load()})", flush=True)
     t0 = time.perf_counter()
     free = bench_serve(num_requests=args.num_requests, prompt_len_median=args.prompt_len_median,
+                       repeats=args.repeats,
                        output_len_median=args.output_len_median, check=False,
                        hf_continuous=not args.no_hf_continuous, **common)
     print(f"(unconstrained runs took {time.perf_counter() - t0:.0f} s; {_load()})", flush=True)
@@ -96,6 +101,8 @@ def main(argv=None) -> int:
           f"output lengths {min(wl['output_lens'])}..{max(wl['output_lens'])} "
           f"(mean {sum(wl['output_lens']) / len(wl['output_lens']):.0f}), "
           f"max length {cfg['max_len']}, device {cfg['device']}, torch threads {cfg['num_threads']}")
+    print(f"each system: median of {cfg['repeats']} rounds taken in turns "
+          f"(throughputs of every round in the JSON, 'throughput_runs')")
 
     B = args.matched_batch
     m_ours, m_hf = matched["llmlab"], matched["hf"]
@@ -104,6 +111,10 @@ def main(argv=None) -> int:
           f"(llmlab: {m_ours['num_gpu_blocks']} blocks of {cfg['block_size']}, "
           f"{m_ours['kv_cache_bytes']} bytes)")
     print(_row("llmlab (continuous, paged)", m_ours) + f"   preemptions {m_ours['num_preemptions']}")
+    print("   rounds (tok/s): llmlab " + ", ".join(f"{x:.0f}" for x in m_ours["throughput_runs"])
+          + "; HF static " + ", ".join(f"{x:.0f}" for x in m_hf["throughput_runs"])
+          + ("; HF continuous " + ", ".join(f"{x:.0f}" for x in matched["hf_continuous"]["throughput_runs"])
+             if "hf_continuous" in matched else ""))
     print(_row(f"HF static batch {B}", m_hf) + _same(m_hf))
     if "hf_continuous" in matched:
         cb = matched["hf_continuous"]
@@ -171,7 +182,7 @@ def main(argv=None) -> int:
         for sg in sigmas:
             kw = dict(num_requests=n, prompt_len_median=mp * math.exp(-sg ** 2 / 2),
                       output_len_median=mo * math.exp(-sg ** 2 / 2), length_sigma=sg,
-                      hf_continuous=False, check=False, **common)
+                      hf_continuous=False, check=False, repeats=args.spread_repeats, **common)
             a = bench_serve(memory_matched_batch=B, **kw)
             b = bench_serve(hf_batch_sizes=(8, 16, 32), **kw)
             w_ = a["workload"]

@@ -126,8 +126,12 @@ def test_hf_continuous_skipped_with_reason_where_unavailable():
 def test_hf_sweep_with_poisson_arrivals_reports_best_batch():
     r = bench.bench_serve(num_requests=5, request_rate=50.0, baseline="hf", prompt_len_median=8,
                           output_len_median=4, hf_batch_sizes=(2, 8), check=False,
-                          hf_continuous=False)
+                          hf_continuous=False, repeats=2)
     sweep = r["hf"]["sweep"]
+    assert len(r["llmlab"]["throughput_runs"]) == len(r["hf"]["throughput_runs"]) == 2
+    assert r["llmlab"]["throughput_tokens_per_s"] == max(r["llmlab"]["throughput_runs"])  # upper median of 2
+    runs = [{"throughput_tokens_per_s": t, "i": i} for i, t in enumerate([5.0, 1.0, 3.0])]
+    assert bench._median_run(runs)["i"] == 2 and bench._median_run(runs)["throughput_runs"] == [5.0, 1.0, 3.0]
     assert [s["batch_size"] for s in sweep] == [2, 5]
     assert r["hf"]["throughput_tokens_per_s"] == max(s["throughput_tokens_per_s"] for s in sweep)
     assert r["config"]["request_rate"] == 50.0
@@ -206,3 +210,31 @@ def test_kv_waste_is_last_block_fragmentation_and_matches_the_engine():
         bench.trace_waste(bench.concurrent_trace(wl["prompt_lens"], wl["output_lens"]), 4))
     w = [r["kv_waste_by_block_size"][str(b)] for b in bench.WASTE_BLOCK_SIZES]
     assert w[0] == 0.0 and all(a <= b for a, b in zip(w, w[1:]))
+
+
+def test_runner_fuses_projections_over_views_of_one_weight():
+    from llmlab.inference import LLM, SamplingParams
+    llm = LLM("shakespeare", device="cpu", num_gpu_blocks=32)
+    runner = llm.engine.runner
+    layer, fused = runner.model.model.layers[0], runner._fused[0]
+    w, b, split = fused["qkv"]
+    a = layer.self_attn
+    assert split == [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+    # no copy: the modules' weights are views of the fused tensor
+    assert a.q_proj.weight.data_ptr() == w.data_ptr()
+    assert a.v_proj.weight.data_ptr() == w[split[0] + split[1]:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == fused["gate_up"][0][layer.mlp.gate_proj.out_features:].data_ptr()
+    # a step mixing prompts and decodes gives each sequence the tokens it gets alone
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in ("ROMEO:", "KING HENRY IV:")]
+    eng = llm.engine
+    eng.add_request("ROMEO:", sp, request_id="a")
+    eng.step()                                    # a: prompt; next step a decodes while b prefills
+    eng.add_request("KING HENRY IV:", sp, request_id="b")
+    assert (eng.step() and eng.step_metrics[-1].num_prefill_tokens == len("KING HENRY IV:")
+            and eng.step_metrics[-1].num_seqs == 2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [eng.get_output(r).outputs[0].token_ids for r in "ab"] == alone
+    q8 = LLM("shakespeare", device="cpu", num_gpu_blocks=8, quantization="int8")
+    assert q8.engine.runner._fused[0]["qkv"] is None        # int8 modules are kept as they are

@@ -380,11 +380,14 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
                 prompt_len_median: float = 32.0, output_len_median: float = 32.0,
                 hf_batch_sizes=HF_BATCH_SIZES, device: str = "cpu", check: bool = True,
                 quantization: str | None = None, hf_continuous: bool = True,
-                length_sigma: float = 0.9, num_threads: int | None = None) -> dict:
+                length_sigma: float = 0.9, num_threads: int | None = None,
+                repeats: int = 1) -> dict:
     """Run the benchmark and return the CONTRACT dict (see module docstring). With
     ``baseline="hf"`` and ``hf_continuous`` the result also has ``"hf_continuous"`` (transformers'
     own continuous batching, :func:`run_hf_continuous`) or ``"hf_continuous_skipped"`` (why not).
     ``length_sigma`` is the lognormal shape of both length distributions (:func:`sharegpt_workload`).
+    ``repeats``: rounds in which the systems take turns on the same workload; each system reports
+    its median-throughput round (a shared machine's load changes within seconds).
     ``num_threads``: ``torch.set_num_threads`` for every system of the run (None: leave as is).
     On CPU, 1 is the fair and fast choice for a tiny model: its matrices are too small to gain
     from intra-op threads, and on a loaded machine a 2-thread OpenMP team spin-waits for a busy
@@ -395,6 +398,8 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
     from llmlab.inference.engine import _pick_device
     if memory_matched_batch is not None and memory_matched_batch < 1:
         raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
     if baseline not in (None, "hf"):
         raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
     device = str(_pick_device(device))
@@ -431,19 +436,32 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
         theirs = run_hf_continuous(hf_model, sub, [0.0] * k, num_blocks=blocks or k * math.ceil(
             max_len / block_size), block_size=block_size)["token_ids"]
         cb_check = compare_outputs(mine, theirs)
-    ours = run_llmlab(str(path), wl, arrivals, num_gpu_blocks=blocks, block_size=block_size,
-                      max_num_seqs=max_num_seqs, device=device, quantization=quantization)
+    # the systems take turns, ``repeats`` rounds; each reports its median-throughput round
+    sizes = ([] if hf_model is None else [memory_matched_batch] if memory_matched_batch is not None
+             else sorted({min(b, num_requests) for b in hf_batch_sizes}))
+    r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
+    for _ in range(repeats):
+        r_ours.append(run_llmlab(str(path), wl, arrivals, num_gpu_blocks=blocks,
+                                 block_size=block_size, max_num_seqs=max_num_seqs, device=device,
+                                 quantization=quantization))
+        for b in sizes:
+            r_hf[b].append(run_hf(hf_model, wl, arrivals, b))
+        if hf_model is not None and cb_skip is None:
+            r_cb.append(run_hf_continuous(hf_model, wl, arrivals,
+                                          num_blocks=r_ours[-1]["num_gpu_blocks"],
+                                          block_size=block_size, max_num_seqs=max_num_seqs,
+                                          max_batch_tokens=max(2048, ctx)))
+    ours = _median_run(r_ours)
     result = {"workload": {"num_requests": num_requests, "prompt_lens": wl["prompt_lens"],
                            "output_lens": wl["output_lens"]},
               "config": {"model": str(model), "request_rate": request_rate, "seed": seed,
                          "memory_matched_batch": memory_matched_batch, "block_size": block_size,
                          "max_len": max_len, "device": device, "quantization": quantization,
-                         "length_sigma": length_sigma, "num_threads": torch.get_num_threads()},
+                         "length_sigma": length_sigma, "num_threads": torch.get_num_threads(),
+                         "repeats": repeats},
               "llmlab": _public(ours)}
     if hf_model is not None:
-        sizes = ([memory_matched_batch] if memory_matched_batch is not None
-                 else sorted({min(b, num_requests) for b in hf_batch_sizes}))
-        runs = [run_hf(hf_model, wl, arrivals, b) for b in sizes]
+        runs = [_median_run(r_hf[b]) for b in sizes]
         best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
         entry = _public(best, hf=True)
         entry["sweep"] = [{"batch_size": r["batch_size"],
@@ -452,9 +470,7 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
         entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], best["token_ids"])
         result["hf"] = entry
         if cb_skip is None:
-            cb = run_hf_continuous(hf_model, wl, arrivals, num_blocks=ours["num_gpu_blocks"],
-                                   block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_batch_tokens=max(2048, ctx))
+            cb = _median_run(r_cb)
             cb_entry = _public(cb)
             cb_entry["gate_vs_llmlab"] = cb_check
             cb_entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], cb["token_ids"])
@@ -462,6 +478,15 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
         else:
             result["hf_continuous_skipped"] = cb_skip
     return result
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The round with the median throughput (the upper one of an even count), with every
+    round's throughput listed in ``throughput_runs``."""
+    ranked = sorted(runs, key=lambda r: r["throughput_tokens_per_s"])
+    out = dict(ranked[len(ranked) // 2])
+    out["throughput_runs"] = [r["throughput_tokens_per_s"] for r in runs]
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -481,6 +506,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lognormal shape of prompt and output lengths (0: all at the median)")
     p.add_argument("--num-threads", type=int, default=1,
                    help="torch.set_num_threads for every system (default 1; 0: leave torch's default)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds, systems taking turns; each reports its median round")
     p.add_argument("--no-hf-continuous", action="store_true",
                    help="with --baseline hf, skip transformers' continuous batching")
     p.add_argument("--device", default="cpu", help="auto|cpu|cuda")
@@ -493,7 +520,8 @@ def run(args) -> int:
                       max_num_seqs=args.max_num_seqs, prompt_len_median=args.prompt_len_median,
                       output_len_median=args.output_len_median, device=args.device,
                       quantization=args.quantization, hf_continuous=not args.no_hf_continuous,
-                      length_sigma=args.length_sigma, num_threads=args.num_threads or None)
+                      length_sigma=args.length_sigma, num_threads=args.num_threads or None,
+                      repeats=args.repeats)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
     for name in ("llmlab", "hf", "hf_continuous"):
