@@ -238,3 +238,20 @@ def test_runner_fuses_projections_over_views_of_one_weight():
     assert [eng.get_output(r).outputs[0].token_ids for r in "ab"] == alone
     q8 = LLM("shakespeare", device="cpu", num_gpu_blocks=8, quantization="int8")
     assert q8.engine.runner._fused[0]["qkv"] is None        # int8 modules are kept as they are
+
+
+def test_runner_buckets_split_only_when_padding_costs_more_than_a_call():
+    from llmlab.inference.model_runner import _buckets
+    from llmlab.inference.sequence import Sequence
+
+    def decode(ctx):
+        s = Sequence("r", list(range(ctx)), None)
+        s.num_computed_tokens = ctx - 1
+        return (s, 1)
+    few = [decode(c) for c in (10, 200, 20)]
+    assert [len(b) for b in _buckets(few)] == [3]                 # 3 x 200 x 17 < one more call
+    many = [decode(c) for c in [20] * 60 + [400] * 4]
+    parts = _buckets(many)
+    # sorted by context, the 60 short ones apart from the 4 long ones
+    assert [len(b) for b in parts] == [60, 4]
+    assert sorted(s.num_computed_tokens + 1 for s, _ in parts[0]) == [20] * 60
