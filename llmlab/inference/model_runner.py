@@ -38,28 +38,39 @@ def _buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
     the shipped model: large decode batches split, a few prompts do not). Greedy: split the bucket where one cut saves the most, while it saves more
     than a call costs."""
     g = sorted(group, key=lambda x: x[0].num_computed_tokens + x[1])
+    ctx = [s.num_computed_tokens + n for s, n in g]              # ascending
+    ql = [n for _, n in g]
 
-    def cost(b):
-        # keys gathered (and repeated for grouped heads) per row, plus (query, key) pairs
-        return len(b) * max(s.num_computed_tokens + n for s, n in b) * (max(n for _, n in b) + 16)
+    def cost(lo, hi, qmax):       # bucket g[lo:hi]: keys gathered (each counted like 16 queries)
+        return (hi - lo) * ctx[hi - 1] * (qmax + 16)             # plus (query, key) pairs
 
-    parts = [g]
-    while len(parts) < max_parts:
-        best = None
-        for pi, b in enumerate(parts):
-            if len(b) < 2:
-                continue
-            whole = cost(b)
-            for i in range(1, len(b)):
-                gain = whole - cost(b[:i]) - cost(b[i:]) - _CALL_COST
-                if gain > 0 and (best is None or gain > best[0]):
-                    best = (gain, pi, i)
-        if best is None:
+    def best_cut(lo, hi):         # (gain, cut) of the best single cut of g[lo:hi], O(hi - lo)
+        pre, m = [], 0
+        for i in range(lo, hi):
+            m = max(m, ql[i])
+            pre.append(m)                                        # max query of g[lo:i+1]
+        suf, m = [0] * (hi - lo + 1), 0
+        for i in range(hi - 1, lo - 1, -1):
+            m = max(m, ql[i])
+            suf[i - lo] = m                                      # max query of g[i:hi]
+        whole = cost(lo, hi, pre[-1])
+        best = (0, None)
+        for i in range(lo + 1, hi):
+            gain = whole - cost(lo, i, pre[i - 1 - lo]) - cost(i, hi, suf[i - lo]) - _CALL_COST
+            if gain > best[0]:
+                best = (gain, i)
+        return best
+
+    bounds = [(0, len(g))]
+    while len(bounds) < max_parts:
+        cuts = [(best_cut(lo, hi), k) for k, (lo, hi) in enumerate(bounds) if hi - lo > 1]
+        cuts = [(gain, cut, k) for (gain, cut), k in cuts if cut is not None]
+        if not cuts:
             break
-        _, pi, i = best
-        b = parts.pop(pi)
-        parts[pi:pi] = [b[:i], b[i:]]
-    return parts
+        _, cut, k = max(cuts)
+        lo, hi = bounds[k]
+        bounds[k:k + 1] = [(lo, cut), (cut, hi)]
+    return [g[lo:hi] for lo, hi in bounds]
 
 
 class ModelRunner:
