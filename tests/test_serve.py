@@ -86,14 +86,52 @@ def test_bench_serve_json_has_contract_keys(tmp_path, extra):
         assert d["llmlab"]["num_gpu_blocks"] == math.ceil(2 * max_len / 16)
         # the padded static cache wastes more than the paged one
         assert d["hf"]["kv_cache_waste_fraction"] > d["llmlab"]["kv_cache_waste_fraction"]
+        assert d["hf"]["outputs_vs_llmlab"]["requests_equal"] == 6
+        # transformers' own continuous batching, same blocks, same greedy tokens (measured: all)
+        if bench.hf_continuous_available(bench.load_hf(bench_model_path())) is None:
+            cb = d["hf_continuous"]
+            assert {"throughput_tokens_per_s", "ttft_s", "tpot_s"} <= set(cb)
+            assert cb["throughput_tokens_per_s"] > 0 and cb["num_output_tokens"] == sum(wl["output_lens"])
+            assert cb["num_gpu_blocks"] == d["llmlab"]["num_gpu_blocks"]
+            assert cb["kv_cache_bytes"] == d["llmlab"]["kv_cache_bytes"]
+            assert cb["gate_vs_llmlab"]["requests_equal"] == cb["gate_vs_llmlab"]["num_requests"] == 4
+            assert cb["outputs_vs_llmlab"] == {"requests_equal": 6, "num_requests": 6,
+                                               "tokens_equal": sum(wl["output_lens"]),
+                                               "num_tokens": sum(wl["output_lens"]),
+                                               "first_difference": None}
+        else:
+            assert "hf_continuous" not in d and d["hf_continuous_skipped"]
+        assert d["config"]["num_threads"] == 1
     else:
         assert "hf" not in d
 
 
+def bench_model_path():
+    from llmlab.inference.loader import resolve_model_path
+    return resolve_model_path("shakespeare")
+
+
+def test_compare_outputs_counts_requests_and_tokens():
+    c = bench.compare_outputs([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [6, 7]])
+    assert c == {"requests_equal": 1, "num_requests": 3, "tokens_equal": 5, "num_tokens": 7,
+                 "first_difference": [1, 1]}
+
+
+def test_hf_continuous_skipped_with_reason_where_unavailable():
+    class Old:                                   # a model without init_continuous_batching
+        pass
+    assert "no continuous batching" in bench.hf_continuous_available(Old())
+
+
 def test_hf_sweep_with_poisson_arrivals_reports_best_batch():
     r = bench.bench_serve(num_requests=5, request_rate=50.0, baseline="hf", prompt_len_median=8,
-                          output_len_median=4, hf_batch_sizes=(2, 8), check=False)
+                          output_len_median=4, hf_batch_sizes=(2, 8), check=False,
+                          hf_continuous=False, repeats=2)
     sweep = r["hf"]["sweep"]
+    assert len(r["llmlab"]["throughput_runs"]) == len(r["hf"]["throughput_runs"]) == 2
+    assert r["llmlab"]["throughput_tokens_per_s"] == max(r["llmlab"]["throughput_runs"])  # upper median of 2
+    runs = [{"throughput_tokens_per_s": t, "i": i} for i, t in enumerate([5.0, 1.0, 3.0])]
+    assert bench._median_run(runs)["i"] == 2 and bench._median_run(runs)["throughput_runs"] == [5.0, 1.0, 3.0]
     assert [s["batch_size"] for s in sweep] == [2, 5]
     assert r["hf"]["throughput_tokens_per_s"] == max(s["throughput_tokens_per_s"] for s in sweep)
     assert r["config"]["request_rate"] == 50.0
@@ -155,3 +193,65 @@ def test_engine_int8_weights_bytes_perplexity_and_greedy_tokens():
     b = [o.outputs[0].token_ids for o in q8.generate(prompts, sp)]
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb)) / sum(map(len, a))
     assert same >= 0.9                                                # measured 1.0 (all equal)
+
+
+def test_kv_waste_is_last_block_fragmentation_and_matches_the_engine():
+    # lengths 5 and 16 in blocks of 4: 8 + 16 slots allocated, 21 hold a token
+    assert bench.kv_waste([5, 16], 4) == pytest.approx(1 - 21 / 24)
+    assert bench.kv_waste([5, 16], 1) == 0.0 and bench.kv_waste([], 16) == 0.0
+    # prompts 3 and 2, outputs 3 and 1: after step 1 both prompts cached, then 4 tokens of the first
+    assert bench.concurrent_trace([3, 2], [3, 1]) == [[3], [4]]
+    wl = bench.sharegpt_workload(6, seed=2, prompt_len_median=10, output_len_median=8)
+    r = bench.run_llmlab(str(bench_model_path()), wl, [0.0] * 6, block_size=4)
+    # the engine allocates nothing ahead: its measured waste is exactly the last-block fragmentation
+    # of the sequences it holds, which is what the concurrent trace predicts offline
+    assert r["kv_cache_waste_fraction"] == pytest.approx(r["kv_waste_by_block_size"]["4"])
+    assert r["kv_cache_waste_fraction"] == pytest.approx(
+        bench.trace_waste(bench.concurrent_trace(wl["prompt_lens"], wl["output_lens"]), 4))
+    w = [r["kv_waste_by_block_size"][str(b)] for b in bench.WASTE_BLOCK_SIZES]
+    assert w[0] == 0.0 and all(a <= b for a, b in zip(w, w[1:]))
+
+
+def test_runner_fuses_projections_over_views_of_one_weight():
+    from llmlab.inference import LLM, SamplingParams
+    llm = LLM("shakespeare", device="cpu", num_gpu_blocks=32)
+    runner = llm.engine.runner
+    layer, fused = runner.model.model.layers[0], runner._fused[0]
+    w, b, split = fused["qkv"]
+    a = layer.self_attn
+    assert split == [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
+    # no copy: the modules' weights are views of the fused tensor
+    assert a.q_proj.weight.data_ptr() == w.data_ptr()
+    assert a.v_proj.weight.data_ptr() == w[split[0] + split[1]:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == fused["gate_up"][0][layer.mlp.gate_proj.out_features:].data_ptr()
+    # a step mixing prompts and decodes gives each sequence the tokens it gets alone
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in ("ROMEO:", "KING HENRY IV:")]
+    eng = llm.engine
+    eng.add_request("ROMEO:", sp, request_id="a")
+    eng.step()                                    # a: prompt; next step a decodes while b prefills
+    eng.add_request("KING HENRY IV:", sp, request_id="b")
+    assert (eng.step() and eng.step_metrics[-1].num_prefill_tokens == len("KING HENRY IV:")
+            and eng.step_metrics[-1].num_seqs == 2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [eng.get_output(r).outputs[0].token_ids for r in "ab"] == alone
+    q8 = LLM("shakespeare", device="cpu", num_gpu_blocks=8, quantization="int8")
+    assert q8.engine.runner._fused[0]["qkv"] is None        # int8 modules are kept as they are
+
+
+def test_runner_buckets_split_only_when_padding_costs_more_than_a_call():
+    from llmlab.inference.model_runner import _buckets
+    from llmlab.inference.sequence import Sequence
+
+    def decode(ctx):
+        s = Sequence("r", list(range(ctx)), None)
+        s.num_computed_tokens = ctx - 1
+        return (s, 1)
+    few = [decode(c) for c in (10, 200, 20)]
+    assert [len(b) for b in _buckets(few)] == [3]                 # 3 x 200 x 17 < one more call
+    many = [decode(c) for c in [20] * 60 + [400] * 4]
+    parts = _buckets(many)
+    # sorted by context, the 60 short ones apart from the 4 long ones
+    assert [len(b) for b in parts] == [60, 4]
+    assert sorted(s.num_computed_tokens + 1 for s, _ in parts[0]) == [20] * 60

@@ -13,12 +13,17 @@ the greedy tokens of both systems are checked equal on a few requests (:func:`ch
   Token times come from a ``generate`` streamer (as if streamed to the user, HF's best case).
   KV waste of a batch at decode step t is the share of the padded cache (rows x (longest prompt +
   longest output)) holding no token of its request; averaged over steps like the engine's.
+- HF continuous (``hf_continuous``, where the installed transformers has it, >= 5): transformers'
+  own continuous batching, the engine behind ``model.generate_batch`` (``ContinuousBatchingManager``
+  over a paged cache), given the same blocks as llmlab; its greedy tokens are compared with ours on
+  a few requests before timing and on every request after, and the counts are reported.
 - ``--memory-matched-batch B``: both get the KV bytes of B sequences at the workload's maximum
   length: HF runs batches of B; llmlab gets ``num_gpu_blocks = ceil(B * max_len / block_size)``.
   Without it HF sweeps batch sizes (8, 16, 32, 64) and its best throughput is reported.
 
 JSON written to ``--json``: see CONTRACT ``llmlab bench`` (plus extra keys ``e2e_s``,
-``duration_s``, ``num_output_tokens``, ``config`` and, for HF, ``batch_size`` and ``sweep``).
+``duration_s``, ``num_output_tokens``, ``config``; for HF ``batch_size``, ``sweep`` and
+``outputs_vs_llmlab``; ``hf_continuous`` (or ``hf_continuous_skipped`` with the reason)).
 """
 from __future__ import annotations
 
@@ -87,6 +92,35 @@ def poisson_arrivals(num_requests: int, request_rate: float | None, seed: int = 
     return out
 
 
+# --- KV-cache waste ------------------------------------------------------------------------------
+def kv_waste(seq_lens, block_size: int) -> float:
+    """Share of allocated KV slots holding no token when sequences of ``seq_lens`` tokens each
+    own ``ceil(L / block_size)`` blocks (PagedAttention, Kwon et al. 2023 §2.3 / §4.2: only the
+    last block of a sequence is partly empty). 0.0 for no sequences. About
+    ``(block_size - 1) / 2 / (mean L + (block_size - 1) / 2)`` when lengths are spread evenly
+    modulo ``block_size``: short sequences waste a larger share."""
+    alloc = sum(-(-L // block_size) * block_size for L in seq_lens)
+    return 0.0 if alloc == 0 else 1.0 - sum(seq_lens) / alloc
+
+
+def trace_waste(step_seq_lens, block_size: int) -> float:
+    """:func:`kv_waste` averaged over the steps of a trace (a list of per-step length lists) that
+    held any sequence: the engine's ``kv_cache_waste_fraction`` recomputed at ``block_size``."""
+    ws = [kv_waste(lens, block_size) for lens in step_seq_lens if lens]
+    return sum(ws) / len(ws) if ws else 0.0
+
+
+def concurrent_trace(prompt_lens, output_lens) -> list[list[int]]:
+    """The per-step cached lengths if every request runs from step 1 (offline, cache large
+    enough): after step ``k`` a request with prompt ``p`` and output ``o > k`` holds ``p + k - 1``
+    tokens (its newest sampled token is written at the next step)."""
+    return [[p + k - 1 for p, o in zip(prompt_lens, output_lens) if o > k]
+            for k in range(1, max(output_lens))]
+
+
+WASTE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
+
+
 # --- llmlab --------------------------------------------------------------------------------------
 def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: int | None = None,
                block_size: int = 16, max_num_seqs: int = 256, device: str = "cpu",
@@ -119,11 +153,15 @@ def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: 
                              o.metrics.finish_time, o.metrics.num_output_tokens) for o in outs]
     steps = eng.step_metrics
     res = summarize(timings)
-    res["kv_cache_waste_fraction"] = sum(s.kv_waste_fraction for s in steps) / len(steps)
+    held = [s for s in steps if s.kv_blocks_used]          # a step holding no block has no waste share
+    res["kv_cache_waste_fraction"] = (sum(s.kv_waste_fraction for s in held) / len(held)
+                                      if held else 0.0)
     res["num_preemptions"] = sum(s.num_preemptions for s in steps)
     res["num_gpu_blocks"] = eng.num_gpu_blocks
     res["kv_cache_bytes"] = eng.runner.kv_cache_bytes
     res["num_steps"] = len(steps)
+    res["kv_waste_by_block_size"] = {str(b): trace_waste([s.seq_lens for s in steps], b)
+                                     for b in WASTE_BLOCK_SIZES}    # same steps, other blocks
     res["token_ids"] = [o.outputs[0].token_ids for o in outs]
     return res
 
@@ -208,6 +246,114 @@ def run_hf(hf_model, workload: dict, arrivals: list[float], batch_size: int) -> 
     return res
 
 
+def hf_continuous_available(hf_model) -> str | None:
+    """None when ``hf_model`` has transformers' own continuous batching (``init_continuous_batching``,
+    transformers >= 5), else the reason it is skipped."""
+    if not hasattr(hf_model, "init_continuous_batching"):
+        import transformers
+        return (f"transformers {transformers.__version__} has no continuous batching "
+                f"(model.init_continuous_batching / generate_batch)")
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
+    except ImportError as e:                                      # pragma: no cover - old versions
+        return f"transformers has no ContinuousBatchingConfig ({e})"
+    return None
+
+
+@torch.no_grad()
+def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_blocks: int,
+                      block_size: int = 16, max_batch_tokens: int = 2048,
+                      max_num_seqs: int = 256) -> dict:
+    """Serve ``workload`` with transformers' own continuous batching (the engine behind
+    ``model.generate_batch``: ``init_continuous_batching`` -> ``ContinuousBatchingManager``, a
+    paged cache of ``num_blocks`` whole-model blocks of ``block_size`` tokens, scheduled by a
+    background thread). ``generate_batch`` itself takes one ``max_new_tokens`` for all prompts, so
+    the requests are added to the same manager one by one, each with its own output length and no
+    EOS (``eos_token_id=-1``), at their arrival times, streamed. Token times are the manager's
+    per-token timestamps (``time.perf_counter``, like ours); those restart when HF preempts a
+    request, and then its first token's time is when its stream delivered it. Same entry as :func:`run_llmlab` plus
+    ``kv_cache_bytes`` (HF's cache tensor, trash sectors excluded) and
+    ``kv_cache_waste_fraction = None``: HF does not expose its per-step block usage."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    prompts, olens = workload["prompts"], workload["output_lens"]
+    n = len(prompts)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           max_new_tokens=max(olens))
+    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks,
+                                  max_batch_tokens=max_batch_tokens,
+                                  max_requests_per_batch=max_num_seqs)
+    manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    results, first_seen = {}, {}
+    try:
+        t0 = time.perf_counter()
+        k = 0
+        while len(results) < n:
+            now = time.perf_counter() - t0
+            while k < n and arrivals[order[k]] <= now:
+                i = order[k]
+                manager.add_request(prompts[i], request_id=str(i), max_new_tokens=olens[i],
+                                    record_timestamps=True, eos_token_id=-1, streaming=True)
+                k += 1
+            wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
+            r = manager.get_result(timeout=min(wait, 60.0))
+            if r is None:
+                if k == n:
+                    raise RuntimeError(f"HF continuous batching returned {len(results)}/{n} "
+                                       f"requests (thread running: {manager.is_running()})")
+                continue
+            if r.generated_tokens and r.request_id not in first_seen:
+                first_seen[r.request_id] = time.perf_counter()
+            if r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(f"HF continuous batching: request {r.request_id}: {r.error}")
+                results[r.request_id] = r
+        cache = manager.batch_processor.cache if manager.batch_processor is not None else None
+    finally:
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+    timings, tokens = [], []
+    for i in range(n):
+        r = results[str(i)]
+        if len(r.generated_tokens) != olens[i]:
+            raise RuntimeError(f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
+                               f"tokens, expected {olens[i]}")
+        # per-token timestamps restart when HF preempts (offloads) a request; then the first
+        # token's time is when its stream delivered it
+        ts = r.timestamps or []
+        first = ts[0] if len(ts) == olens[i] else first_seen[str(i)]
+        finish = ts[-1] if ts else first_seen[str(i)]
+        timings.append(RequestTiming(t0 + arrivals[i], first, finish, olens[i]))
+        tokens.append(list(r.generated_tokens))
+    res = summarize(timings)
+    res["kv_cache_waste_fraction"] = None
+    res["num_gpu_blocks"] = int(cache.num_blocks) if cache is not None else None
+    res["kv_cache_bytes"] = (int(cache.cache_tensor.numel() - 2 * cache.bytes_per_sector)
+                             if cache is not None else None)
+    res["token_ids"] = tokens
+    return res
+
+
+def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How many requests and output tokens of ``theirs`` equal ``ours`` position by position:
+    ``{"requests_equal", "num_requests", "tokens_equal", "num_tokens", "first_difference"}``
+    (``first_difference``: ``[request, position]`` of the first mismatch, or None)."""
+    req_eq = tok_eq = tot = 0
+    first = None
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        same = [x == y for x, y in zip(a, b)]
+        tok_eq += sum(same)
+        tot += max(len(a), len(b))
+        if a == b:
+            req_eq += 1
+        elif first is None:
+            first = [i, same.index(False) if False in same else min(len(a), len(b))]
+    return {"requests_equal": req_eq, "num_requests": len(ours), "tokens_equal": tok_eq,
+            "num_tokens": tot, "first_difference": first}
+
+
 def check_equal_outputs(model, hf_model, workload: dict, num: int = 4, device: str = "cpu") -> None:
     """Correctness gate: greedy tokens of the engine and of HF (one left-padded static batch) on
     the first ``num`` requests. Raises ``RuntimeError`` naming the first request that differs."""
@@ -233,49 +379,114 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
                 seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                 prompt_len_median: float = 32.0, output_len_median: float = 32.0,
                 hf_batch_sizes=HF_BATCH_SIZES, device: str = "cpu", check: bool = True,
-                quantization: str | None = None) -> dict:
-    """Run the benchmark and return the CONTRACT dict (see module docstring)."""
+                quantization: str | None = None, hf_continuous: bool = True,
+                length_sigma: float = 0.9, num_threads: int | None = None,
+                repeats: int = 1) -> dict:
+    """Run the benchmark and return the CONTRACT dict (see module docstring). With
+    ``baseline="hf"`` and ``hf_continuous`` the result also has ``"hf_continuous"`` (transformers'
+    own continuous batching, :func:`run_hf_continuous`) or ``"hf_continuous_skipped"`` (why not).
+    ``length_sigma`` is the lognormal shape of both length distributions (:func:`sharegpt_workload`).
+    ``repeats``: rounds in which the systems take turns on the same workload; each system reports
+    its median-throughput round (a shared machine's load changes within seconds).
+    ``num_threads``: ``torch.set_num_threads`` for every system of the run (None: leave as is).
+    On CPU, 1 is the fair and fast choice for a tiny model: its matrices are too small to gain
+    from intra-op threads, and on a loaded machine a 2-thread OpenMP team spin-waits for a busy
+    core (measured here: one 16x128 @ 128x384 linear 2.5 ms with 2 threads, 0.23 ms with 1) -- while
+    transformers' continuous batching runs its loop in a background thread, where the same op
+    behaves differently; one setting for all makes the comparison about batching."""
     from llmlab.inference import loader
     from llmlab.inference.engine import _pick_device
     if memory_matched_batch is not None and memory_matched_batch < 1:
         raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
     if baseline not in (None, "hf"):
         raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
     device = str(_pick_device(device))
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads={num_threads} must be >= 1")
+        torch.set_num_threads(num_threads)
     path = loader.resolve_model_path(str(model))
     cfg = json.loads((path / "config.json").read_text())
     ctx = int(cfg.get("max_position_embeddings", 512))
     wl = sharegpt_workload(num_requests, seed=seed, max_len=ctx, vocab_size=int(cfg["vocab_size"]),
-                           prompt_len_median=prompt_len_median, output_len_median=output_len_median)
+                           prompt_len_median=prompt_len_median, output_len_median=output_len_median,
+                           sigma=length_sigma)
     arrivals = poisson_arrivals(num_requests, request_rate, seed)
     max_len = max(p + o for p, o in zip(wl["prompt_lens"], wl["output_lens"]))
     blocks = (None if memory_matched_batch is None
               else math.ceil(memory_matched_batch * max_len / block_size))
     torch.manual_seed(seed)
     hf_model = load_hf(path, device) if baseline == "hf" else None
+    cb_skip = None
+    if hf_model is not None:
+        cb_skip = "hf_continuous=False" if not hf_continuous else hf_continuous_available(hf_model)
     if hf_model is not None and check:
         check_equal_outputs(str(path), hf_model, wl, device=device)     # also warms both up
     else:
         run_llmlab(str(path), {k: v[:1] for k, v in wl.items()}, [0.0], device=device)  # warm-up
-    ours = run_llmlab(str(path), wl, arrivals, num_gpu_blocks=blocks, block_size=block_size,
-                      max_num_seqs=max_num_seqs, device=device, quantization=quantization)
+    cb_check = None
+    if hf_model is not None and cb_skip is None:
+        # the gate for HF's continuous batching (and its warm-up): its greedy tokens vs ours on
+        # the first requests; reported, not raised, since its kernels may round differently
+        k = min(4, num_requests)
+        sub = {key: v[:k] for key, v in wl.items()}
+        mine = run_llmlab(str(path), sub, [0.0] * k, device=device)["token_ids"]
+        theirs = run_hf_continuous(hf_model, sub, [0.0] * k, num_blocks=blocks or k * math.ceil(
+            max_len / block_size), block_size=block_size)["token_ids"]
+        cb_check = compare_outputs(mine, theirs)
+    # the systems take turns, ``repeats`` rounds; each reports its median-throughput round
+    sizes = ([] if hf_model is None else [memory_matched_batch] if memory_matched_batch is not None
+             else sorted({min(b, num_requests) for b in hf_batch_sizes}))
+    r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
+    for _ in range(repeats):
+        r_ours.append(run_llmlab(str(path), wl, arrivals, num_gpu_blocks=blocks,
+                                 block_size=block_size, max_num_seqs=max_num_seqs, device=device,
+                                 quantization=quantization))
+        for b in sizes:
+            r_hf[b].append(run_hf(hf_model, wl, arrivals, b))
+        if hf_model is not None and cb_skip is None:
+            r_cb.append(run_hf_continuous(hf_model, wl, arrivals,
+                                          num_blocks=r_ours[-1]["num_gpu_blocks"],
+                                          block_size=block_size, max_num_seqs=max_num_seqs,
+                                          max_batch_tokens=max(2048, ctx)))
+    ours = _median_run(r_ours)
     result = {"workload": {"num_requests": num_requests, "prompt_lens": wl["prompt_lens"],
                            "output_lens": wl["output_lens"]},
               "config": {"model": str(model), "request_rate": request_rate, "seed": seed,
                          "memory_matched_batch": memory_matched_batch, "block_size": block_size,
-                         "max_len": max_len, "device": device, "quantization": quantization},
+                         "max_len": max_len, "device": device, "quantization": quantization,
+                         "length_sigma": length_sigma, "num_threads": torch.get_num_threads(),
+                         "repeats": repeats},
               "llmlab": _public(ours)}
     if hf_model is not None:
-        sizes = ([memory_matched_batch] if memory_matched_batch is not None
-                 else sorted({min(b, num_requests) for b in hf_batch_sizes}))
-        runs = [run_hf(hf_model, wl, arrivals, b) for b in sizes]
+        runs = [_median_run(r_hf[b]) for b in sizes]
         best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
         entry = _public(best, hf=True)
         entry["sweep"] = [{"batch_size": r["batch_size"],
                            "throughput_tokens_per_s": r["throughput_tokens_per_s"],
                            "kv_cache_waste_fraction": r["kv_cache_waste_fraction"]} for r in runs]
+        entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], best["token_ids"])
         result["hf"] = entry
+        if cb_skip is None:
+            cb = _median_run(r_cb)
+            cb_entry = _public(cb)
+            cb_entry["gate_vs_llmlab"] = cb_check
+            cb_entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], cb["token_ids"])
+            result["hf_continuous"] = cb_entry
+        else:
+            result["hf_continuous_skipped"] = cb_skip
     return result
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The round with the median throughput (the upper one of an even count), with every
+    round's throughput listed in ``throughput_runs``."""
+    ranked = sorted(runs, key=lambda r: r["throughput_tokens_per_s"])
+    out = dict(ranked[len(ranked) // 2])
+    out["throughput_runs"] = [r["throughput_tokens_per_s"] for r in runs]
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -291,6 +502,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len-median", type=float, default=32.0)
     p.add_argument("--output-len-median", type=float, default=32.0)
     p.add_argument("--quantization", choices=["int8"], default=None)
+    p.add_argument("--length-sigma", type=float, default=0.9,
+                   help="lognormal shape of prompt and output lengths (0: all at the median)")
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch.set_num_threads for every system (default 1; 0: leave torch's default)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds, systems taking turns; each reports its median round")
+    p.add_argument("--no-hf-continuous", action="store_true",
+                   help="with --baseline hf, skip transformers' continuous batching")
     p.add_argument("--device", default="cpu", help="auto|cpu|cuda")
     p.add_argument("--json", required=True, metavar="OUT")
 
@@ -300,13 +519,23 @@ def run(args) -> int:
                       args.memory_matched_batch, seed=args.seed, block_size=args.block_size,
                       max_num_seqs=args.max_num_seqs, prompt_len_median=args.prompt_len_median,
                       output_len_median=args.output_len_median, device=args.device,
-                      quantization=args.quantization)
+                      quantization=args.quantization, hf_continuous=not args.no_hf_continuous,
+                      length_sigma=args.length_sigma, num_threads=args.num_threads or None,
+                      repeats=args.repeats)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
-    for name in ("llmlab", "hf"):
+    for name in ("llmlab", "hf", "hf_continuous"):
         if name in res:
             r = res[name]
-            print(f"{name:7s} {r['throughput_tokens_per_s']:9.1f} tok/s  TTFT p50 "
+            w = r["kv_cache_waste_fraction"]
+            extra = ""
+            if "outputs_vs_llmlab" in r:
+                c = r["outputs_vs_llmlab"]
+                extra = f"  greedy tokens equal to llmlab: {c['requests_equal']}/{c['num_requests']} requests"
+            print(f"{name:13s} {r['throughput_tokens_per_s']:9.1f} tok/s  TTFT p50 "
                   f"{r['ttft_s']['p50']:.3f}s p99 {r['ttft_s']['p99']:.3f}s  TPOT p50 "
-                  f"{r['tpot_s']['p50'] * 1e3:.1f}ms  KV waste {r['kv_cache_waste_fraction']:.1%}")
+                  f"{r['tpot_s']['p50'] * 1e3:.1f}ms  KV waste "
+                  f"{'n/a' if w is None else format(w, '.1%')}{extra}")
+    if "hf_continuous_skipped" in res:
+        print(f"hf_continuous skipped: {res['hf_continuous_skipped']}")
     return 0

@@ -79,7 +79,12 @@ class RequestOutput:
 class StepMetrics:
     """One engine step. Times in seconds; ``kv_tokens_stored`` counts the cache slots holding a
     computed token (shared blocks once), so ``1 - kv_tokens_stored / (kv_blocks_used *
-    block_size)`` is the fraction of allocated KV memory that is wasted."""
+    block_size)`` is the fraction of allocated KV memory that is wasted (PagedAttention, Kwon et
+    al. 2023 §2.3: slots allocated but holding no token's K/V; the engine allocates a block only
+    when a token is about to be written into it, so this is the internal fragmentation of each
+    sequence's last block, nothing reserved ahead; blocks kept for the prefix cache after their
+    sequence finished are free, not counted). ``seq_lens``: cached tokens of each running sequence
+    after the step (what the waste at another block size would be computed from)."""
 
     step: int
     start_time: float
@@ -97,6 +102,7 @@ class StepMetrics:
     block_size: int
     num_cow_copies: int
     num_prefix_hit_tokens: int    # cumulative
+    seq_lens: tuple = ()
 
     @property
     def kv_waste_fraction(self) -> float:
@@ -390,7 +396,8 @@ class LLMEngine:
             kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
             kv_tokens_stored=sum(filled.values()), block_size=bs,
             num_cow_copies=bm.stats["cow_copies"] - cow_before,
-            num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"])
+            num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"],
+            seq_lens=tuple(s.num_computed_tokens for s in sched.running))
         self.step_metrics.append(m)
         if self.on_step is not None:
             self.on_step(m)
