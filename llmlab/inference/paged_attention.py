@@ -100,22 +100,27 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     dev = q.device
     max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
     nb = -(-max_ctx // block_size)
-    tables = block_tables[:, :nb]
-    k = k_cache[tables].reshape(S, nb * block_size, Hkv, D).transpose(1, 2)   # [S, Hkv, T, D]
-    v = v_cache[tables].reshape(S, nb * block_size, Hkv, D).transpose(1, 2)
-    if Hkv != H:
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-    # Pad the queries: row s holds its query_lens[s] tokens, then padding.
-    j = torch.arange(max_q, device=dev)
-    valid = j[None, :] < query_lens[:, None]                                   # [S, max_q]
-    qp = q.new_zeros(S, max_q, H, D)
-    qp[valid] = q
-    pos = (context_lens - query_lens)[:, None] + j[None, :]                    # [S, max_q]
-    t = torch.arange(nb * block_size, device=dev)
+    T = nb * block_size
+    tables = block_tables[:, :nb].reshape(-1)
+    k = k_cache.index_select(0, tables).view(S, T, Hkv, D).transpose(1, 2)     # [S, Hkv, T, D]
+    v = v_cache.index_select(0, tables).view(S, T, Hkv, D).transpose(1, 2)
+    t = torch.arange(T, device=dev)
+    if max_q == 1:  # a decode-only step: one query per sequence, no padding
+        qp, valid = q[:, None], None
+        pos = (context_lens - 1)[:, None]                                      # [S, 1]
+    else:           # pad the queries: row s holds its query_lens[s] tokens, then padding
+        j = torch.arange(max_q, device=dev)
+        valid = j[None, :] < query_lens[:, None]                               # [S, max_q]
+        qp = q.new_zeros(S, max_q, H, D)
+        qp[valid] = q
+        pos = (context_lens - query_lens)[:, None] + j[None, :]                # [S, max_q]
     mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
+    # grouped-query attention: SDPA maps H/Hkv query heads to each kv head (no copies of K/V)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=mask[:, None], scale=scale)  # [S, H, max_q, D]
-    return out.transpose(1, 2)[valid]
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=Hkv != H)                  # [S, H, max_q, D]
+    out = out.transpose(1, 2)
+    return out[:, 0] if valid is None else out[valid]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
