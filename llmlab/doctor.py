@@ -32,8 +32,8 @@ FIXES = {
     "nccl": "set NCCL_DEBUG=INFO to see why; NCCL_P2P_DISABLE=1 if GPU peer-to-peer is broken "
             "(some PCIe/VM setups), NCCL_IB_DISABLE=1 without InfiniBand, NCCL_SOCKET_IFNAME to pick "
             "the network interface across nodes.",
-    "triton": "pip install triton (the Triton kernels need a CUDA GPU; on CPU they run only in "
-              "interpreter mode, TRITON_INTERPRET=1).",
+    "triton": "pip install -e \".[kernels]\" (llmlab pins triton 3.9.0; the Triton kernels need a "
+              "CUDA GPU; on CPU they run only in interpreter mode, TRITON_INTERPRET=1).",
 }
 
 
@@ -170,8 +170,14 @@ def format_report(r: dict) -> str:
                  + (f", compiles: {t['compiles']}" if "compiles" in t else ""))
     lines.append(f"  {lab_size_line(r)}")
     for lab, s in r["labs"].items():
-        lines.append(f"    {lab:<24} {s['world_size']} rank{'s' if s['world_size'] != 1 else ''} "
-                     f"({s['backend']}, {s['device']}), model '{s['model']}', {s['steps']} steps")
+        if s["world_size"] == 1:
+            lines.append(f"    {lab:<24} 1 process on {s['device']}, model '{s['model']}'")
+        else:
+            lines.append(f"    {lab:<24} {s['world_size']} ranks ({s['backend']}, {s['device']}), "
+                         f"model '{s['model']}', {s['steps']} steps")
+    if "version" not in t:
+        lines.append("  note: triton is not installed, so lab 09 skips its Triton kernels (and the engine "
+                     "uses PyTorch attention): pip install -e \".[kernels]\"")
     for p in r["problems"]:
         lines.append(f"  problem: {p['check']}: {p['error']}\n    fix: {p['fix']}")
     return "\n".join(lines)

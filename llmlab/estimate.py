@@ -422,11 +422,12 @@ def format_table(est: dict) -> str:
                          f"{c['time_days']:,.1f} days")
     if "communication" in est:
         c = est["communication"]
-        lines.append(f"Communication wall  (ring all-reduce sends {c['ring_factor']:.3g}x the "
-                     "bytes per rank)")
+        lines.append(f"Communication wall  (a ring all-reduce of B bytes sends "
+                     f"{c['ring_factor']:.3g} x B per rank)")
         lines.append(f"  {'bytes per step':<22}{_gb(c['bytes_per_step']):>16}   = "
                      f"{_gb(c['grad_bytes'])} gradients + {_gb(c['activation_bytes'])} activations")
-        lines.append(f"  {'time per step':<22}{c['time_per_step_s']:>14.4g} s")
+        lines.append(f"  {'time per step':<22}{c['time_per_step_s']:>14.4g} s   = "
+                     f"{c['ring_factor']:.3g} x {_gb(c['bytes_per_step'])} / bandwidth")
         lines.append(f"  {'steps':<22}{c['num_steps']:>16,}")
         lines.append(f"  {'total':<22}{c['total_time_s']:>14.4g} s   = "
                      f"{c['total_time_h']:,.2f} hours")

@@ -27,6 +27,10 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
         assert report["labs"]["06_paged_kv_cache"]["world_size"] == 1
         assert "08_3d_parallelism        4 ranks (gloo, cpu), model 'tiny', 20 steps" in text
         assert "05_zero                  2 ranks (gloo, cpu), model 'tiny', 2 steps" in text
+        assert "06_paged_kv_cache        1 process on cpu, model 'shakespeare'" in text
+    from llmlab.doctor import format_report
+    no_triton = dict(report, triton={"ok": False, "installed": False})
+    assert "note: triton is not installed, so lab 09 skips its Triton kernels" in format_report(no_triton)
     assert rc == (0 if report["verdict"] == "ok" else 1)
 
 

@@ -99,8 +99,16 @@ def test_a_rank_that_raises_is_reported_as_an_exercise_failure():
     def broken(chunks, rank, world):
         raise NotImplementedError("write the ring here")
 
-    with pytest.raises(ExerciseFailed, match="rank .* raised an error"):
+    with pytest.raises(ExerciseFailed, match="rank .* raised an error") as info:
         check.ring_reduce_scatter(broken)
+    assert "still the stub" in str(info.value) and "exercises.reveal('ring_reduce_scatter')" in str(info.value)
+
+    def crashes(chunks, rank, world):
+        raise ValueError("shapes")
+
+    with pytest.raises(ExerciseFailed, match="every rank must take part") as info:
+        check.ring_reduce_scatter(crashes)
+    assert "still the stub" not in str(info.value)
 
 
 def test_switching_one_exercise_to_its_solution(monkeypatch):

@@ -41,9 +41,14 @@ def _run_on_ranks(name: str, fn, world: int, *args):
     try:
         return launch(fn, world, *args, backend="gloo", timeout=60)
     except RankError as e:
+        if "NotImplementedError" in e.rank_traceback:
+            hint = (f"the function is still the stub: write it in the cell above, or run "
+                    f"exercises.reveal({name!r}) to use the solution and move on.")
+        else:
+            hint = ("every rank must take part in each send/recv/collective, in an order that "
+                    "cannot leave two ranks waiting on each other.")
         raise ExerciseFailed(f"{name}: rank {e.rank} raised an error:\n{e.rank_traceback[-1500:]}\n"
-                             f"  hint: every rank must take part in each send/recv/collective, in an "
-                             f"order that cannot leave two ranks waiting on each other.") from None
+                             f"  hint: {hint}") from None
     except TimeoutError:
         raise ExerciseFailed(f"{name}: the ranks did not finish within 60 s (deadlock?)\n  hint: if "
                              f"every rank sends before it receives, blocking sends can wait forever; "

@@ -511,7 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf-continuous", action="store_true",
                    help="with --baseline hf, skip transformers' continuous batching")
     p.add_argument("--device", default="cpu", help="auto|cpu|cuda")
-    p.add_argument("--json", required=True, metavar="OUT")
+    p.add_argument("--json", default=None, metavar="OUT", help="write every system's results here")
 
 
 def run(args) -> int:
@@ -522,8 +522,12 @@ def run(args) -> int:
                       quantization=args.quantization, hf_continuous=not args.no_hf_continuous,
                       length_sigma=args.length_sigma, num_threads=args.num_threads or None,
                       repeats=args.repeats)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    what = {"llmlab": "continuous batching, paged KV cache",
+            "hf": (f"HF generate, static batches of {res['hf'].get('batch_size')}" if "hf" in res else ""),
+            "hf_continuous": "transformers' continuous batching (generate_batch), same KV blocks"}
     for name in ("llmlab", "hf", "hf_continuous"):
         if name in res:
             r = res[name]
@@ -535,7 +539,11 @@ def run(args) -> int:
             print(f"{name:13s} {r['throughput_tokens_per_s']:9.1f} tok/s  TTFT p50 "
                   f"{r['ttft_s']['p50']:.3f}s p99 {r['ttft_s']['p99']:.3f}s  TPOT p50 "
                   f"{r['tpot_s']['p50'] * 1e3:.1f}ms  KV waste "
-                  f"{'n/a' if w is None else format(w, '.1%')}{extra}")
+                  f"{'n/a' if w is None else format(w, '.1%')}{extra}   ({what[name]})")
+    for name in ("hf", "hf_continuous"):
+        if name in res and res[name]["throughput_tokens_per_s"]:
+            print(f"throughput llmlab / {name} = "
+                  f"{res['llmlab']['throughput_tokens_per_s'] / res[name]['throughput_tokens_per_s']:.2f}x")
     if "hf_continuous_skipped" in res:
         print(f"hf_continuous skipped: {res['hf_continuous_skipped']}")
     return 0

@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt text(s)")
     src.add_argument("--prompts-file", metavar="IN.jsonl", help="one JSON request per line")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="default 0.8; 0 = greedy (the tokens Hugging Face generate(do_sample=False) gives)")
     p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
