@@ -1,5 +1,7 @@
 """Composed layouts (DP x TP x PP, ZeRO, mixed precision) give the single-rank losses; checkpoints
 move between layouts; a killed rank stops the job, named, and --resume continues."""
+import shutil
+
 import pytest
 
 import llmlab
@@ -76,6 +78,7 @@ def test_killed_rank_stops_the_job_and_resume_continues(tmp_path, monkeypatch, o
         llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, **KW),
                      progress=False)
     assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+    shutil.rmtree(info.value.log_dir)  # the failed job's logs, kept for reading
     monkeypatch.delenv("LLMLAB_KILL_RANK_AT_STEP")
     resumed = _losses(llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), resume=True,
                                                **KW), progress=False))

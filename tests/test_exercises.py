@@ -1,4 +1,6 @@
 """Every exercise check passes on the reference solution and fails, in plain words, on a wrong one."""
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -95,7 +97,8 @@ def test_wrong_answer_is_explained(name, wrong, words):
     assert not isinstance(info.value, AssertionError)
 
 
-def test_a_rank_that_raises_is_reported_as_an_exercise_failure():
+def test_a_rank_that_raises_is_reported_as_an_exercise_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch puts its log folder
     def broken(chunks, rank, world):
         raise NotImplementedError("write the ring here")
 
@@ -109,6 +112,7 @@ def test_a_rank_that_raises_is_reported_as_an_exercise_failure():
     with pytest.raises(ExerciseFailed, match="every rank must take part") as info:
         check.ring_reduce_scatter(crashes)
     assert "still the stub" not in str(info.value)
+    assert not list(tmp_path.glob("llmlab-logs-*"))  # the failed launches' logs are not left behind
 
 
 def test_switching_one_exercise_to_its_solution(monkeypatch):

@@ -1,7 +1,9 @@
 """llmlab.launch: real processes, results, error propagation, no leftovers, torchrun."""
 import json
 import os
+import shutil
 import signal
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -66,6 +68,8 @@ def test_a_failing_rank_is_named_with_its_traceback_and_nothing_is_left(tmp_path
     assert err.rank == 1
     assert "ValueError: bad shard on purpose" in str(err)
     assert "_raise_on_rank_1" in err.rank_traceback
+    assert (Path(err.log_dir) / "rank1.log").exists()   # kept for reading after a failure
+    shutil.rmtree(err.log_dir)
     pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
     deadline = time.monotonic() + 10
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
@@ -84,6 +88,8 @@ def test_a_rank_killed_by_a_signal_is_reported():
         llmlab.launch(_killed_rank, 2, backend="gloo")
     assert info.value.rank == 0
     assert "SIGKILL" in str(info.value)
+    assert f"(log: {info.value.log_dir}/rank0.log)" in str(info.value)
+    shutil.rmtree(info.value.log_dir)
 
 
 def _reports(n):
@@ -115,9 +121,11 @@ def _sleep_forever():
 
 def test_timeout_kills_the_ranks():
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as info:
         llmlab.launch(_sleep_forever, 2, backend="gloo", timeout=3)
     assert time.monotonic() - t0 < 30
+    assert Path(info.value.log_dir).is_dir()
+    shutil.rmtree(info.value.log_dir)
 
 
 def test_launch_joins_torchrun_ranks(tmp_path):

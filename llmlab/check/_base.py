@@ -7,6 +7,9 @@ which rank and which value differ, what was expected and what came back, and a h
 """
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 from llmlab.runtime.launch import RankError, launch
@@ -37,10 +40,19 @@ def _close(a, b) -> bool:
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _remove_logs(err) -> None:
+    """Remove the per-rank log folder a failed launch kept (a learner's failed check would
+    otherwise leave one in the temporary directory each time)."""
+    log_dir = getattr(err, "log_dir", None)
+    if log_dir and Path(log_dir).name.startswith("llmlab-logs-"):
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def _run_on_ranks(name: str, fn, world: int, *args):
     try:
         return launch(fn, world, *args, backend="gloo", timeout=60)
     except RankError as e:
+        _remove_logs(e)  # the traceback is in the message below
         if "NotImplementedError" in e.rank_traceback:
             hint = (f"the function is still the stub: write it in the cell above, or run "
                     f"exercises.reveal({name!r}) to use the solution and move on.")
@@ -49,7 +61,8 @@ def _run_on_ranks(name: str, fn, world: int, *args):
                     "cannot leave two ranks waiting on each other.")
         raise ExerciseFailed(f"{name}: rank {e.rank} raised an error:\n{e.rank_traceback[-1500:]}\n"
                              f"  hint: {hint}") from None
-    except TimeoutError:
+    except TimeoutError as e:
+        _remove_logs(e)
         raise ExerciseFailed(f"{name}: the ranks did not finish within 60 s (deadlock?)\n  hint: if "
                              f"every rank sends before it receives, blocking sends can wait forever; "
                              f"alternate the order on even and odd ranks.") from None

@@ -45,10 +45,12 @@ _PG_TIMEOUT_S = float(os.environ.get("LLMLAB_PG_TIMEOUT", "300"))
 
 
 class RankError(RuntimeError):
-    """A rank failed. ``rank`` is its global rank, ``rank_traceback`` the traceback text."""
+    """A rank failed. ``rank`` is its global rank, ``rank_traceback`` the traceback text,
+    ``log_dir`` the folder holding every rank's ``rank<r>.log`` (kept after a failure for reading;
+    the caller may remove it)."""
 
-    def __init__(self, rank: int, message: str, rank_traceback: str = ""):
-        self.rank, self.rank_traceback = rank, rank_traceback
+    def __init__(self, rank: int, message: str, rank_traceback: str = "", log_dir: str | None = None):
+        self.rank, self.rank_traceback, self.log_dir = rank, rank_traceback, log_dir
         super().__init__(f"rank {rank} failed: {message}\n{rank_traceback}".rstrip())
 
 
@@ -222,8 +224,10 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
             if all(c == 0 for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"launch: ranks still running after {timeout} s "
+                err = TimeoutError(f"launch: ranks still running after {timeout} s "
                                    f"(logs in {log_dir})")
+                err.log_dir = str(log_dir)  # kept for reading, like a RankError's
+                raise err
             time.sleep(0.02)
         _drain(store, seen, on_metric)
         results = [cloudpickle.loads(store.get(f"res/{r}")) for r in range(world_size)]
@@ -266,19 +270,22 @@ def _drain(store, seen, on_metric):
 def _failure(store, procs, failed, log_dir) -> RankError:
     """The error of the rank that failed first (``failed``: those seen dead at the first poll).
 
-    Peers of a crashed rank fail afterwards with connection errors; those are not the cause.
+    Peers of a crashed rank fail afterwards with connection errors; those are not the cause. A
+    rank killed by a signal leaves no error record, while its peers record their connection
+    errors: when both are seen at the same poll, the killed rank is the cause.
     """
-    for r in failed:
+    killed = [r for r in failed if (procs[r].exitcode or 0) < 0 and not store.check([f"err/{r}"])]
+    for r in [] if killed else failed:
         if store.check([f"err/{r}"]):
             tb = store.get(f"err/{r}").decode()
             last = tb.strip().splitlines()[-1] if tb.strip() else "error"
-            return RankError(r, last, tb)
-    r = failed[0]
+            return RankError(r, last, tb, str(log_dir))
+    r = (killed or failed)[0]
     code = procs[r].exitcode
     how = (f"killed by signal {signal.Signals(-code).name}" if code < 0
            else f"exited with code {code}")
     tail = _tail(Path(log_dir) / f"rank{r}.log")
-    return RankError(r, f"{how} (log: {log_dir}/rank{r}.log)", tail)
+    return RankError(r, f"{how} (log: {log_dir}/rank{r}.log)", tail, str(log_dir))
 
 
 def _tail(path: Path, n: int = 20) -> str:
