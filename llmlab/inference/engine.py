@@ -84,7 +84,8 @@ class StepMetrics:
     when a token is about to be written into it, so this is the internal fragmentation of each
     sequence's last block, nothing reserved ahead; blocks kept for the prefix cache after their
     sequence finished are free, not counted). ``seq_lens``: cached tokens of each running sequence
-    after the step (what the waste at another block size would be computed from)."""
+    after the step (what the waste at another block size would be computed from). ``sample_s``:
+    seconds spent drawing this step's tokens from the logits (temperature, top-k/p)."""
 
     step: int
     start_time: float
@@ -103,6 +104,7 @@ class StepMetrics:
     num_cow_copies: int
     num_prefix_hit_tokens: int    # cumulative
     seq_lens: tuple = ()
+    sample_s: float = 0.0
 
     @property
     def kv_waste_fraction(self) -> float:
@@ -349,7 +351,7 @@ class LLMEngine:
         logits = self.runner.execute(out)
         sched.update(out)
         now = time.perf_counter()
-        changed = {}
+        changed, sample_s = {}, 0.0
         for seq, n in out.scheduled:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue                                           # mid-prompt chunk: no token
@@ -362,7 +364,9 @@ class LLMEngine:
                 req.seqs += children
                 group += children
             for s in group:
+                ts = time.perf_counter()
                 s.append_token(sample_token(logits[seq.seq_id], s.params, s.generator))
+                sample_s += time.perf_counter() - ts
                 if s.first_token_time is None:
                     s.first_token_time = now
                     req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -376,10 +380,10 @@ class LLMEngine:
                 req.metrics.finish_time = now
         if self.check_invariants:
             bm.check_invariants([s for s in sched.live_sequences()])
-        self._record(out, t0, cow_before)
+        self._record(out, t0, cow_before, sample_s)
         return [self._output(r) for r in changed.values()]
 
-    def _record(self, out, t0: float, cow_before: int) -> None:
+    def _record(self, out, t0: float, cow_before: int, sample_s: float) -> None:
         bm, sched, bs = self.block_manager, self.scheduler, self.block_size
         filled = {}
         for seq in sched.running:
@@ -397,7 +401,7 @@ class LLMEngine:
             kv_tokens_stored=sum(filled.values()), block_size=bs,
             num_cow_copies=bm.stats["cow_copies"] - cow_before,
             num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"],
-            seq_lens=tuple(s.num_computed_tokens for s in sched.running))
+            seq_lens=tuple(s.num_computed_tokens for s in sched.running), sample_s=sample_s)
         self.step_metrics.append(m)
         if self.on_step is not None:
             self.on_step(m)

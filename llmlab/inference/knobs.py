@@ -25,7 +25,6 @@ records the numbers.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 from llmlab.inference.bench import sharegpt_workload
 from llmlab.inference.metrics import RequestTiming, summarize
@@ -60,28 +59,6 @@ def knob_workload(knob: str, num_requests: int = 16, seed: int = 0) -> dict:
                              output_len_median=48)
 
 
-@contextmanager
-def _timed_sampling(acc: list):
-    """Time every call of the engine's per-sequence sampler (seconds appended to ``acc``)."""
-    from llmlab.inference import engine as eng_mod
-    orig = getattr(eng_mod, "sample_token", None)
-    if orig is None:
-        yield
-        return
-
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        out = orig(*args, **kwargs)
-        acc.append(time.perf_counter() - t)
-        return out
-
-    eng_mod.sample_token = timed
-    try:
-        yield
-    finally:
-        eng_mod.sample_token = orig
-
-
 def _repeated_4gram_fraction(ids: list[int]) -> float:
     grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
     return 0.0 if not grams else 1.0 - len(set(grams)) / len(grams)
@@ -108,11 +85,9 @@ def serve(workload: dict, *, model="shakespeare", device: str = "cpu",
             continue
         ids.append(str(i))
         want[str(i)] = n
-    sample_times: list[float] = []
     t0 = time.perf_counter()
-    with _timed_sampling(sample_times):
-        while eng.has_unfinished_requests():
-            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
     wall = time.perf_counter() - t0
     outs = [eng.get_output(r) for r in ids]
     sm = eng.step_metrics
@@ -130,7 +105,7 @@ def serve(workload: dict, *, model="shakespeare", device: str = "cpu",
         "max_step_tokens": max(s.num_batched_tokens for s in sm),
         "max_step_s": max(s.duration_s for s in sm),
         "mean_step_s": sum(s.duration_s for s in sm) / len(sm),
-        "sampling_s_per_step": (sum(sample_times) / len(sm)) if sample_times else None,
+        "sampling_s_per_step": sum(s.sample_s for s in sm) / len(sm),
         "distinct_1": len({t for ts in tokens for t in ts}) / max(1, sum(map(len, tokens))),
         "distinct_2": (len({(a, b) for ts in tokens for a, b in zip(ts, ts[1:])})
                        / max(1, sum(max(0, len(ts) - 1) for ts in tokens))),
