@@ -238,3 +238,31 @@ def test_kernel_compiles_for_hopper_without_a_gpu(tmp_path):
     r = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_engine_step_with_prompt_and_decodes_is_one_kernel_call_per_layer(monkeypatch):
+    """A request arriving while others decode makes a mixed step; the kernel takes the whole step
+    in one call per layer (no padding to split around) and the tokens equal the reference's."""
+    from llmlab.inference import LLMEngine
+    cfg = get_preset("tiny", num_hidden_layers=2, initializer_range=0.2)
+
+    def run(impl):
+        with K.use(paged_attention=impl):
+            eng = LLMEngine(cfg, device=DEV, block_size=8)
+            sp = SamplingParams(temperature=0, max_tokens=5)
+            eng.add_request("ROMEO:", sp, request_id="a")
+            eng.add_request("a", sp, request_id="b")
+            eng.step(), eng.step()
+            eng.add_request("JULIET: O Romeo, Romeo", sp, request_id="c")   # joins two decodes
+            while eng.has_unfinished_requests():
+                eng.step()
+            mixed = [m for m in eng.step_metrics if 0 < m.num_prefill_tokens < m.num_batched_tokens]
+            return [eng.get_output(r).outputs[0].token_ids for r in "abc"], len(eng.step_metrics), mixed
+
+    want, _, _ = run("reference")
+    calls = []
+    orig = kpa.paged_attention_triton
+    monkeypatch.setattr(kpa, "paged_attention_triton", lambda *a: calls.append(1) or orig(*a))
+    got, steps, mixed = run("triton")
+    assert got == want and mixed
+    assert len(calls) == 2 * steps

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from llmlab import kernels
-from llmlab.inference.paged_attention import paged_attention, slot_mapping, write_kv
+from llmlab.inference.paged_attention import paged_attention, slot_mapping, use_triton, write_kv
 from llmlab.inference.scheduler import SchedulerOutput
 from llmlab.model.llama import MLP, LlamaForCausalLM, apply_rotary, rotary_cos_sin
 
@@ -172,15 +172,22 @@ class ModelRunner:
         prompt chunks, recomputation after preemption) and those decoding one: the reference
         attention pads every query of a call to the longest one, so one decode row next to a
         200-token prompt would otherwise cost 200 padded query rows. Token-wise layers still run
-        on all the step's tokens at once. Each row's result is the same maths either way.
+        on all the step's tokens at once. Each row's result is the same maths either way. The
+        Triton kernel pads nothing (it walks each sequence's own blocks), so where it runs the whole
+        step is one attention call.
 
         Returns ``{seq_id: logits [vocab] (fp32, CPU)}`` for the sequences whose last token was
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
         dev = self.device
-        prefill = [(s, n) for s, n in out.scheduled if n > 1]
-        decode = [(s, n) for s, n in out.scheduled if n == 1]
-        parts = [b for g in (prefill, decode) if g for b in _buckets(g)]
+        c = self.config
+        if use_triton(torch.empty(0, c.num_attention_heads, c.head_dim, dtype=self.dtype, device=dev),
+                      self.kv_cache[0, 0]):
+            parts = [list(out.scheduled)]
+        else:
+            prefill = [(s, n) for s, n in out.scheduled if n > 1]
+            decode = [(s, n) for s, n in out.scheduled if n == 1]
+            parts = [b for g in (prefill, decode) if g for b in _buckets(g)]
         groups = [self._prepare(g, dev) for g in parts]
         sample_rows, sample_seqs, row = [], [], 0
         for seq, n in (x for g in parts for x in g):
