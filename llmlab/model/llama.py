@@ -21,6 +21,7 @@ from torch import nn
 
 from llmlab import kernels
 from llmlab.model.config import ModelConfig
+from llmlab.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -115,10 +116,6 @@ class MLP(nn.Module):
 def make_mlp(config: ModelConfig) -> nn.Module:
     """The MLP slot of a decoder layer: dense SwiGLU, or a mixture of experts."""
     if config.num_experts:
-        try:
-            from llmlab.model.moe import MoE
-        except ImportError as e:  # pragma: no cover - only before the MoE layer exists
-            raise NotImplementedError("mixture-of-experts layers are not supported yet") from e
         return MoE(config)
     return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
