@@ -11,9 +11,9 @@ interleaved 1F1B): forwards, backwards, and activations / activation-gradients s
 (:mod:`llmlab.runtime.comm`, bytes counted). Every message has the same shape, known in advance
 (``[micro_batch, seq_len, hidden]``), so no shape handshake is needed; each carries a tag made of
 (kind, receiving virtual stage, micro-batch), so a receive can only match its own send.
-Consecutive p2p actions are posted as one ``batch_isend_irecv``; sends never block the rank, a
-receive waits for data an earlier op of another rank produces, and
-:func:`~llmlab.parallel.pipeline_schedules.simulate` proves for each schedule that no wait is circular.
+Consecutive p2p actions are posted as one ``batch_isend_irecv``; the schedule places them in
+synchronous rounds, so :func:`~llmlab.parallel.pipeline_schedules.simulate` proves for each
+schedule that no wait is circular even when sends block (NCCL, large messages).
 
 Per step the runner records a timeline (forward, backward, send, recv per rank, in seconds from
 the start of the flush) and the measured bubble: ``1 - (forward+backward time) / flush time``,
