@@ -210,11 +210,11 @@ class PipelineRunner:
                         ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
                         recvs.append((b, t))
                 works = comm.batch_isend_irecv(ops)
-                for op, w in zip(ops, works):
-                    if op.op is dist.irecv:
+                if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
+                    for w in works:  # wait on all of them before any received tensor is read
                         w.wait()
-                    else:
-                        pending_sends.append((w, op.tensor))
+                else:  # sends only: go on computing; the tensors live until the end-of-flush wait
+                    pending_sends.append((works, [op.tensor for op in ops]))
                 for b, t in recvs:
                     if b.op == RECV_ACT:
                         inputs[(b.chunk, b.mb)] = t.requires_grad_()
@@ -259,8 +259,9 @@ class PipelineRunner:
             events.append([a.op, a.chunk, a.mb, t0 - t_start, time.perf_counter() - t_start])
             i += 1
         t0 = time.perf_counter()
-        for w, _ in pending_sends:
-            w.wait()
+        for works, _ in pending_sends:
+            for w in works:
+                w.wait()
         if pending_sends:
             events.append(["send", 0, -1, t0 - t_start, time.perf_counter() - t_start])
         self._record(events, time.perf_counter() - t_start, device)
