@@ -103,6 +103,24 @@ def _install(folder):
         setattr(comm, name, getattr(layer, name))
 
 
+# --- ring all-reduce ----------------------------------------------------------------------------
+def _ring_rank(folder, n):
+    from llmlab.parallel.data_parallel import ring_all_reduce
+    _install(folder)
+    r = dist.get_rank()
+    t = torch.arange(n, dtype=torch.float32) * (r + 1)
+    ring_all_reduce(t)
+    return t
+
+
+def test_ring_all_reduce_under_nccl_rules(tmp_path):
+    """Separate isend/irecv per ring step: every rank blocks in its send, none posts its receive."""
+    res = llmlab.launch(_ring_rank, 3, str(tmp_path), 10, backend="gloo", timeout=120)
+    want = torch.arange(10, dtype=torch.float32) * 6
+    for t in res:
+        torch.testing.assert_close(t, want)
+
+
 # --- pipeline runner ----------------------------------------------------------------------------
 def _pp_rank(folder, cases):
     from llmlab.data import BatchLoader
