@@ -211,6 +211,23 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def resolve_torchrun_backend(backend: str) -> str:
+    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
+    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
+    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
+    ranks (naming both counts)."""
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if n >= local_ws and n > 0 else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl" and local_ws > n:
+        raise ValueError(f"backend='nccl' needs one GPU per local rank: LOCAL_WORLD_SIZE={local_ws} "
+                         f"> {n} GPUs on this node")
+    return backend
+
+
 _ctx = None
 
 
@@ -443,8 +460,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
     secret = torchrun_secret()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_torchrun_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(local % torch.cuda.device_count())
     own = not dist.is_initialized()

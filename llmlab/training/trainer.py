@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
-                                   param_bytes, tensor_bytes)
+                                   param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
@@ -203,7 +203,8 @@ def rank_main(cfg: TrainConfig) -> dict:
     loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
-    peak = peak_flops(device) if device.type == "cuda" else None
+    peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
+    reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
     first = 1
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
