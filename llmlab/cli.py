@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
     "bench serve": ("llmlab.inference.bench", "serving benchmark against Hugging Face generate"),
-    "bench comm": ("llmlab.parallel.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
 }
 
 

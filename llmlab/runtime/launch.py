@@ -4,7 +4,7 @@
 ``torch.distributed`` process group in each (gloo on CPU, NCCL with one GPU per rank on CUDA),
 calls ``fn(*args, **kwargs)`` on every rank and returns the list of per-rank return values.
 
-How (measured on a 2-core CPU box, see shared/reference/notebooks-and-launching.md):
+How (measured on a 2-core CPU box):
 
 * ranks are forked from a *forkserver* that has imported only ``torch``: after the server's first
   start (~2 s), 4 ranks start in ~0.1 s, and no learner-editable module is cached in it;

@@ -293,9 +293,14 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
             bar.close()
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
-        Path(cfg.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.metrics_json).write_text(json.dumps(metrics, indent=1))
+        write_metrics(metrics, cfg.metrics_json)
     return metrics
+
+
+def write_metrics(metrics: dict, path: str | Path) -> None:
+    """Write the metrics as JSON (format: llmlab/metrics/train_metrics.schema.json)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(metrics, indent=1))
 
 
 def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
