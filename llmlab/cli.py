@@ -27,8 +27,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model preset")
     p.add_argument("--config", default=None, help="JSON/YAML file of flags (command line wins)")
-    for name in ("dp", "tp", "pp", "ep"):
+    for name in ("dp", "tp", "pp", "ep", "cp"):
         p.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree")
+    p.add_argument("--cp-mode", default=d.cp_mode, choices=["ring", "ulysses"],
+                   help="context parallelism: ring attention (default) or Ulysses all-to-all")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--dp-mode", default=d.dp_mode, choices=["naive", "ddp", "ring"],
                    help="data-parallel gradient sync (default: bucketed, overlapped ddp)")

@@ -32,7 +32,8 @@ backward, gradients reduce-scattered): :func:`zero_comm_bytes_per_step`.
 
 Command line: ``llmlab estimate --params 8e9 --dtype fp32 --optimizer adam --tokens 2.5e11
 --gpu-tflops 312 --num-gpus 1 [--zero S --dp N] [--tokens-per-step 4e6 --bandwidth-gb-s 64
---activation-comm-bytes 80e9] [--json PATH]``.
+--activation-comm-bytes 80e9] [--seq-len S --cp N] [--json PATH]``; with ``--cp N`` the
+activation memory is per context-parallel rank (:func:`activation_bytes_per_rank`).
 """
 from __future__ import annotations
 
@@ -174,6 +175,25 @@ def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size:
     else:
         per = 10.0 + 24.0 / t + attn / t
     return round(s * b * h * per)
+
+
+def activation_bytes_per_rank(seq_len: int, micro_batch_size: int, hidden_size: int,
+                              num_heads: int, tp: int = 1, sequence_parallel: bool = False,
+                              recompute: str = "none", cp: int = 1) -> int:
+    """Activation bytes one layer saves per rank with context parallelism over ``cp`` ranks.
+
+    Every activation of a layer belongs to one token, and each CP rank holds ``s/cp`` tokens, so
+    the per-rank bytes are :func:`activation_bytes_per_layer`'s divided by ``cp`` (Megatron-LM's
+    context-parallel docs: "the activation memory footprint is reduced by cp times"). The
+    quadratic attention term divides too: ring attention scores ``s/cp`` queries against one
+    block at a time, Ulysses all ``s`` keys for ``a/cp`` heads. Raises ``ValueError`` if ``cp``
+    is not a positive integer dividing ``seq_len``.
+    """
+    if not isinstance(cp, int) or cp < 1 or seq_len % cp:
+        raise ValueError(f"cp={cp!r} must be a positive integer dividing seq_len={seq_len}")
+    full = activation_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_heads, tp,
+                                      sequence_parallel, recompute)
+    return round(full / cp)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,6 +346,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: activations per rank "
+                   "(each holds seq-len/cp tokens)")
     p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--json", default=None, help="also write the estimate here")
 
@@ -358,10 +380,13 @@ def estimate(args: argparse.Namespace) -> dict:
         if None in (layers, hidden, heads):
             raise ValueError("activation memory needs --model or --num-layers, --hidden-size "
                              "and --num-heads")
-        per_layer = activation_bytes_per_layer(args.seq_len, args.micro_batch_size, hidden, heads,
-                                               args.tp, args.sequence_parallel, args.recompute)
+        cp = getattr(args, "cp", 1)
+        per_layer = activation_bytes_per_rank(args.seq_len, args.micro_batch_size, hidden, heads,
+                                              args.tp, args.sequence_parallel, args.recompute, cp)
         out["memory"]["activations_per_layer"] = per_layer
         out["memory"]["activations"] = per_layer * layers
+        if cp > 1:
+            out["memory"]["cp"] = cp
     if args.tokens is not None:
         flops = training_flops(n, args.tokens)
         out["compute"] = {"training_flops": flops}
@@ -408,8 +433,9 @@ def format_table(est: dict) -> str:
                      ("optimizer_states", "optimizer states"), ("total", "total model states")):
         lines.append(f"  {label:<22}{_gb(m['bytes'][k]):>16}")
     if "activations" in m:
+        per_rank = f", per rank over cp = {m['cp']}" if m.get("cp") else ""
         lines.append(f"  {'activations/layer':<22}{_gb(m['activations_per_layer']):>16}"
-                     "   (Korthikanti et al. 2022)")
+                     f"   (Korthikanti et al. 2022{per_rank})")
         lines.append(f"  {'activations, all':<22}{_gb(m['activations']):>16}")
     if "compute" in est:
         c = est["compute"]

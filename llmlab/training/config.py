@@ -26,6 +26,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_mode: str = "ring"
     zero: int = 0
     pp_schedule: str = "1f1b"
     num_microbatches: int = 1
@@ -53,7 +55,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"world_size": self.world_size}
@@ -128,7 +130,7 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep)
+    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {cfg.zero}: expected 0, 1, 2 or 3")
     if cfg.dtype not in ("fp32", "bf16", "fp16"):
@@ -178,6 +180,7 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.pipeline_parallel",
     "llmlab.parallel.expert_parallel",
     "llmlab.parallel.zero",
+    "llmlab.parallel.context_parallel",
 )
 
 
@@ -190,6 +193,7 @@ def _check_features(cfg: TrainConfig, mc: ModelConfig) -> None:
         (bool(mc.num_experts), "mixture-of-experts models", "llmlab.model.moe"),
         (cfg.ep > 1, "--ep > 1", "llmlab.parallel.expert_parallel"),
         (cfg.zero > 0, "--zero > 0", "llmlab.parallel.zero"),
+        (cfg.cp > 1, "--cp > 1", "llmlab.parallel.context_parallel"),
         (cfg.dtype != "fp32", f"--dtype {cfg.dtype}", "llmlab.training.precision"),
         (cfg.activation_checkpointing, "--activation-checkpointing", "llmlab.training.recompute"),
         (cfg.cpu_offload, "--cpu-offload", "llmlab.parallel.zero"),
