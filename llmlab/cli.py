@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
     "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
-    "bench serve": ("llmlab.inference.bench", "serving benchmark against Hugging Face generate"),
+    "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
     "bench comm": ("llmlab.parallel.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
 }
 

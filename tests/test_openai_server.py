@@ -22,6 +22,7 @@ from llmlab.inference import LLM, SamplingParams  # noqa: E402
 from llmlab.serve import start_server  # noqa: E402
 from llmlab.serve.chat import PLAIN_TEMPLATE, ChatRenderer  # noqa: E402
 from llmlab.serve.metrics import METRIC_NAMES  # noqa: E402
+from llmlab.serve.load_test import parse_rates  # noqa: E402
 from llmlab.serve.router import least_loaded  # noqa: E402
 
 MODEL = "shakespeare"
@@ -278,3 +279,51 @@ def test_cli_serves_and_sigterm_lets_the_running_stream_finish():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_disconnected_non_streamed_request_is_aborted(server):
+    import socket
+    body = json.dumps({"model": MODEL, "prompt": "ROMEO:", "max_tokens": 450,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    eng = server.engines[0]
+    _wait(lambda: eng.engine.block_manager.num_used_blocks > 0, "the request to run")
+    sock.close()                                             # the client goes away
+    _wait(lambda: _pool_is_full(server), "the abandoned request to be aborted")
+    assert eng.engine.requests == {}
+
+
+def test_data_parallel_replicas_and_the_http_load_benchmark(tmp_path, llm):
+    with start_server(MODEL, data_parallel_size=2, num_gpu_blocks=128, block_size=8) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        prompts = ["ROMEO:", "JULIET:", "KING:", "PUCK:"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: c.completions.create(
+                model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text, prompts))
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0,
+                                                                                 max_tokens=6))]
+        assert got == want
+        out = tmp_path / "bench.json"
+        assert main(["bench", "serve", "--endpoint", s.url, "--request-rate", "50,inf",
+                     "--num-requests", "8", "--output-len-median", "6", "--prompt-len-median", "8",
+                     "--slo-ttft", "1e-6", "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert [r["request_rate"] for r in res["rates"]] == [50.0, float("inf")]
+        for r in res["rates"]:
+            assert (r["completed"], r["failed"]) == (8, 0)
+            assert r["num_output_tokens"] == sum(res["workload"]["output_lens"])
+            assert r["goodput_requests_per_s"] == 0.0          # nobody meets a 1 us TTFT
+            assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
+        _, body = _get(s.url + "/metrics")
+        lines = body.decode().splitlines()
+        for rep in ("0", "1"):                                 # both replicas served requests
+            key = f'llmlab:e2e_request_latency_seconds_count{{model_name="shakespeare",replica="{rep}"}}'
+            assert float(next(x for x in lines if x.startswith(key)).split()[1]) >= 1
+        _wait(lambda: _pool_is_full(s), "both pools to be free")
+    assert parse_rates("1,2.5,inf") == [1.0, 2.5, float("inf")]
+    with pytest.raises(ValueError, match="must be > 0"):
+        parse_rates("1,0")
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--request-rate", "x"])
