@@ -41,11 +41,21 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
     engines = []
+    devices = _replica_devices(engine_args.get("device", "auto"), data_parallel_size)
     for r in range(data_parallel_size):
-        eng = LLMEngine(model, **engine_args)
+        eng = LLMEngine(model, **{**engine_args, "device": devices[r]})
         engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
                                    metrics=None if metrics is None else metrics.replica(str(r))))
     return engines
+
+
+def _replica_devices(device: str, n: int) -> list[str]:
+    """One device per replica: with ``cuda`` (or ``auto`` on a CUDA machine) and several GPUs,
+    replica ``r`` gets ``cuda:r % num_gpus``; otherwise every replica gets ``device``."""
+    import torch
+    if str(device) in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return [f"cuda:{r % torch.cuda.device_count()}" for r in range(n)]
+    return [device] * n
 
 
 def start_server(model="shakespeare", *, served_model_name: str | None = None,

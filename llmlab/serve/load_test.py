@@ -117,8 +117,11 @@ def _one_request(ep: _Endpoint, model: str, prompt: list[int], max_tokens: int) 
 
 
 def run_rate(ep: _Endpoint, model: str, workload: dict, arrivals: list[float],
-             slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
-    """Send every request of ``workload`` at its arrival offset; the summary for one rate."""
+             slo_ttft: float | None = None, slo_tpot: float | None = None,
+             return_requests: bool = False) -> dict:
+    """Send every request of ``workload`` at its arrival offset; the summary for one rate (with
+    ``return_requests`` also ``"requests"``: ``{"send", "first_token", "finish",
+    "num_output_tokens"}`` of each completed request, seconds on the client's clock)."""
     results: list[dict | None] = [None] * len(arrivals)
 
     def worker(i):
@@ -145,7 +148,10 @@ def run_rate(ep: _Endpoint, model: str, workload: dict, arrivals: list[float],
                if (slo_ttft is None or t.ttft <= slo_ttft)
                and (slo_tpot is None or t.tpot is None or t.tpot <= slo_tpot))
     dur = s["duration_s"]
-    return {"completed": len(ok), "failed": len(errors), "errors": errors[:5],
+    extra = ({"requests": [{"send": r["send"], "first_token": r["first"], "finish": r["end"],
+                            "num_output_tokens": r["tokens"]} for r in ok]}
+             if return_requests else {})
+    return {**extra, "completed": len(ok), "failed": len(errors), "errors": errors[:5],
             "duration_s": dur, "throughput_tokens_per_s": s["throughput_tokens_per_s"],
             "request_throughput_per_s": len(ok) / dur if dur > 0 else float("inf"),
             "goodput_requests_per_s": good / dur if dur > 0 else float("inf"),
@@ -157,10 +163,12 @@ def bench_endpoint(endpoint: str, request_rates, *, num_requests: int = 64, seed
                    model: str | None = None, api_key: str | None = None,
                    slo_ttft: float | None = None, slo_tpot: float | None = None,
                    prompt_len_median: float = 32.0, output_len_median: float = 32.0,
-                   length_sigma: float = 0.9, timeout: float = 600.0) -> dict:
+                   length_sigma: float = 0.9, timeout: float = 600.0,
+                   return_requests: bool = False) -> dict:
     """Benchmark the server at ``endpoint`` (``http://host:port``) at each rate; the CONTRACT
     dict. ``model``: the id to send (default: the server's first model). Raises ``ValueError``
-    for bad arguments, ``RuntimeError`` when the server does not answer or every request fails."""
+    for bad arguments or no server at ``endpoint``, ``RuntimeError`` when every request fails.
+    ``return_requests``: keep each request's times in its rate's entry (see :func:`run_rate`)."""
     if num_requests < 1:
         raise ValueError(f"--num-requests {num_requests} must be >= 1")
     for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
@@ -186,7 +194,7 @@ def bench_endpoint(endpoint: str, request_rates, *, num_requests: int = 64, seed
            "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, "rates": []}
     for rate in rates:
         arrivals = poisson_arrivals(num_requests, None if math.isinf(rate) else rate, seed)
-        res = run_rate(ep, entry["id"], wl, arrivals, slo_ttft, slo_tpot)
+        res = run_rate(ep, entry["id"], wl, arrivals, slo_ttft, slo_tpot, return_requests)
         out["rates"].append({"request_rate": rate, **res})
     return out
 

@@ -175,3 +175,33 @@ def _nvml_utilization() -> float:
         return torch.cuda.utilization() / 100.0
     except Exception:                       # no pynvml / no NVML: report nothing useful
         return float("nan")
+
+
+def scrape(base_url: str, timeout: float = 10.0) -> dict[str, list[tuple[dict, float]]]:
+    """``GET base_url/metrics`` parsed: ``{sample name: [(labels, value), ...]}`` (a histogram's
+    samples are ``<name>_bucket`` with an ``le`` label, ``<name>_sum``, ``<name>_count``)."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def sample(scraped: dict, name: str, **labels) -> float:
+    """Sum of the values of ``name`` whose labels include ``labels`` (0.0 if none)."""
+    return sum(v for lab, v in scraped.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items()))
+
+
+def histogram_buckets(scraped: dict, name: str, **labels) -> list[tuple[float, float]]:
+    """``[(upper bound, cumulative count)]`` of histogram ``name`` (summed over the series matching
+    ``labels``, e.g. over replicas), sorted, the last bound ``inf``."""
+    acc: dict[float, float] = {}
+    for lab, v in scraped.get(name + "_bucket", []):
+        if all(lab.get(k) == str(x) for k, x in labels.items()):
+            b = float(lab["le"])
+            acc[b] = acc.get(b, 0.0) + v
+    return sorted(acc.items())

@@ -9,6 +9,7 @@ exits with status 0 (uvicorn would re-raise the signal after its shutdown; this 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import signal
 import socket
@@ -87,6 +88,7 @@ class ServerThread:
     def start(self, start_timeout: float = 60.0) -> "ServerThread":
         if self.thread.ident is not None:
             return self                                # already started
+        atexit.register(self.stop)                     # a notebook kernel that exits stops it too
         self.thread.start()
         deadline = time.monotonic() + start_timeout
         while not self.server.started:
@@ -99,6 +101,8 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Idempotent; also runs at interpreter exit."""
+        atexit.unregister(self.stop)
         for e in self.engines:
             e.stop_admitting()
         self.server.should_exit = True
