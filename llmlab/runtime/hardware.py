@@ -96,6 +96,8 @@ LAB_SIZES: dict[str, dict] = {
                                    gpu_model="shakespeare"),
     "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
     "09_kernels": dict(max_ranks=1, min_ranks=1),
+    # an HTTP server: engine replicas of the shipped model in one process (a GPU each where there are several)
+    "11_deployment": dict(max_ranks=2, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
 }
 
 
