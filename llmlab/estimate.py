@@ -21,7 +21,9 @@ paper do; 1 GiB = 1.074 GB).
 
 Command line: ``llmlab estimate --params 8e9 --dtype fp32 --optimizer adam --tokens 2.5e11
 --gpu-tflops 312 --num-gpus 1 [--zero S --dp N] [--tokens-per-step 4e6 --bandwidth-gb-s 64
---activation-comm-bytes 80e9] [--json PATH]``.
+--activation-comm-bytes 80e9] [--seq-len S --cp N] [--json PATH]``; with ``--cp N`` the
+activation memory is per context-parallel rank
+(:func:`~llmlab.formulas.activations.activation_bytes_per_rank`).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import json
 from pathlib import Path
 
 from llmlab.formulas._checks import check_ranks
-from llmlab.formulas.activations import activation_bytes_per_layer
+from llmlab.formulas.activations import activation_bytes_per_layer, activation_bytes_per_rank
 from llmlab.formulas.communication import (communication_wall, ring_all_reduce_time, ring_factor,
                                            zero_comm_bytes_per_step)
 from llmlab.formulas.compute import ideal_training_time_s, training_flops
@@ -38,7 +40,7 @@ from llmlab.formulas.memory import model_state_bytes, zero_model_state_bytes
 
 __all__ = ["add_arguments", "estimate", "format_table", "run", "GB", "SECONDS_PER_DAY",
            # the formulas it combines, importable from here too (lab 00 uses ``E.<formula>``)
-           "activation_bytes_per_layer", "communication_wall", "ring_all_reduce_time",
+           "activation_bytes_per_layer", "activation_bytes_per_rank", "communication_wall", "ring_all_reduce_time",
            "ring_factor", "zero_comm_bytes_per_step", "ideal_training_time_s", "training_flops",
            "model_state_bytes", "zero_model_state_bytes"]
 
@@ -75,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--num-heads", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: activations per rank "
+                   "(each holds seq-len/cp tokens)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--json", default=None, help="also write the estimate here")
@@ -108,8 +112,11 @@ def estimate(args: argparse.Namespace) -> dict:
         if None in (layers, hidden, heads):
             raise ValueError("activation memory needs --model or --num-layers, --hidden-size "
                              "and --num-heads")
-        per_layer = activation_bytes_per_layer(args.seq_len, args.micro_batch_size, hidden, heads,
-                                               args.tp, args.sequence_parallel, args.recompute)
+        cp = getattr(args, "cp", 1)
+        per_layer = activation_bytes_per_rank(args.seq_len, args.micro_batch_size, hidden, heads,
+                                              args.tp, args.sequence_parallel, args.recompute, cp)
+        if cp > 1:
+            out["memory"]["cp"] = cp
         out["memory"]["activations_per_layer"] = per_layer
         out["memory"]["activations"] = per_layer * layers
     if args.tokens is not None:
@@ -158,8 +165,9 @@ def format_table(est: dict) -> str:
                      ("optimizer_states", "optimizer states"), ("total", "total model states")):
         lines.append(f"  {label:<22}{_gb(m['bytes'][k]):>16}")
     if "activations" in m:
+        per_rank = f", per rank over cp = {m['cp']}" if m.get("cp") else ""
         lines.append(f"  {'activations/layer':<22}{_gb(m['activations_per_layer']):>16}"
-                     "   (Korthikanti et al. 2022)")
+                     f"   (Korthikanti et al. 2022{per_rank})")
         lines.append(f"  {'activations, all':<22}{_gb(m['activations']):>16}")
     if "compute" in est:
         c = est["compute"]

@@ -55,6 +55,28 @@ def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size:
     return round(s * b * h * per)
 
 
+def activation_bytes_per_rank(seq_len: int, micro_batch_size: int, hidden_size: int,
+                              num_heads: int, tp: int = 1, sequence_parallel: bool = False,
+                              recompute: str = "none", cp: int = 1) -> int:
+    """Activation bytes one layer saves per rank with context parallelism over ``cp`` ranks.
+
+    Every activation of a layer belongs to one token, and each CP rank holds ``s/cp`` tokens, so
+    the per-rank bytes are :func:`activation_bytes_per_layer`'s divided by ``cp`` (Megatron-LM's
+    context-parallel docs: "the activation memory footprint is reduced by cp times"). The
+    quadratic attention term divides too: ring attention scores ``s/cp`` queries against one
+    block at a time, Ulysses all ``s`` keys for ``a/cp`` heads.
+
+    Raises:
+        ValueError: ``cp`` not a positive integer dividing ``seq_len``, or as
+            :func:`activation_bytes_per_layer`.
+    """
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or seq_len % cp:
+        raise ValueError(f"cp={cp!r} must be a positive integer dividing seq_len={seq_len}")
+    full = activation_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_heads, tp,
+                                      sequence_parallel, recompute)
+    return round(full / cp)
+
+
 def llama_block_activation_bytes(b: int, s: int, h: int, f: int, a: int, t: int = 1,
                                  sequence_parallel: bool = False, dtype_bytes: int = 4) -> int:
     """Bytes llmlab's Llama block saves for backward on one tensor-parallel rank.

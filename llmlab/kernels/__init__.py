@@ -44,7 +44,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from llmlab.kernels.online_softmax import online_softmax, online_softmax_matmul, online_softmax_steps
+from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
+                                          online_softmax_steps, softmax_partial)
 from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
                                       rms_norm_reference, swiglu_reference)
 
@@ -234,4 +235,5 @@ __all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable
            "use_fused", "attention", "rms_norm", "swiglu", "triton_available",
            "triton_interpreted", "triton_runs_on", "attention_reference",
            "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
-           "online_softmax", "online_softmax_steps", "online_softmax_matmul"]
+           "online_softmax", "online_softmax_steps", "online_softmax_matmul", "merge_softmax_partials",
+           "softmax_partial"]

@@ -124,6 +124,13 @@ class SavedActivations:
         return False
 
 
+def reset_cuda_peak(device=None) -> None:
+    """Start a new peak on a CUDA ``device`` (the caching allocator's peak lasts for the process,
+    so a second run in one notebook would otherwise report the first run's peak); no-op on CPU."""
+    if torch.cuda.is_available() and torch.device(device or "cuda").type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def cuda_memory(device=None) -> dict[str, int]:
     """``{"allocated", "peak_allocated", "reserved"}`` bytes on a CUDA device; ``{}`` on CPU."""
     if not torch.cuda.is_available():

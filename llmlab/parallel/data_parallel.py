@@ -14,7 +14,7 @@ Three ways to average the gradients, side by side so the diff is the lesson:
            asynchronously at once, so communication overlaps the rest of backward
            (``DistributedDataParallel``; Li et al., "PyTorch Distributed", VLDB 2020, §3.2).
 ``ring``   the same buckets, reduced after backward by :func:`ring_all_reduce`, an all-reduce
-           built from ``send``/``recv``: a reduce-scatter phase then an all-gather phase, each of
+           built from ``send``/``recv`` (each step's pair posted as one batch): a reduce-scatter phase then an all-gather phase, each of
            N-1 steps (Patarasuk & Yuan 2009; Baidu "ring all-reduce" 2017). Each rank sends
            ``2(N-1)/N · K`` bytes for a K-byte tensor, which the send/recv counters measure;
            its time in the α-β model is
@@ -79,10 +79,14 @@ def ring_all_reduce(t: torch.Tensor, group=None, trace: list | None = None) -> t
     buf = torch.empty_like(chunks[0])
 
     def exchange(send_idx: int, recv_idx: int) -> torch.Tensor:
+        # One batch, receive and send posted together: with separate isend/irecv, NCCL runs each
+        # rank's send first and a send larger than its buffers waits for the peer's receive, which
+        # that peer posts only after its own send: every rank of the ring waits forever.
         recv = buf[: chunks[recv_idx].numel()]
-        reqs = [comm.isend(chunks[send_idx], nxt, group=group), comm.irecv(recv, prv, group=group)]
-        for r in reqs:
-            r.wait()
+        works = comm.batch_isend_irecv([dist.P2POp(dist.irecv, recv, prv, group),
+                                        dist.P2POp(dist.isend, chunks[send_idx], nxt, group)])
+        for w in works:  # NCCL: one handle for the batch; gloo: one per op
+            w.wait()
         return recv
 
     for s in range(n - 1):  # reduce-scatter
