@@ -130,14 +130,22 @@ LAB_LAYOUTS: dict[str, Callable[[int], list[dict]]] = {
 }
 
 
+# The trainer's layout check, ``check(**TrainConfig fields)`` raising ValueError or
+# NotImplementedError. runtime/ sits below training/ and does not import it (docs/ARCHITECTURE.md):
+# llmlab.training.config installs :func:`llmlab.training.config.validate` here when it is imported,
+# which importing any part of llmlab does (the package's __init__ imports it).
+LAYOUT_CHECK: Callable[..., object] | None = None
+
+
 def lab_layout_error(lab: str, ranks: int, model: str) -> str | None:
     """``None`` if every layout lab ``lab`` trains with ``ranks`` ranks and preset ``model`` passes
-    :func:`llmlab.training.config.validate` (tp dividing the heads, pp the layers, dp the batch,
-    ...), else the first refusal, prefixed with the layout."""
-    from llmlab.training.config import TrainConfig, validate
+    the trainer's validation (:data:`LAYOUT_CHECK`: tp dividing the heads, pp the layers, dp the
+    batch, ...), else the first refusal, prefixed with the layout."""
+    if LAYOUT_CHECK is None:  # pragma: no cover - llmlab/__init__ imports training.config
+        raise RuntimeError("llmlab.training.config was not imported: no layout check installed")
     for kw in LAB_LAYOUTS.get(lab, lambda n: [])(ranks):
         try:
-            validate(TrainConfig(model=model, device="cpu", **kw))
+            LAYOUT_CHECK(model=model, device="cpu", **kw)
         except (ValueError, NotImplementedError) as e:
             return f"{kw}: {e}"
     return None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
+from llmlab.runtime import hardware as _hardware
 from llmlab.runtime.mesh import check_degrees
 
 
@@ -208,3 +209,12 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.zero",
     "llmlab.parallel.context_parallel",
 )
+
+
+def _check_layout(**fields) -> None:
+    validate(TrainConfig(**fields))
+
+
+# Lab sizing (llmlab.runtime.hardware) checks layouts with the trainer's rules without importing
+# the training layer.
+_hardware.LAYOUT_CHECK = _check_layout
