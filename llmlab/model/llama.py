@@ -64,6 +64,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core of ``module``: ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]``.
+
+    ``module.core_attention``, when set, replaces it (context parallelism installs ring or
+    Ulysses attention there, :mod:`llmlab.parallel.context_parallel`); otherwise K/V heads are
+    repeated for GQA and the opt-in fused kernel or PyTorch's SDPA runs.
+    """
+    core = getattr(module, "core_attention", None)
+    if core is not None:
+        return core(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
+        return kernels.attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _concat_linears(mods: list[nn.Linear]):
     """One weight for several ``nn.Linear`` layers that read the same input: the layers' weights
     (and biases) become views of one concatenated tensor (no extra memory), so one matmul replaces
@@ -92,6 +110,8 @@ class Attention(nn.Module):
     engine's :func:`~llmlab.model.context.forward_context` the attention itself is the context's
     (paged K/V, many sequences in one flattened batch); the projections and RoPE are these.
     """
+
+    core_attention = None  # context parallelism sets a callable (q, k, v) -> out
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -128,13 +148,7 @@ class Attention(nn.Module):
                               k.transpose(1, 2).reshape(B * T, Hkv, D),
                               v.transpose(1, 2).reshape(B * T, Hkv, D))
             return self.o_proj(o.reshape(B, T, H * D))
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
-            out = kernels.attention(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -222,8 +236,17 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    # Context parallelism sets the positions of this rank's tokens (int64 [T]); None = 0..T-1.
+    position_ids: torch.Tensor | None = None
+
     def rotary(self, T: int, device, dtype, offset: int = 0):
-        pos = torch.arange(offset, offset + T, device=device)
+        if self.position_ids is not None:
+            if self.position_ids.numel() != T:
+                raise ValueError(f"{T} tokens but {self.position_ids.numel()} position_ids "
+                                 f"(context parallelism: each rank holds seq_len/cp tokens)")
+            pos = self.position_ids.to(device) + offset
+        else:
+            pos = torch.arange(offset, offset + T, device=device)
         return rotary_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
 
     def run_layers(self, hidden: torch.Tensor, layers=None, seq_len: int | None = None,

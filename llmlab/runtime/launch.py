@@ -4,7 +4,7 @@
 ``torch.distributed`` process group in each (gloo on CPU, NCCL with one GPU per rank on CUDA),
 calls ``fn(*args, **kwargs)`` on every rank and returns the list of per-rank return values.
 
-How (measured on a 2-core CPU box, see shared/reference/notebooks-and-launching.md):
+How (measured on a 2-core CPU box):
 
 * ranks are forked from a *forkserver* that has imported only ``torch``: after the server's first
   start (~2 s), 4 ranks start in ~0.1 s, and no learner-editable module is cached in it;
@@ -211,6 +211,23 @@ def resolve_backend(backend: str, world_size: int) -> str:
         if world_size > n:
             raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} "
                              f"> {n} GPUs")
+    return backend
+
+
+def resolve_torchrun_backend(backend: str) -> str:
+    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
+    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
+    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
+    ranks (naming both counts)."""
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if n >= local_ws and n > 0 else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl" and local_ws > n:
+        raise ValueError(f"backend='nccl' needs one GPU per local rank: LOCAL_WORLD_SIZE={local_ws} "
+                         f"> {n} GPUs on this node")
     return backend
 
 
@@ -452,8 +469,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
     secret = torchrun_secret()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_torchrun_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(local % torch.cuda.device_count())
     own = not dist.is_initialized()
