@@ -22,6 +22,7 @@ from torch import nn
 from llmlab import kernels
 from llmlab.model.config import ModelConfig
 from llmlab.model.context import get_context
+from llmlab.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +93,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core of ``module``: ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]``.
+
+    ``module.core_attention``, when set, replaces it (context parallelism installs ring or
+    Ulysses attention there, :mod:`llmlab.parallel.context_parallel`); otherwise K/V heads are
+    repeated for GQA and the opt-in fused kernel or PyTorch's SDPA runs. A layer with
+    ``module.sliding_window = W`` lets query ``i`` see keys ``i - W < j <= i`` only.
+    """
+    core = getattr(module, "core_attention", None)
+    window = getattr(module, "sliding_window", None)
+    if core is not None:
+        if window is not None:
+            raise NotImplementedError("context parallelism does not support sliding-window layers")
+        return core(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if window is not None:
+        i = torch.arange(q.shape[2], device=q.device)
+        d = i[:, None] - i[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window))
+    if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
+        return kernels.attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def _concat_linears(mods: list[nn.Linear]):
     """One weight for several ``nn.Linear`` layers that read the same input: the layers' weights
     (and biases) become views of one concatenated tensor (no extra memory), so one matmul replaces
@@ -120,6 +147,8 @@ class Attention(nn.Module):
     engine's :func:`~llmlab.model.context.forward_context` the attention itself is the context's
     (paged K/V, many sequences in one flattened batch); the projections and RoPE are these.
     """
+
+    core_attention = None  # context parallelism sets a callable (q, k, v) -> out
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -158,17 +187,7 @@ class Attention(nn.Module):
                               k.transpose(1, 2).reshape(B * T, Hkv, D),
                               v.transpose(1, 2).reshape(B * T, Hkv, D), self.sliding_window)
             return self.o_proj(o.reshape(B, T, H * D))
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.sliding_window is not None:      # query i sees keys i - window < j <= i
-            i = torch.arange(T, device=x.device)
-            d = i[:, None] - i[None, :]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < self.sliding_window))
-        elif kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
-            out = kernels.attention(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -200,10 +219,6 @@ class MLP(nn.Module):
 def make_mlp(config: ModelConfig) -> nn.Module:
     """The MLP slot of a decoder layer: dense SwiGLU, or a mixture of experts."""
     if config.num_experts:
-        try:
-            from llmlab.model.moe import MoE
-        except ImportError as e:  # pragma: no cover - only before the MoE layer exists
-            raise NotImplementedError("mixture-of-experts layers are not supported yet") from e
         return MoE(config)
     return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
@@ -260,8 +275,17 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    # Context parallelism sets the positions of this rank's tokens (int64 [T]); None = 0..T-1.
+    position_ids: torch.Tensor | None = None
+
     def rotary(self, T: int, device, dtype, offset: int = 0):
-        pos = torch.arange(offset, offset + T, device=device)
+        if self.position_ids is not None:
+            if self.position_ids.numel() != T:
+                raise ValueError(f"{T} tokens but {self.position_ids.numel()} position_ids "
+                                 f"(context parallelism: each rank holds seq_len/cp tokens)")
+            pos = self.position_ids.to(device) + offset
+        else:
+            pos = torch.arange(offset, offset + T, device=device)
         return self.rotary_at(pos, dtype)
 
     def rotary_at(self, positions: torch.Tensor, dtype):
