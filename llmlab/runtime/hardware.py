@@ -91,6 +91,8 @@ LAB_SIZES: dict[str, dict] = {
                                    gpu_model="shakespeare"),
     "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
     "09_kernels": dict(max_ranks=1, min_ranks=1),
+    # cp ranks split the sequence (2 on CPU); ulysses needs cp | the kv heads of "small" (4)
+    "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),
 }
 
 
