@@ -1,4 +1,4 @@
-"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``bench``, ``doctor``.
+"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``.
 
 Thin by design: it parses, validates and calls the package. ``train``'s flags are generated from
 :class:`~llmlab.training.config.TrainConfig`; the other subcommands live next to what they run:
@@ -15,9 +15,10 @@ import sys
 SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
+    "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
-    "bench serve": ("llmlab.inference.bench", "serving benchmark against Hugging Face generate"),
-    "bench comm": ("llmlab.parallel.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
+    "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
 }
 
 

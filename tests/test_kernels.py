@@ -203,3 +203,13 @@ def test_triton_switch_needs_package_and_falls_back_on_plain_cpu(monkeypatch):
     with K.use(attention="triton", rmsnorm=True):
         assert K.use_fused("attention", x) and K.use_fused("rmsnorm", x)
         assert not K.use_fused("swiglu", x)
+
+
+def test_triton_platform_is_the_kernels_extras_marker():
+    """The Triton tests skip exactly where the ``kernels`` extra installs no triton."""
+    import re
+    from pathlib import Path
+    from llmlab.kernels import TRITON_MARKER
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    (req,) = re.findall(r'^kernels = \["triton[^;]*;(.*)"\]$', text, re.M)   # tomllib needs 3.11
+    assert req.strip() == TRITON_MARKER

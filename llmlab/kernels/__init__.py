@@ -70,6 +70,19 @@ class KernelSettings:
 _settings = KernelSettings()
 
 
+# The platforms the ``kernels`` extra installs triton on (pyproject.toml; tests check they agree).
+TRITON_MARKER = "python_version >= '3.11' and platform_system == 'Linux' and platform_machine == 'x86_64'"
+
+
+def triton_platform() -> bool:
+    """True where ``pip install llmlab[kernels]`` installs triton (:data:`TRITON_MARKER`): there
+    a missing triton is an installation error, elsewhere the Triton kernels cannot exist."""
+    import platform
+    import sys
+    return (sys.version_info >= (3, 11) and platform.system() == "Linux"
+            and platform.machine() == "x86_64")
+
+
 def triton_available() -> bool:
     """True if the ``triton`` package is installed (it is not imported)."""
     return importlib.util.find_spec("triton") is not None

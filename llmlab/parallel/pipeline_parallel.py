@@ -11,9 +11,9 @@ interleaved 1F1B): forwards, backwards, and activations / activation-gradients s
 (:mod:`llmlab.runtime.comm`, bytes counted). Every message has the same shape, known in advance
 (``[micro_batch, seq_len, hidden]``), so no shape handshake is needed; each carries a tag made of
 (kind, receiving virtual stage, micro-batch), so a receive can only match its own send.
-Consecutive p2p actions are posted as one ``batch_isend_irecv``; sends never block the rank, a
-receive waits for data an earlier op of another rank produces, and
-:func:`~llmlab.parallel.pipeline_schedules.simulate` proves for each schedule that no wait is circular.
+Consecutive p2p actions are posted as one ``batch_isend_irecv``; the schedule places them in
+synchronous rounds, so :func:`~llmlab.parallel.pipeline_schedules.simulate` proves for each
+schedule that no wait is circular even when sends block (NCCL, large messages).
 
 Per step the runner records a timeline (forward, backward, send, recv per rank, in seconds from
 the start of the flush) and the measured bubble: ``1 - (forward+backward time) / flush time``,
@@ -210,11 +210,11 @@ class PipelineRunner:
                         ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
                         recvs.append((b, t))
                 works = comm.batch_isend_irecv(ops)
-                for op, w in zip(ops, works):
-                    if op.op is dist.irecv:
+                if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
+                    for w in works:  # wait on all of them before any received tensor is read
                         w.wait()
-                    else:
-                        pending_sends.append((w, op.tensor))
+                else:  # sends only: go on computing; the tensors live until the end-of-flush wait
+                    pending_sends.append((works, [op.tensor for op in ops]))
                 for b, t in recvs:
                     if b.op == RECV_ACT:
                         inputs[(b.chunk, b.mb)] = t.requires_grad_()
@@ -259,8 +259,9 @@ class PipelineRunner:
             events.append([a.op, a.chunk, a.mb, t0 - t_start, time.perf_counter() - t_start])
             i += 1
         t0 = time.perf_counter()
-        for w, _ in pending_sends:
-            w.wait()
+        for works, _ in pending_sends:
+            for w in works:
+                w.wait()
         if pending_sends:
             events.append(["send", 0, -1, t0 - t_start, time.perf_counter() - t_start])
         self._record(events, time.perf_counter() - t_start, device)

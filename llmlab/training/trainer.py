@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
-                                   param_bytes, tensor_bytes)
+                                   param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
@@ -211,7 +211,8 @@ def rank_main(cfg: TrainConfig) -> dict:
     loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
-    peak = peak_flops(device) if device.type == "cuda" else None
+    peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
+    reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
     first = 1
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
@@ -303,9 +304,14 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
             bar.close()
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
-        Path(cfg.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.metrics_json).write_text(json.dumps(metrics, indent=1))
+        write_metrics(metrics, cfg.metrics_json)
     return metrics
+
+
+def write_metrics(metrics: dict, path: str | Path) -> None:
+    """Write the metrics as JSON (format: llmlab/metrics/train_metrics.schema.json)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(metrics, indent=1))
 
 
 def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
