@@ -123,7 +123,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("layout", [
     dict(cp=2), dict(cp=4), dict(cp=2, cp_mode="ulysses"), dict(dp=2, cp=2), dict(tp=2, cp=2),
     dict(dp=2, cp=2, zero=2), dict(pp=2, cp=2, num_microbatches=2),
-], ids=["cp2", "cp4", "cp2-ulysses", "dp2xcp2", "tp2xcp2", "dp2xcp2+zero2", "pp2xcp2"])
+    dict(tp=2, cp=2, sequence_parallel=True), dict(cp=2, activation_checkpointing=True),
+], ids=["cp2", "cp4", "cp2-ulysses", "dp2xcp2", "tp2xcp2", "dp2xcp2+zero2", "pp2xcp2", "tp2xcp2+sp",
+        "cp2+recompute"])
 def test_layout_equals_one_device_loss_and_gradients(layout, one_device):
     from llmlab.training.checkpoint import _cut
     cfg = TrainConfig(**KW, **layout)
