@@ -33,6 +33,8 @@ LAB_SIZES: dict[str, dict] = {
                                    gpu_model="shakespeare"),
     "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
     "09_kernels": dict(max_ranks=1, min_ranks=1),
+    # cp ranks split the sequence (2 on CPU); ulysses needs cp | the kv heads of "small" (4)
+    "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),
     # an HTTP server: engine replicas of the shipped model in one process (a GPU each where there are several)
     "11_deployment": dict(max_ranks=2, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
 }
@@ -64,6 +66,8 @@ LAB_LAYOUTS: dict[str, Callable[[int], list[dict]]] = {
         [dict(dp=4), dict(dp=2, tp=2), dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
          dict(dp=2, pp=2, num_microbatches=2), dict(dp=2, zero=1), dict(tp=4)]
         + ([dict(dp=2, tp=2, pp=2, num_microbatches=2)] if n >= 8 else []))],
+    "10_context_parallel": lambda n: [dict(cp=n, cp_mode=mode, seq_len=S, global_batch_size=B)
+                                      for mode in ("ring", "ulysses") for S, B in ((128, 2), (1024, 2), (256, 4))],
 }
 
 
