@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
@@ -114,11 +116,18 @@ def run(args: argparse.Namespace) -> int:
 
     from llmlab.inference.llm import LLM
     from llmlab.inference.outputs import error_output
+    from llmlab.inference import tensor_parallel
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
+    if tensor_parallel.join_torchrun(args.tensor_parallel_size) != 0:
+        tensor_parallel.run_worker(args.model, args.device)   # a torchrun rank other than 0
+        return 0
     reqs = read_requests(args)
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching,
-              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device)
+              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
+              tensor_parallel_size=args.tensor_parallel_size)
     fallback = {k: v for k, v in CLI_DEFAULTS.items() if k not in llm.engine.generation_defaults}
     outs, todo = [None] * len(reqs), []
     for i, r in enumerate(reqs):
@@ -130,9 +139,13 @@ def run(args: argparse.Namespace) -> int:
             outs[i] = error_output(str(i), r if isinstance(r, dict) else None, str(e), time.perf_counter())
             continue
         todo.append((i, {k: r[k] for k in ("prompt", "prompt_token_ids") if k in r}, params))
-    if todo:
-        for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo], [sp for _, _, sp in todo])):
-            outs[i] = o
+    try:
+        if todo:
+            for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo],
+                                                       [sp for _, _, sp in todo])):
+                outs[i] = o
+    finally:
+        llm.engine.shutdown()
     failed = [i for i, o in enumerate(outs) if o.error is not None]
     for i in failed:
         print(f"request {i}: error: {outs[i].error}", file=sys.stderr)

@@ -80,7 +80,9 @@ class LLMEngine:
     output head as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; weight bytes
     about 1/4 of fp32, activations and cache stay in ``dtype``; a model object passed in is
     quantised in place); ``seed`` for requests without one; ``check_invariants``
-    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook.
+    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
+    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks).
 
     ``generation_defaults`` (default: the checkpoint's ``generation_config.json``, see
     :func:`~llmlab.inference.loader.generation_defaults`) fill the sampling fields a request
@@ -98,12 +100,16 @@ class LLMEngine:
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
                  on_step=None, quantization: str | None = None,
-                 generation_defaults: dict | None = None):
+                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1):
         self.device = _pick_device(device)
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
+        spec = model
         model, self.tokenizer, self.eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
+        if tensor_parallel_size != 1:
+            from llmlab.inference import tensor_parallel
+            tensor_parallel.validate(model.config, tensor_parallel_size, quantization)
         if quantization == "int8":
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
@@ -139,7 +145,15 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype, num_host_blocks)
+        if tensor_parallel_size == 1:
+            self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype,
+                                      num_host_blocks)
+        else:
+            self.runner = tensor_parallel.TensorParallelRunner.launch(
+                model, spec, tensor_parallel_size, self.device,
+                dict(num_blocks=num_gpu_blocks, block_size=block_size, dtype=dtype,
+                     num_host_blocks=num_host_blocks))
+        self.tensor_parallel_size = tensor_parallel_size
         self.check_invariants = check_invariants
         self.on_step = on_step
         self.step_metrics: list[StepMetrics] = []
@@ -147,6 +161,12 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._step = 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @property
     def num_gpu_blocks(self) -> int:
