@@ -345,7 +345,8 @@ class LLMEngine:
                 req.seqs += children
                 group += children
             row = logits[seq.seq_id]
-            if not bool(torch.isfinite(row).all()):
+            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
                 bad = "nan" if bool(torch.isnan(row).any()) else "inf"
                 req.error = (f"non-finite logits ({bad}) at output position "
                              f"{seq.num_output_tokens}; the request was stopped")
