@@ -10,25 +10,27 @@ reads it: with no context set, attention is ordinary causal attention over the b
 The context is any object with ``attention(layer_idx, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D])
 -> [N, H, D]``; llmlab's engine sets :class:`llmlab.inference.attention_context.PagedAttentionContext`.
 The model never imports the engine: the dependency points from ``inference`` to ``model``.
+The context is per thread: several engines stepping on their own threads in one process (the
+data-parallel replicas of ``llmlab serve``) each see their own.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
-_CONTEXT = None
+_LOCAL = threading.local()
 
 
 def get_context():
-    """The context of the forward in progress, or None (plain causal attention)."""
-    return _CONTEXT
+    """The context of the forward in progress on this thread, or None (plain causal attention)."""
+    return getattr(_LOCAL, "ctx", None)
 
 
 @contextlib.contextmanager
 def forward_context(ctx):
     """``with forward_context(ctx): model(...)``: the attention layers use ``ctx`` inside."""
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ctx
+    prev, _LOCAL.ctx = getattr(_LOCAL, "ctx", None), ctx
     try:
         yield ctx
     finally:
-        _CONTEXT = prev
+        _LOCAL.ctx = prev
