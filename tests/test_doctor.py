@@ -35,10 +35,10 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
 
 
 def test_a_broken_backend_is_reported_with_its_error_not_raised():
-    if torch.cuda.is_available():
-        return
-    r = check_comm("nccl", 2)
-    assert r["ok"] is False and "one GPU per rank" in r["error"]
+    # More NCCL ranks than GPUs (on any host): launch refuses, and the doctor reports it.
+    n = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 2
+    r = check_comm("nccl", n)
+    assert r["ok"] is False and "one GPU per rank" in r["error"] and f"world_size={n}" in r["error"]
 
 
 def test_lab_size_on_cpu():

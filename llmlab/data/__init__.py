@@ -27,7 +27,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """``skip_special_tokens`` is accepted for the Hugging Face signature (no special tokens)."""
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 import importlib
 import os
 
-LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09")
+LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11")
 
 SOLUTIONS: dict = {}  # exercise name -> reference solution
-LAB_OF: dict[str, str] = {}  # exercise name -> lab number ("00".."09")
+LAB_OF: dict[str, str] = {}  # exercise name -> lab number ("00".."11")
 for _lab in LABS:
     for _fn in importlib.import_module(f"{__name__}.lab{_lab}").EXERCISES:
         if _fn.__name__ in SOLUTIONS:

@@ -64,7 +64,7 @@ def read_requests(args) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmlab.inference.engine import LLM
+    from llmlab.inference.llm import LLM
     from llmlab.inference.sampling import SamplingParams
     reqs = read_requests(args)
     params = []

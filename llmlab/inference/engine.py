@@ -1,14 +1,9 @@
-"""The engine loop: schedule, run, sample, stop; ``LLM.generate`` and streaming on top.
+"""The engine loop: schedule, run, sample, stop (``LLM`` in :mod:`llmlab.inference.llm` wraps it).
 
 ``LLMEngine.step()`` is one iteration (Orca's iteration-level scheduling): the scheduler plans
 (which sequences, how many tokens, which block copies), the model runner computes those tokens
 through the paged cache, every sequence whose last token was computed samples its next token, and
-finished sequences give their blocks back. ``LLM`` wraps it as vLLM's offline API::
-
-    from llmlab.inference import LLM, SamplingParams
-    llm = LLM("shakespeare")                      # the model shipped with llmlab
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
-    print(out[0].outputs[0].text)
+finished sequences give their blocks back.
 
 Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
 blocks used, preemptions, ...), ``on_step`` receives each as it is made, and every
@@ -28,88 +23,11 @@ import torch
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
+from llmlab.inference.outputs import (CompletionOutput, RequestMetrics, RequestOutput,  # noqa: F401
+                                      StepMetrics)
 from llmlab.inference.sampling import SamplingParams, make_generator, sample_token
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
-
-
-@dataclass
-class RequestMetrics:
-    """Times in seconds (``time.perf_counter``). ``ttft`` = first token - arrival; ``tpot`` =
-    (finish - first token) / (output tokens - 1) of the longest sample."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    num_prefix_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None     # None while running, then "stop" | "length" | "abort"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-
-
-@dataclass
-class StepMetrics:
-    """One engine step. Times in seconds; ``kv_tokens_stored`` counts the cache slots holding a
-    computed token (shared blocks once), so ``1 - kv_tokens_stored / (kv_blocks_used *
-    block_size)`` is the fraction of allocated KV memory that is wasted (PagedAttention, Kwon et
-    al. 2023 §2.3: slots allocated but holding no token's K/V; the engine allocates a block only
-    when a token is about to be written into it, so this is the internal fragmentation of each
-    sequence's last block, nothing reserved ahead; blocks kept for the prefix cache after their
-    sequence finished are free, not counted). ``seq_lens``: cached tokens of each running sequence
-    after the step (what the waste at another block size would be computed from). ``sample_s``:
-    seconds spent drawing this step's tokens from the logits (temperature, top-k/p)."""
-
-    step: int
-    start_time: float
-    duration_s: float
-    num_seqs: int                 # batch size: sequences computed this step
-    num_batched_tokens: int
-    num_prefill_tokens: int       # tokens of sequences that computed more than one token
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int          # preempted in this step
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_tokens_stored: int
-    block_size: int
-    num_cow_copies: int
-    num_prefix_hit_tokens: int    # cumulative
-    seq_lens: tuple = ()
-    sample_s: float = 0.0
-
-    @property
-    def kv_waste_fraction(self) -> float:
-        alloc = self.kv_blocks_used * self.block_size
-        return 0.0 if alloc == 0 else 1.0 - self.kv_tokens_stored / alloc
 
 
 @dataclass
@@ -288,8 +206,6 @@ class LLMEngine:
     def _decode(self, ids) -> str | None:
         if self.tokenizer is None:
             return None
-        if type(self.tokenizer).__name__ == "ByteTokenizer":
-            return self.tokenizer.decode(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _check_stop(self, seq: Sequence) -> str | None:
@@ -430,65 +346,8 @@ class LLMEngine:
         self.requests.pop(str(request_id), None)
 
 
-class LLM:
-    """Offline generation, vLLM style: ``LLM(model, **engine_args).generate(prompts, params)``.
-
-    ``model``: a preset with shipped weights (default ``"shakespeare"``), a checkpoint directory,
-    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``engine_args`` as :class:`LLMEngine`.
-    """
-
-    def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
-        self.engine = LLMEngine(model, tokenizer, **engine_args)
-
-    def _add(self, prompts, sampling_params) -> list[str]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:                         # refuse the whole batch, leak nothing
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
-            raise
-        return ids
-
-    def stream(self, prompts, sampling_params=None):
-        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming)."""
-        ids = self._add(prompts, sampling_params)
-        try:
-            while self.engine.has_unfinished_requests():
-                yield from self.engine.step()
-        finally:
-            for rid in ids:
-                self.engine.abort_request(rid)     # no-op when finished; frees on early exit
-                self.engine.release(rid)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts)."""
-        ids = self._add(prompts, sampling_params)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate")
-        try:
-            while self.engine.has_unfinished_requests():
-                for o in self.engine.step():
-                    if bar is not None and o.finished:
-                        bar.update(1)
-            return [self.engine.get_output(rid) for rid in ids]
-        finally:
-            if bar is not None:
-                bar.close()
-            for rid in ids:
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
+def __getattr__(name):          # ``from llmlab.inference.engine import LLM`` keeps working
+    if name == "LLM":
+        from llmlab.inference.llm import LLM
+        return LLM
+    raise AttributeError(name)

@@ -115,9 +115,6 @@ class SavedActivations:
             self.current -= entry[1]
             del self._live[ptr]
 
-    def reset_peak(self):
-        self.peak = self.current
-
     def __enter__(self):
         self._hooks.__enter__()
         return self

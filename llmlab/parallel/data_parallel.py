@@ -16,7 +16,9 @@ Three ways to average the gradients, side by side so the diff is the lesson:
 ``ring``   the same buckets, reduced after backward by :func:`ring_all_reduce`, an all-reduce
            built from ``send``/``recv`` (each step's pair posted as one batch): a reduce-scatter phase then an all-gather phase, each of
            N-1 steps (Patarasuk & Yuan 2009; Baidu "ring all-reduce" 2017). Each rank sends
-           ``2(N-1)/N · K`` bytes for a K-byte tensor, which the send/recv counters measure.
+           ``2(N-1)/N · K`` bytes for a K-byte tensor, which the send/recv counters measure;
+           its time in the α-β model is
+           :func:`llmlab.formulas.communication.ring_all_reduce_time`.
 
 All three broadcast the parameters from the group's first rank when wrapping, offer
 ``no_sync()`` for gradient accumulation (skip communication for all but the last micro-batch)
@@ -97,26 +99,6 @@ def ring_all_reduce(t: torch.Tensor, group=None, trace: list | None = None) -> t
         if trace is not None:
             trace.append(("all-gather", s, a, b, t.detach().clone()))
     return t
-
-
-def ring_all_reduce_bytes(nbytes: int, world_size: int) -> float:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``: 2(N-1)/N · K."""
-    return 2 * (world_size - 1) / world_size * nbytes
-
-
-def ring_all_reduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0) -> float:
-    """Seconds for a ring all-reduce of ``nbytes`` bytes over ``world_size`` ranks.
-
-    ``bandwidth`` is the per-link bus bandwidth in bytes/s (nccl-tests "busbw", as
-    ``llmlab bench comm`` measures it) and ``latency`` the per-step latency α in seconds:
-    ``t = 2(N-1)·α + 2(N-1)/N · K / B`` (the α-β model; Thakur, Rabenseifner & Gropp 2005).
-    This is the communication wall of data parallelism: K = gradient bytes per step.
-    """
-    if world_size < 1 or bandwidth <= 0:
-        raise ValueError(f"need world_size >= 1 and bandwidth > 0, got {world_size}, {bandwidth}")
-    if world_size == 1:
-        return 0.0
-    return 2 * (world_size - 1) * latency + ring_all_reduce_bytes(nbytes, world_size) / bandwidth
 
 
 # --------------------------------------------------------------------------------------------

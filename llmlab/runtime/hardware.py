@@ -96,6 +96,8 @@ LAB_SIZES: dict[str, dict] = {
                                    gpu_model="shakespeare"),
     "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
     "09_kernels": dict(max_ranks=1, min_ranks=1),
+    # an HTTP server: engine replicas of the shipped model in one process (a GPU each where there are several)
+    "11_deployment": dict(max_ranks=2, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
 }
 
 
@@ -128,14 +130,29 @@ LAB_LAYOUTS: dict[str, Callable[[int], list[dict]]] = {
 }
 
 
+_layout_validator: Callable[[dict], None] | None = None
+
+
+def register_layout_validator(fn: Callable[[dict], None]) -> None:
+    """Set the check applied to each lab layout: ``fn(TrainConfig fields)`` raises ``ValueError``
+    naming the broken constraint. :mod:`llmlab.training.config` registers the trainer's own
+    ``validate`` when imported (``import llmlab`` does), so this bottom layer never imports the
+    trainer."""
+    global _layout_validator
+    _layout_validator = fn
+
+
 def lab_layout_error(lab: str, ranks: int, model: str) -> str | None:
     """``None`` if every layout lab ``lab`` trains with ``ranks`` ranks and preset ``model`` passes
-    :func:`llmlab.training.config.validate` (tp dividing the heads, pp the layers, dp the batch,
-    ...), else the first refusal, prefixed with the layout."""
-    from llmlab.training.config import TrainConfig, validate
+    the trainer's validation (tp dividing the heads, pp the layers, dp the batch, ...), else the
+    first refusal, prefixed with the layout. Raises ``RuntimeError`` if no validator is registered
+    (:mod:`llmlab.training.config` not imported)."""
+    if _layout_validator is None:
+        raise RuntimeError("no layout validator registered: import llmlab (llmlab.training.config "
+                           "registers the trainer's validate)")
     for kw in LAB_LAYOUTS.get(lab, lambda n: [])(ranks):
         try:
-            validate(TrainConfig(model=model, device="cpu", **kw))
+            _layout_validator(dict(model=model, **kw))
         except (ValueError, NotImplementedError) as e:
             return f"{kw}: {e}"
     return None

@@ -1,0 +1,34 @@
+"""The forward context: what a serving engine hands the attention layers for one forward pass.
+
+A serving step batches the new tokens of many sequences into one ``[1, N]`` forward whose keys and
+values live in a paged cache, not in the batch. The decoder layers stay the model's own; only the
+attention needs to know where each token's K/V goes and which cached tokens each query sees. The
+engine sets that metadata here for the duration of the forward (as nano-vllm's
+``utils/context.py`` and vLLM's ``forward_context`` do) and :class:`~llmlab.model.llama.Attention`
+reads it: with no context set, attention is ordinary causal attention over the batch.
+
+The context is any object with ``attention(layer_idx, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D])
+-> [N, H, D]``; llmlab's engine sets :class:`llmlab.inference.attention_context.PagedAttentionContext`.
+The model never imports the engine: the dependency points from ``inference`` to ``model``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+_CONTEXT = None
+
+
+def get_context():
+    """The context of the forward in progress, or None (plain causal attention)."""
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def forward_context(ctx):
+    """``with forward_context(ctx): model(...)``: the attention layers use ``ctx`` inside."""
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
