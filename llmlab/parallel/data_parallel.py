@@ -35,12 +35,12 @@ wire bytes appear as ``send``/``recv``.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.metrics.timing import EventTimeline
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -250,7 +250,9 @@ class DistributedDataParallel(_DataParallelBase):
 
     With ``record_timeline=True``, ``timeline`` collects ``("backward_start"|"grad_ready"|
     "launch"|"done", bucket or None, t)`` events (``time.perf_counter`` seconds); "done" is
-    taken when the collective's future completes, so the list shows the real overlap.
+    taken when the collective has run (gloo: its future; CUDA: an event on a side stream that
+    waits for it, :class:`~llmlab.metrics.timing.EventTimeline`), so the list shows the real
+    overlap on a GPU too.
     """
 
     def __init__(self, module: nn.Module, mesh, bucket_mb: float = 25.0, overlap: bool = True,
@@ -266,6 +268,8 @@ class DistributedDataParallel(_DataParallelBase):
                 self.where[p] = (b, j)
         self.next_bucket = 0
         self.record_timeline, self.timeline = record_timeline, []
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.where]
 
     # --- hooks ------------------------------------------------------------------------------
@@ -277,7 +281,7 @@ class DistributedDataParallel(_DataParallelBase):
 
     def _event(self, kind: str, bucket: int | None) -> None:
         if self.record_timeline:
-            self.timeline.append((kind, bucket, time.perf_counter()))
+            self._clock.mark(kind, bucket)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.require_backward_grad_sync or not self.overlap:
@@ -296,8 +300,8 @@ class DistributedDataParallel(_DataParallelBase):
         self._event("launch", b.index)
         b.buffer.div_(b.size)  # average = sum of grad/N; dividing first keeps 16-bit sums finite
         b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
-        if self.record_timeline:
-            b.work.get_future().then(lambda f, i=b.index: self._event("done", i))
+        if self.record_timeline:  # when the all-reduce has run (not when NCCL queued it)
+            self._clock.mark_done("done", b.index, b.work)
 
     def _launch_ready(self) -> None:
         while self.next_bucket < len(self.buckets):
@@ -321,6 +325,7 @@ class DistributedDataParallel(_DataParallelBase):
             b.work.wait()
             b.copy_out()
             b.reset()
+        self._clock.resolve()
         self.next_bucket = 0
 
     def bucket_sizes(self) -> list[int]:
