@@ -327,3 +327,16 @@ def test_data_parallel_replicas_and_the_http_load_benchmark(tmp_path, llm):
         parse_rates("1,0")
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--endpoint", "http://127.0.0.1:9", "--request-rate", "x"])
+
+
+def test_engines_stepping_on_two_threads_do_not_share_a_forward_context(llm):
+    """Data-parallel replicas step on their own threads in one process: each forward must see its
+    own engine's paged-attention context."""
+    prompts = ["ROMEO:", "JULIET: O", "KING LEAR:", "PUCK"] * 2
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engines = [LLM(MODEL, block_size=8), LLM(MODEL, block_size=4)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params)],
+                            engines, timeout=TIMEOUT))
+    assert got == [want, want]

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.metrics.timing import EventTimeline
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -257,7 +257,9 @@ class DistributedDataParallel(_DataParallelBase):
 
     With ``record_timeline=True``, ``timeline`` collects ``("backward_start"|"grad_ready"|
     "launch"|"done", bucket or None, t)`` events (``time.perf_counter`` seconds); "done" is
-    taken when the collective's future completes, so the list shows the real overlap.
+    taken when the collective has run (gloo: its future; CUDA: an event on a side stream that
+    waits for it, :class:`~llmlab.metrics.timing.EventTimeline`), so the list shows the real
+    overlap on a GPU too.
     """
 
     def __init__(self, module: nn.Module, mesh, bucket_mb: float = 25.0, overlap: bool = True,
@@ -269,6 +271,8 @@ class DistributedDataParallel(_DataParallelBase):
         self.buckets = build_buckets(self.params, mesh, bucket_mb * 2**20)
         self.next_bucket = 0
         self.record_timeline, self.timeline = record_timeline, []
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+        self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
         # One hook per parameter that knows its bucket and slot (no lookup on the hot path).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b, j))
                        for b in self.buckets for j, p in enumerate(b.params)]
@@ -282,7 +286,7 @@ class DistributedDataParallel(_DataParallelBase):
 
     def _event(self, kind: str, bucket: int | None) -> None:
         if self.record_timeline:
-            self.timeline.append((kind, bucket, time.perf_counter()))
+            self._clock.mark(kind, bucket)
 
     def _grad_ready(self, b: Bucket, j: int, p: nn.Parameter) -> None:
         """Gradient hook of parameter ``j`` of bucket ``b``: copy it in; launch what is complete."""
@@ -302,8 +306,8 @@ class DistributedDataParallel(_DataParallelBase):
         b.launched = True
         self._event("launch", b.index)
         b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
-        if self.record_timeline:
-            b.work.get_future().then(lambda f, i=b.index: self._event("done", i))
+        if self.record_timeline:  # when the all-reduce has run (not when NCCL queued it)
+            self._clock.mark_done("done", b.index, b.work)
 
     def _launch_ready(self) -> None:
         while self.next_bucket < len(self.buckets):
@@ -327,6 +331,7 @@ class DistributedDataParallel(_DataParallelBase):
             b.work.wait()
             b.copy_out()
             b.reset()
+        self._clock.resolve()
         self.next_bucket = 0
 
     def bucket_sizes(self) -> list[int]:

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
-from llmlab.runtime import hardware as _hardware
 from llmlab.runtime.mesh import check_degrees
 
 
@@ -212,11 +211,3 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.context_parallel",
 )
 
-
-def _check_layout(**fields) -> None:
-    validate(TrainConfig(**fields))
-
-
-# Lab sizing (llmlab.runtime.hardware) checks layouts with the trainer's rules without importing
-# the training layer.
-_hardware.LAYOUT_CHECK = _check_layout
