@@ -30,3 +30,15 @@ def test_a_missing_or_wrong_package_of_an_included_extra_is_named(check, monkeyp
 
 def test_this_environment_has_every_tested_extra(check):
     assert check.missing(["dev"]) == []
+
+
+def test_no_test_skips_on_an_import():
+    """Hard dependencies and the tested extras are installed (CI checks it above), so a test that
+    skips when an import fails would only hide a broken installation. (The Triton tests skip on
+    the platforms the kernels extra does not cover, by platform, not by import.)"""
+    import re
+    tests = Path(__file__).parent
+    offenders = [f"{p.name}:{n}" for p in sorted(tests.glob("*.py")) if p.name != Path(__file__).name
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"importorskip\(", line)]
+    assert offenders == []
