@@ -64,14 +64,29 @@ def _pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
+
+
+def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
+                        swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
+    """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
+    Raises ``ValueError`` for a negative ``swap_space_bytes`` or a non-positive block size."""
+    if swap_space_bytes < 0 or bytes_per_block <= 0:
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block="
+                         f"{bytes_per_block} > 0")
+    return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
     device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
     ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
-    host blocks for swap preemption (default: as many as device blocks when
-    ``preemption_mode == "swap"``); ``max_num_seqs``,
+    host blocks for swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
+    ``swap_space_bytes``, 4 GiB like vLLM's ``swap_space``, and no more than the device blocks; the
+    host cache is pinned memory on CUDA, so mirroring a 40 GB device cache would pin 40 GB of
+    host RAM); ``max_num_seqs``,
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
     CUDA); ``max_model_len`` (default, and at most: the model's ``max_position_embeddings``);
@@ -100,7 +115,8 @@ class LLMEngine:
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
                  on_step=None, quantization: str | None = None,
-                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1):
+                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1,
+                 swap_space_bytes: int = SWAP_SPACE_BYTES):
         self.device = _pick_device(device)
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
@@ -136,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
         preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
         if num_host_blocks is None:
-            num_host_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(cfg, block_size, dtype),
+                                                   swap_space_bytes) if preemption_mode == "swap" else 0)
         self.block_size = block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -345,7 +362,8 @@ class LLMEngine:
                 req.seqs += children
                 group += children
             row = logits[seq.seq_id]
-            if not bool(torch.isfinite(row).all()):
+            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
                 bad = "nan" if bool(torch.isnan(row).any()) else "inf"
                 req.error = (f"non-finite logits ({bad}) at output position "
                              f"{seq.num_output_tokens}; the request was stopped")

@@ -135,7 +135,19 @@ class TensorParallelRunner(ModelRunner):
     # --- rank 0: broadcast, then do -----------------------------------------------------------
     def _send(self, msg) -> None:
         if self.rank == 0 and self.tp > 1:
-            dist.broadcast_object_list([msg], src=0, group=self.group)
+            try:
+                dist.broadcast_object_list([msg], src=0, group=self.group)
+            except RuntimeError as e:
+                raise self._rank_error(e) from e
+
+    def _rank_error(self, err: Exception) -> Exception:
+        """A collective failed: name the worker rank that died, if one did."""
+        for r, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                return RuntimeError(f"tensor-parallel rank {r} exited with code {code} (its "
+                                    f"traceback, if any, is on stderr); the engine cannot step")
+        return err
 
     def copy_blocks(self, pairs):
         if pairs:
@@ -164,7 +176,10 @@ class TensorParallelRunner(ModelRunner):
                 rows.append(row - 1)
                 seqs.append(seq.seq_id)
         self._send(("step", [_cpu(b) for b in batches], rows))
-        logits = self._forward(batches, rows)
+        try:
+            logits = self._forward(batches, rows)
+        except RuntimeError as e:
+            raise self._rank_error(e) from e
         return {} if not rows else dict(zip(seqs, logits.float().cpu()))
 
     def _forward(self, batches: list[AttentionBatch], rows: list[int]) -> torch.Tensor:

@@ -208,3 +208,4 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.zero",
     "llmlab.parallel.context_parallel",
 )
+

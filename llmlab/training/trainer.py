@@ -39,6 +39,7 @@ from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
 
 
@@ -214,6 +215,8 @@ def rank_main(cfg: TrainConfig) -> dict:
     peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
     reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
     first = 1
+    if cfg.checkpoint_dir:  # every rank writes into it: it must be one directory for all nodes
+        check_shared_directory(cfg.checkpoint_dir)
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
         meta = load_checkpoint(engine, cfg.checkpoint_dir)
