@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from llmlab.runtime.hardware import LAB_SIZES, gpu_count, lab_size, lab_size_for
+from llmlab.lab_sizes import LAB_SIZES, lab_size_for
+from llmlab.runtime.hardware import gpu_count, lab_size
 
 LABS = list(LAB_SIZES)
 

@@ -113,6 +113,4 @@ def validate_layout(cfg, mc) -> None:
         raise NotImplementedError(f"--cp {cp} with mixture-of-experts models / --ep is not "
                                   f"supported yet (the router's auxiliary loss would see only "
                                   f"this rank's tokens)")
-    if cfg.checkpoint_dir:
-        raise NotImplementedError(f"--cp {cp} with --checkpoint-dir is not supported yet")
 

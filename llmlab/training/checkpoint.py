@@ -161,7 +161,8 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    writer = mesh.coords["dp"] < mesh.ep  # one copy per distinct shard (experts differ across ep)
+    # one copy per distinct shard (experts differ across ep; context-parallel ranks are replicas)
+    writer = mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0
     if writer:
         tensors, slices = _collect(engine)
         # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
@@ -175,7 +176,7 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
                  for f in sorted(tmp.glob("rank*.safetensors"))}
         cfg = engine.cfg
         meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "zero", "dtype")},
+                "layout": {k: getattr(cfg, k, 1) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
                 "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)

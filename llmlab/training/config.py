@@ -209,12 +209,3 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.context_parallel",
 )
 
-
-def _validate_layout(fields: dict) -> None:
-    validate(TrainConfig(**{"device": "cpu", **fields}))
-
-
-# the lab sizes (llmlab.runtime.hardware, a lower layer) check each lab's layouts with this
-from llmlab.runtime import hardware as _hardware  # noqa: E402
-
-_hardware.register_layout_validator(_validate_layout)
