@@ -144,7 +144,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, t_sorted, y * w_sorted[:, None].to(y.dtype))
 
         self._losses(logits, probs, topi, seq_len)
-        self._record(expert_of, keep, capacity)
+        self._record(expert_of, keep, capacity, probs)
         return out.reshape(shape)
 
     def _losses(self, logits, probs, topi, seq_len: int) -> None:
@@ -159,8 +159,11 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_coef * lb + self.z_coef * z
 
     @torch.no_grad()
-    def _record(self, expert_of, keep, capacity) -> None:
-        E = self.num_experts
+    def _record(self, expert_of, keep, capacity, probs) -> None:
+        E, K = self.num_experts, self.top_k
+        if K < E:  # tokens whose k-th and (k+1)-th router probabilities nearly tie
+            top = probs.float().topk(K + 1, dim=-1).values
+            self._acc_near_ties += int((top[:, K - 1] - top[:, K] < NEAR_TIE).sum())
         self.tokens_per_expert = torch.bincount(expert_of, minlength=E).cpu()
         self.dropped_per_expert = torch.bincount(expert_of[~keep], minlength=E).cpu()
         self.dropped_tokens = int(self.dropped_per_expert.sum())
@@ -179,6 +182,12 @@ class MoE(nn.Module):
         self._acc_tokens = torch.zeros(E, dtype=torch.long)
         self._acc_dropped = torch.zeros(E, dtype=torch.long)
         self._acc_lb, self._acc_calls = 0.0, 0
+        self._acc_near_ties = 0
+
+
+#: Router probabilities closer than this are a near tie: fp32 GEMMs of other shapes (another
+#: rank count, a GPU) round differently by ~1e-6, enough to flip such a top-k choice.
+NEAR_TIE = 1e-4
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -196,7 +205,9 @@ def collect_moe_stats(model: nn.Module, group=None) -> dict:
     """Routing statistics accumulated since the last call, summed over ``group`` (the
     data-parallel group: every rank counts the tokens of its own slice), then reset.
 
-    Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "lb_loss": float,
+    Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "near_tie_tokens": int
+    (token-layers whose k-th and (k+1)-th router probabilities differ by < :data:`NEAR_TIE`: the
+    decisions another GEMM order, e.g. a GPU with other batch shapes, may flip), "lb_loss": float,
     "imbalance": float, "imbalance_max": float}``: imbalance = max/mean tokens per expert,
     averaged over layers (``imbalance_max``: the worst layer, which sets an EP step's time). ``{}`` for a
     model without MoE layers. Collective over ``group``: call it on all its ranks. Bookkeeping:
@@ -210,18 +221,20 @@ def collect_moe_stats(model: nn.Module, group=None) -> dict:
     dropped = torch.stack([m._acc_dropped for m in layers]).double().sum()
     lb = torch.tensor([sum(m._acc_lb / max(1, m._acc_calls) for m in layers) / len(layers)],
                       dtype=torch.float64)
+    near = torch.tensor([float(sum(m._acc_near_ties for m in layers))], dtype=torch.float64)
     if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
-        packed = torch.cat([counts.flatten(), dropped.view(1), lb])
+        packed = torch.cat([counts.flatten(), dropped.view(1), near, lb])
         dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         packed = packed.to(dev)
         dist.all_reduce(packed, group=group)
         packed = packed.cpu()
         n = counts.numel()
-        counts, dropped = packed[:n].view_as(counts), packed[n]
-        lb = packed[n + 1:] / dist.get_world_size(group)
+        counts, dropped, near = packed[:n].view_as(counts), packed[n], packed[n + 1:n + 2]
+        lb = packed[n + 2:] / dist.get_world_size(group)
     for m in layers:
         m.reset_stats()
     per_layer = [imbalance(c) for c in counts]
     return {"tokens_per_expert": counts.long().tolist(), "dropped_tokens": int(dropped),
+            "near_tie_tokens": int(near[0]),
             "lb_loss": float(lb[0]), "imbalance": sum(per_layer) / len(per_layer),
             "imbalance_max": max(per_layer)}
