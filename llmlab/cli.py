@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
     "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
-    "bench comm": ("llmlab.parallel.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
 }
 
 
@@ -112,8 +112,9 @@ def _report_rank_error(command: str, e) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
-    1 a rank failed (reported as one error line, that rank's traceback and its log path)."""
-    from llmlab.runtime.launch import RankError
+    1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
+    value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
+    from llmlab.runtime.launch import ForgedValueError, RankError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train":
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(args.module).run(args) or 0)
     except RankError as e:
         _report_rank_error(args.command, e)
+        return 1
+    except ForgedValueError as e:
+        print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)

@@ -7,12 +7,11 @@ import statistics
 
 import pytest
 import torch
+import transformers  # a hard dependency: missing is a failure, not a skip
 
 from llmlab.cli import main
 from llmlab.inference import bench, workload
 from llmlab.inference.metrics import RequestTiming, percentile, summarize
-
-transformers = pytest.importorskip("transformers")
 
 
 def test_workload_is_seeded_clipped_and_heavy_tailed():

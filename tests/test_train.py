@@ -28,7 +28,7 @@ def test_loss_falls_and_metrics_follow_the_contract(run):
     cfg = metrics["config"]
     assert cfg["world_size"] == 1 and cfg["model"] == "tiny" and cfg["seed"] == 1
     (rank,) = metrics["ranks"]
-    assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0}
+    assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0}
     assert set(rank["comm_bytes"]) >= {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
                                        "send", "recv"}
     assert sum(rank["comm_bytes"].values()) == 0  # one rank communicates nothing

@@ -6,6 +6,7 @@ import math
 
 from llmlab.check._base import _fail, _ok, _run_on_ranks
 from llmlab.exercises import lab00 as ex
+from llmlab.formulas.communication import ring_all_reduce_time
 
 
 def training_memory_bytes(fn) -> bool:
@@ -58,10 +59,10 @@ def ring_all_reduce_seconds(fn, world: int = 3) -> bool:
     name = "ring_all_reduce_seconds"
     for nbytes, n, bw, lat in ((112e9, 8, 64e9, 0.0), (4e6, 2, 1e9, 0.0), (4e6, 4, 1e9, 5e-5),
                                (1024.0, 1, 1e9, 0.0)):
-        want, got = ex.ring_all_reduce_seconds(nbytes, n, bw, lat), fn(nbytes, n, bw, lat)
+        want, got = ring_all_reduce_time(nbytes, n, bw, lat), fn(nbytes, n, bw, lat)
         if not _rel_close(got, want):
             hint = ("each rank sends 2(N-1)/N of the bytes: (N-1)/N in the reduce-scatter and "
-                    "(N-1)/N in the all-gather; then add the latency once.")
+                    "(N-1)/N in the all-gather; and each of those 2(N-1) steps pays the latency.")
             if n == 1:
                 hint = "with one rank there is nothing to send: 2(N-1)/N = 0."
             _fail(name, f"{nbytes:.3g} bytes over {n} ranks at {bw:.3g} bytes/s, latency {lat} s",

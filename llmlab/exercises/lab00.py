@@ -26,10 +26,12 @@ def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per
 def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth_bytes_per_s: float,
                             latency_s: float = 0.0) -> float:
     """Lab 00. The communication wall: seconds for one ring all-reduce of ``nbytes`` bytes over
-    ``world_size`` ranks, each sending at ``bandwidth_bytes_per_s`` (bytes/s): a reduce-scatter then
-    an all-gather, each moving (N-1)/N of the tensor per rank, so ``latency_s + 2(N-1)/N · nbytes /
-    bandwidth`` (the α-β model; Patarasuk & Yuan 2009). One rank (N = 1) sends nothing."""
-    return latency_s + 2 * (world_size - 1) / world_size * nbytes / bandwidth_bytes_per_s
+    ``world_size`` ranks, each link carrying ``bandwidth_bytes_per_s`` (bytes/s): a reduce-scatter
+    then an all-gather, each N-1 steps in which every rank sends one chunk of nbytes/N and pays the
+    latency ``latency_s`` once, so ``2(N-1)·(latency_s + nbytes / (N · bandwidth))`` (the α-β
+    model; Thakur, Rabenseifner & Gropp 2005). One rank (N = 1) sends nothing."""
+    steps = 2 * (world_size - 1)
+    return steps * (latency_s + nbytes / (world_size * bandwidth_bytes_per_s))
 
 
 EXERCISES = [training_memory_bytes, training_flops_and_time, ring_all_reduce_seconds]

@@ -37,7 +37,9 @@ class _TimingStreamer:
 def load_hf(path, device: str = "cpu"):
     """``transformers.AutoModelForCausalLM`` for the checkpoint ``path`` (fp32, eval)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    # safetensors only: a pytorch_model.bin is a pickle, which can run code when loaded
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
+                                                local_files_only=True).to(device).eval()
 
 
 @torch.no_grad()

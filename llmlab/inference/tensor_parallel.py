@@ -295,7 +295,7 @@ def run_worker(spec, device="auto") -> None:
     box = [None]
     dist.broadcast_object_list(box, src=0)
     runner_args = box[0]
-    model, _, _ = loader.load(spec)
+    model, _, _, _ = loader.load(spec)
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
                                   device=_rank_device(dev, dist.get_rank()), **runner_args)
@@ -334,7 +334,7 @@ def _worker_main(rank, tp, port, backend, payload, config, device, runner_args, 
                                 world_size=tp, timeout=datetime.timedelta(seconds=TIMEOUT_S))
         if isinstance(payload, str):
             from llmlab.inference import loader
-            model, _, _ = loader.load(payload)
+            model, _, _, _ = loader.load(payload)
         else:
             model = LlamaForCausalLM(config, seed=None)
             model.load_state_dict(payload)

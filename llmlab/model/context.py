@@ -10,14 +10,14 @@ reads it: with no context set, attention is ordinary causal attention over the b
 The context is any object with ``attention(layer_idx, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D])
 -> [N, H, D]``; llmlab's engine sets :class:`llmlab.inference.attention_context.PagedAttentionContext`.
 The model never imports the engine: the dependency points from ``inference`` to ``model``.
-The context is per thread: several engines stepping on their own threads in one process (the
-data-parallel replicas of ``llmlab serve``) each see their own.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 
+# Per thread: a server steps its engine (or several replicas) in threads of their own while the
+# notebook's or test's main thread may run a plain forward of another model at the same time.
 _LOCAL = threading.local()
 
 
@@ -29,7 +29,8 @@ def get_context():
 @contextlib.contextmanager
 def forward_context(ctx):
     """``with forward_context(ctx): model(...)``: the attention layers use ``ctx`` inside."""
-    prev, _LOCAL.ctx = getattr(_LOCAL, "ctx", None), ctx
+    prev = get_context()
+    _LOCAL.ctx = ctx
     try:
         yield ctx
     finally:

@@ -3,15 +3,23 @@
 Layout of ``--checkpoint-dir``::
 
     step_00000010/
-        metadata.json      step, loss, layout, world size, files with their CRC32 and size
-        rank00000.pt       this rank's tensors, each under its *full-model* name with its slice
+        metadata.json          step, loss, layout, world size; per file: CRC32, size, and every
+                               tensor it holds (dtype, shape, slice of the full tensor)
+        rank00000.safetensors  this rank's tensors, each under its *full-model* name
         ...
+
+* Safe to load: tensors are in ``safetensors`` files and everything else is JSON, so loading a
+  checkpoint never unpickles (a pickle can run any code when loaded; a checkpoint passed around a
+  workshop is untrusted input). A shard that is not what ``metadata.json`` says it is (not a
+  safetensors file, other tensors, dtypes or shapes, a matching CRC32 notwithstanding) is refused
+  by name, and so is a file of the older pickle format.
 
 * Atomic: ranks write into ``step_XXXXXXXX.tmp``; when every file is written and checksummed,
   rank 0 writes ``metadata.json`` and renames the directory. A half-written checkpoint is never
   named like a finished one, so it is never the latest.
-* Verified: loading recomputes every file's CRC32 (as the seed document's deployment practice
-  does); a corrupted or truncated checkpoint is reported and the previous good one is used.
+* Verified: loading recomputes every file's CRC32 (as the source articles' deployment practice
+  does) and reads every shard's header; a corrupted, truncated or refused checkpoint is reported
+  and the previous good one is used.
 * Kept: the newest ``keep`` (3) finished checkpoints; older ones are deleted after a save.
 * Reshardable: every tensor is stored under its name in the full model (``model.layers.3...``,
   whatever stage holds layer 3) with the slice this rank holds (``dim``, ``index``, ``parts`` for
@@ -19,6 +27,8 @@ Layout of ``--checkpoint-dir``::
   the slices the *new* layout needs, so a checkpoint saved at dp2×tp2 resumes at tp4 or on one rank.
   Optimizer states (Adam ``exp_avg``, ``exp_avg_sq``, ``step``, and fp32 master weights under
   mixed precision) travel the same way.
+* Extensible: a new kind of state is more named tensors in the shards (``<param>::<state>``) with
+  its slice in ``metadata.json``; the loader assembles whatever names it finds.
 * Resume is exact: the data of step ``s`` depends only on (seed, s), so continuing at the next step
   with the restored weights and optimizer state gives the losses of an uninterrupted run.
 """
@@ -34,8 +44,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+SHARD = re.compile(r"^rank\d{5}\.safetensors$")
 
 
 class CheckpointError(RuntimeError):
@@ -151,11 +164,15 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
     writer = mesh.coords["dp"] < mesh.ep  # one copy per distinct shard (experts differ across ep)
     if writer:
         tensors, slices = _collect(engine)
-        torch.save({"rank": rank, "coords": dict(mesh.coords), "tensors": tensors, "slices": slices,
-                    "rng": torch.get_rng_state()}, tmp / f"rank{rank:05d}.pt")
+        # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
+        header = {"rank": rank, "coords": dict(mesh.coords),
+                  "slices": {n: None if s is None else list(s) for n, s in slices.items()}}
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"rank{rank:05d}.safetensors"),
+                  metadata={"format": "pt", "llmlab": json.dumps(header)})
     _barrier()
     if rank == 0:
-        files = {f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size} for f in sorted(tmp.glob("rank*.pt"))}
+        files = {f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size, **_header(f)}
+                 for f in sorted(tmp.glob("rank*.safetensors"))}
         cfg = engine.cfg
         meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "zero", "dtype")},
@@ -172,23 +189,55 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
 # --------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------
+def _header(f: Path) -> dict:
+    """What a shard's safetensors header says it holds: ``{"rank", "coords", "tensors": {name:
+    {"dtype", "shape", "slice"}}}``. Reads the header only (JSON, parsed by safetensors); raises
+    ``CheckpointError`` for anything that is not a safetensors file written by llmlab."""
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            info = json.loads((st.metadata() or {}).get("llmlab", "null"))
+            tensors = {n: {"dtype": st.get_slice(n).get_dtype(), "shape": list(st.get_slice(n).get_shape())}
+                       for n in st.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: refused, not a safetensors file ({e}); llmlab checkpoints hold "
+                              f"tensors only and are never unpickled") from None
+    if not isinstance(info, dict) or not isinstance(info.get("slices"), dict) \
+            or set(info["slices"]) != set(tensors):
+        raise CheckpointError(f"{f}: refused, its header does not describe its tensors")
+    for n, t in tensors.items():
+        t["slice"] = info["slices"][n]
+    return {"rank": info.get("rank"), "coords": info.get("coords"), "tensors": tensors}
+
+
 def verify(path: Path) -> dict:
-    """Metadata of a finished checkpoint; raises ``CheckpointError`` naming what is wrong."""
+    """Metadata of a finished checkpoint; raises ``CheckpointError`` naming what is wrong: no or
+    corrupted ``metadata.json``, a missing, truncated or corrupted (CRC32) file, a file that is not
+    a safetensors shard, or a shard holding other tensors than ``metadata.json`` claims."""
     meta_file = path / "metadata.json"
     if not meta_file.exists():
         raise CheckpointError(f"{path}: no metadata.json (unfinished checkpoint)")
     try:
         meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/metadata.json is corrupted: {e}") from None
-    for name, info in meta["files"].items():
+        files = meta["files"]
+        claims = {name: (int(info["bytes"]), int(info["crc32"]), info["tensors"]) for name, info in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}/metadata.json is corrupted: {type(e).__name__}: {e}") from None
+    if not claims:
+        raise CheckpointError(f"{path}/metadata.json lists no files")
+    for name, (size, crc, tensors) in claims.items():
         f = path / name
+        if not SHARD.match(name):
+            raise CheckpointError(f"{f}: refused, not a rank<NNNNN>.safetensors shard (a checkpoint of "
+                                  f"an older llmlab, in pickle format, is not loaded: saving it again "
+                                  f"needs the code that wrote it)")
         if not f.exists():
             raise CheckpointError(f"{f}: missing")
-        if f.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {info['bytes']} bytes)")
-        if _crc32(f) != info["crc32"]:
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {size} bytes)")
+        if _crc32(f) != crc:
             raise CheckpointError(f"{f}: CRC32 mismatch (corrupted)")
+        if _header(f)["tensors"] != tensors:
+            raise CheckpointError(f"{f}: refused, it does not hold the tensors metadata.json lists")
     return meta
 
 
@@ -205,21 +254,34 @@ def latest_checkpoint(directory: str | Path, log=None) -> tuple[Path, dict] | No
     return None
 
 
+def _spec(f: Path, n: str, spec):
+    """A slice from JSON: ``None`` or ``(dim, index, parts)`` with ``0 <= index < parts``."""
+    if spec is None:
+        return None
+    if (isinstance(spec, list) and len(spec) == 3 and all(type(v) is int for v in spec)
+            and spec[0] >= 0 and 0 <= spec[1] < spec[2]):
+        return tuple(spec)
+    raise CheckpointError(f"{f}: tensor {n!r} has an invalid slice {spec!r}")
+
+
 def _assemble(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Full tensors, by name, from the slices every shard holds (files already verified)."""
     pieces: dict[str, dict] = {}
-    for name in meta["files"]:
-        blob = torch.load(path / name, map_location="cpu", weights_only=False)
-        for n, t in blob["tensors"].items():
-            spec = blob["slices"][n]
-            entry = pieces.setdefault(n, {})
-            entry[None if spec is None else (spec[0], spec[1], spec[2])] = t
+    for name, info in meta["files"].items():
+        f = path / name
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for n, t in info["tensors"].items():
+                pieces.setdefault(n, {})[_spec(f, n, t["slice"])] = st.get_tensor(n)
     full = {}
     for n, parts in pieces.items():
         if None in parts:
             full[n] = parts[None]
-        else:
-            (dim, _, count) = next(iter(parts))
-            full[n] = torch.cat([parts[(dim, i, count)] for i in range(count)], dim=dim)
+            continue
+        dim, _, count = next(iter(parts))
+        want = [(dim, i, count) for i in range(count)]
+        if any(k not in parts for k in want):
+            raise CheckpointError(f"{path}: tensor {n!r} lacks slices: has {sorted(parts)}, needs {want}")
+        full[n] = torch.cat([parts[k] for k in want], dim=dim)
     return full
 
 

@@ -51,6 +51,11 @@ class TrainConfig:
     tp: int = option(1, "tensor-parallel degree (ranks that split each layer's matrices)")
     pp: int = option(1, "pipeline-parallel degree (ranks that split the layers into stages)")
     ep: int = option(1, "expert-parallel degree (ranks that split the experts; divides dp*tp)")
+    cp: int = option(1, "context-parallel degree (ranks that split each sequence; "
+                        "llmlab.parallel.context_parallel)")
+    cp_mode: str = option("ring", "context parallelism: ring attention (K/V blocks passed around a "
+                                  "ring) or ulysses (all-to-all to head shards)",
+                          choices=("ring", "ulysses"))
     zero: int = option(0, "ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights",
                        choices=(0, 1, 2, 3))
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved"))
@@ -87,7 +92,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"world_size": self.world_size}
@@ -155,7 +160,7 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep)
+    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
     for f in dataclasses.fields(cfg):
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices is not None and value not in choices:
@@ -201,4 +206,5 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.pipeline_parallel",
     "llmlab.parallel.expert_parallel",
     "llmlab.parallel.zero",
+    "llmlab.parallel.context_parallel",
 )

@@ -2,8 +2,8 @@
 
 The figure is shown once with ``display(fig, display_id=True)`` and then redrawn in place with
 ``handle.update(fig)`` at most every ``interval`` seconds. nbval compares only the first display
-and ignores updates, so the cell passes; ``clear_output`` loops would not (measured, see
-shared/reference/notebooks-and-launching.md §2.6). ``LLMLAB_LIVE=0`` skips intermediate redraws.
+and ignores updates, so the cell passes; ``clear_output`` loops would not (measured under nbval).
+``LLMLAB_LIVE=0`` skips intermediate redraws.
 
 Example::
 
