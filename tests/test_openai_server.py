@@ -175,7 +175,8 @@ def test_bad_requests_get_400_class_errors_and_the_server_still_answers(server, 
         ({"model": MODEL, "prompt": [1, 2, 999]}, 400),                     # token id >= vocab
         ({"model": MODEL, "prompt": ""}, 400),                              # empty prompt
         ({"model": MODEL}, 400),                                            # no prompt
-        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
+        ({"model": MODEL, "prompt": "x", "best_of": 3}, 400),                # unsupported
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
     ]
     for body, status in cases:
         code, err = _post(url, body)
@@ -340,3 +341,24 @@ def test_engines_stepping_on_two_threads_do_not_share_a_forward_context(llm):
         got = list(pool.map(lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params)],
                             engines, timeout=TIMEOUT))
     assert got == [want, want]
+
+
+def test_logprobs_are_the_engines(server, client, llm):
+    ref = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0].outputs[0]
+    want = [d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)]
+    r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(len(t) == 2 for t in lp.top_logprobs)       # greedy: the sampled token is the top one
+    streamed = [x for ch in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6,
+                                                      temperature=0, logprobs=2, stream=True)
+                for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)   # greedy = top 1
+    code, err = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99})
+    assert code == 400 and err["error"]["param"] == "logprobs"
