@@ -184,6 +184,9 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
             raise APIError(str(e), 503) from None
         if len(finals) < len(streams):
             return Response(status_code=499)        # the client went away; nothing was generated for it
+        failed = [o.error for o in finals.values() if getattr(o, "error", None)]
+        if failed:                                  # e.g. non-finite logits: this request only
+            raise APIError(f"the request failed in the engine: {failed[0]}", 500)
         choices, num_gen = [], 0
         for i in range(len(streams)):
             for c in finals[i].outputs:
@@ -215,6 +218,9 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
                                         True, include_usage, role=True))
         try:
             async for i, out in _merge(streams, None):
+                if getattr(out, "error", None):
+                    yield R.sse(error_body(f"the request failed in the engine: {out.error}", 500))
+                    break
                 for c in out.outputs:
                     idx = i * n + c.index
                     gen_tokens[idx] = len(c.token_ids)
