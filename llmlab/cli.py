@@ -43,7 +43,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--global-batch-size", type=int, default=d.global_batch_size, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "linear", "cosine"],
+                   help="decay after warm-up, to --min-lr at the last step")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="linear warm-up from 0 to --lr over this many steps")
+    p.add_argument("--min-lr", type=float, default=d.min_lr, help="learning rate at the last step")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, metavar="MAX_NORM",
+                   help="clip the global gradient norm to MAX_NORM")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; bf16/fp16 keep fp32 master weights (fp16 adds loss scaling)")

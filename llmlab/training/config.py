@@ -38,6 +38,10 @@ class TrainConfig:
     global_batch_size: int = 16
     seq_len: int = 64
     lr: float = 3e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    grad_clip: float | None = None
     seed: int = 0
     dtype: str = "fp32"
     activation_checkpointing: bool = False
@@ -128,6 +132,10 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    from llmlab.training.lr_schedule import check_schedule
+    check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
+        raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
     check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep)
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {cfg.zero}: expected 0, 1, 2 or 3")
