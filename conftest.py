@@ -2,6 +2,7 @@
 
 Ranks are real processes (gloo on CPU); keep every test small.
 """
+import json
 import os
 
 # Notebook kernels are separate processes: let them import this checkout's llmlab even when the
@@ -17,3 +18,24 @@ os.environ.setdefault("LLMLAB_SOLUTIONS", "1")     # labs run their exercise cel
 # triton is first imported.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _metrics_files_follow_the_schema():
+    """Every metrics JSON a test writes (``--metrics-json``, ``TrainConfig(metrics_json=...)``) is
+    validated against llmlab/metrics/train_metrics.schema.json before it is written (session
+    scope, so that module-scoped fixtures that train are covered too)."""
+    from llmlab.metrics.schema import validate_train_metrics
+    from llmlab.training import trainer
+    write = trainer.write_metrics
+
+    def validated(metrics, path):
+        validate_train_metrics(json.loads(json.dumps(metrics)))  # as a reader will see it
+        write(metrics, path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "write_metrics", validated)
+        yield

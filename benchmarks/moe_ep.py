@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/moe_ep.py [--dp 2] [--ep 2] [--steps 20] [--json OUT]
 
 Trains ``tiny-moe`` on ``dp`` real gloo ranks with ``ep``-way expert parallelism
-(:func:`llmlab.parallel.ep_probe.ep_probe`) and prints, in one run:
+(:func:`llmlab.tools.ep_probe.ep_probe`) and prints, in one run:
 
 * tokens per expert per step: imbalance (max/mean, mean over layers) for balancing-loss
   coefficients 0, 0.01 and 0.1, top-1 routing (Switch Transformer §2.2);
@@ -17,7 +17,7 @@ import json
 
 import llmlab
 from llmlab.model.config import get_preset
-from llmlab.parallel.ep_probe import ep_probe
+from llmlab.tools.ep_probe import ep_probe
 from llmlab.parallel.expert_parallel import a2a_bytes_formula
 
 

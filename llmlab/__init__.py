@@ -11,7 +11,7 @@ Strategy wrappers live in :mod:`llmlab.parallel` (one file per strategy).
 """
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.model.llama import LlamaForCausalLM
-from llmlab.runtime.launch import RankError, launch, report
+from llmlab.runtime.launch import ForgedValueError, RankError, launch, report
 from llmlab.runtime.mesh import Mesh
 from llmlab.training.config import TrainConfig
 from llmlab.training.trainer import train
@@ -19,5 +19,5 @@ from llmlab import inference  # noqa: E402  (llmlab.inference.LLM / SamplingPara
 
 __version__ = "0.1.0"
 
-__all__ = ["launch", "report", "RankError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
+__all__ = ["launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
            "LlamaForCausalLM", "TrainConfig", "train", "inference", "__version__"]

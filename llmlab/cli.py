@@ -1,9 +1,9 @@
-"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``bench``, ``doctor``.
+"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``.
 
-Thin by design: it parses, validates and calls the package. Subcommands other than ``train``
-live next to what they run; each such module offers ``add_arguments(parser)`` and
-``run(args) -> int`` and is listed in :data:`SUBCOMMANDS`. A subcommand whose module has not
-landed yet answers "not supported yet" with exit code 2.
+Thin by design: it parses, validates and calls the package. ``train``'s flags are generated from
+:class:`~llmlab.training.config.TrainConfig`; the other subcommands live next to what they run:
+each such module offers ``add_arguments(parser)`` and ``run(args) -> int`` and is listed in
+:data:`SUBCOMMANDS`.
 """
 from __future__ import annotations
 
@@ -15,70 +15,60 @@ import sys
 SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
+    "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
-    "bench serve": ("llmlab.inference.bench", "serving benchmark against Hugging Face generate"),
-    "bench comm": ("llmlab.parallel.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
+    "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
 }
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from llmlab.model.config import PRESETS
+    """One flag per :class:`~llmlab.training.config.TrainConfig` field (``seq_len`` ->
+    ``--seq-len``), with the field's type, help text, default and choices, plus the CLI-only
+    ``--config`` and ``--no-progress``.
+
+    The TrainConfig flags are parsed with ``default=SUPPRESS``: the namespace holds exactly the
+    flags given on the command line, so they can override a ``--config`` file; the defaults live
+    in TrainConfig alone and are shown in ``--help``.
+    """
+    import dataclasses
+    import typing
+
     from llmlab.training.config import TrainConfig
-    d = TrainConfig()
-    p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--config", default=None, help="JSON/YAML file of flags (command line wins)")
-    for name in ("dp", "tp", "pp", "ep"):
-        p.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--dp-mode", default=d.dp_mode, choices=["naive", "ddp", "ring"],
-                   help="data-parallel gradient sync (default: bucketed, overlapped ddp)")
-    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="DDP bucket size in MB")
-    p.add_argument("--pp-schedule", default=d.pp_schedule, choices=["gpipe", "1f1b", "interleaved"])
-    p.add_argument("--num-microbatches", type=int, default=d.num_microbatches)
-    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--num-experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--capacity-factor", type=float, default=None)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--global-batch-size", type=int, default=d.global_batch_size, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "linear", "cosine"],
-                   help="decay after warm-up, to --min-lr at the last step")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help="linear warm-up from 0 to --lr over this many steps")
-    p.add_argument("--min-lr", type=float, default=d.min_lr, help="learning rate at the last step")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, metavar="MAX_NORM",
-                   help="clip the global gradient norm to MAX_NORM")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16", "fp16"],
-                   help="compute dtype; bf16/fp16 keep fp32 master weights (fp16 adds loss scaling)")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--cpu-offload", action="store_true")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--metrics-json", default=None, help="write the run's metrics (CONTRACT) here")
-    p.add_argument("--save-model", default=None,
-                   help="after training, write the model as config.json + model.safetensors")
+    hints = typing.get_type_hints(TrainConfig)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON/YAML file of TrainConfig keys (flags on the command line win)")
+    for f in dataclasses.fields(TrainConfig):
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        if args:  # X | None
+            kind = next(a for a in args if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if kind is bool and not f.default:
+            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
+                           help=f"{help_} (default: off)")
+        elif kind is bool:  # on by default: --no-<flag> turns it off
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=f"{help_} (default: on)")
+        else:
+            if "default" not in help_:
+                help_ += f" (default: {'none' if f.default is None else f.default})"
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_,
+                           choices=f.metadata.get("choices"),
+                           metavar=None if "choices" in f.metadata else {int: "N", float: "X"}.get(kind))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def run_train(args: argparse.Namespace, argv: list[str]) -> int:
+def run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
     from llmlab.training.config import TrainConfig
     from llmlab.training.trainer import train
-    import dataclasses
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    if args.config:
-        # Flags given explicitly on the command line override the file.
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
-        cfg = TrainConfig.from_file(args.config, **{k: v for k, v in values.items() if k in given})
-    else:
-        cfg = TrainConfig(**values)
-    import os
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if hasattr(args, f.name)}
+    cfg = TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
     leader = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
     metrics = train(cfg, progress=not args.no_progress and leader)
     if not leader:
@@ -90,46 +80,56 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
               f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
     if cfg.metrics_json:
         print(f"metrics written to {cfg.metrics_json}")
-    if args.save_model:
-        print(f"model written to {args.save_model}")
+    if cfg.save_model:
+        print(f"model written to {cfg.save_model}")
     return 0
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    from llmlab import __version__
+    parser = argparse.ArgumentParser(
+        prog="llmlab", description="llmlab: train and serve large language models at scale on "
+        "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
+    parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a model on dp*tp*pp ranks"))
+    add_train_arguments(sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks"))
     bench = sub.add_parser("bench", help="benchmarks: serve, comm")
     bench_sub = bench.add_subparsers(dest="bench_what", required=True)
-    handlers = {}
     for name, (module, help_) in SUBCOMMANDS.items():
         parent = bench_sub if name.startswith("bench ") else sub
-        p = parent.add_parser(name.split()[-1], help=help_)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if not (e.name and module.startswith(e.name)):
-                raise
-            mod = None
-        if mod is not None:
-            mod.add_arguments(p)
-        handlers[name] = (module, mod)
-    return parser, handlers
+        # Other commands' flags show their defaults; train's help texts carry them already.
+        p = parent.add_parser(name.split()[-1], help=help_,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def _report_rank_error(command: str, e) -> None:
+    """One error line, the failed rank's own traceback, and where its log is."""
+    print(f"llmlab {command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+    if e.rank_traceback:
+        print(e.rank_traceback.rstrip(), file=sys.stderr)
+    if e.log_dir:
+        print(f"log: {e.log_dir}/rank{e.rank}.log", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser, handlers = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
+    1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
+    value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
+    from llmlab.runtime.launch import ForgedValueError, RankError
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train":
-            return run_train(args, argv)
-        name = f"bench {args.bench_what}" if args.command == "bench" else args.command
-        module, mod = handlers[name]
-        if mod is None:
-            print(f"llmlab {name}: not supported yet ({module} has not landed)", file=sys.stderr)
-            return 2
-        return int(mod.run(args) or 0)
+            return run_train(args)
+        return int(importlib.import_module(args.module).run(args) or 0)
+    except RankError as e:
+        _report_rank_error(args.command, e)
+        return 1
+    except ForgedValueError as e:
+        print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 2

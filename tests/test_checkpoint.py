@@ -38,7 +38,7 @@ def test_corrupted_or_unfinished_checkpoints_are_skipped(tmp_path, uninterrupted
     llmlab.train(TrainConfig(steps=3, seed=7, checkpoint_dir=str(tmp_path), checkpoint_every=1),
                  progress=False)
     (tmp_path / "step_00000009.tmp").mkdir()  # a save that died half-way: never "latest"
-    shard = next((tmp_path / "step_00000003").glob("rank*.pt"))
+    shard = next((tmp_path / "step_00000003").glob("rank*.safetensors"))
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(CheckpointError, match="truncated"):
@@ -47,7 +47,7 @@ def test_corrupted_or_unfinished_checkpoints_are_skipped(tmp_path, uninterrupted
     path, meta = latest_checkpoint(tmp_path, log=msgs.append)
     assert path.name == "step_00000002" and meta["step"] == 2
     assert any("step_00000003" in m and "truncated" in m for m in msgs)
-    shard2 = next((tmp_path / "step_00000002").glob("rank*.pt"))
+    shard2 = next((tmp_path / "step_00000002").glob("rank*.safetensors"))
     raw = bytearray(shard2.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # same size, flipped bits
     shard2.write_bytes(bytes(raw))

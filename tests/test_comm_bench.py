@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from llmlab.parallel.comm_bench import OPS, bus_factor, default_sizes, parse_size
+from llmlab.tools.comm_bench import OPS, bus_factor, default_sizes, parse_size
 
 
 def test_bus_factors_and_sizes():

@@ -198,12 +198,3 @@ def test_expert_parallel_params_reduce_over_edp():
         assert after[:2] == [0.0, 0.0] and after[2:] == [float(edp[0])] * 2
         assert grads[:2] == [1.5, 1.5]  # mean of ranks 0..3
         assert grads[2:] == [sum(edp) / len(edp)] * 2
-
-
-def test_communication_wall_formula():
-    from llmlab.parallel.data_parallel import ring_all_reduce_bytes, ring_all_reduce_time
-    assert ring_all_reduce_bytes(1000, 4) == 1500
-    assert ring_all_reduce_time(1e9, 4, bandwidth=1e9, latency=1e-5) == pytest.approx(1.5 + 6e-5)
-    assert ring_all_reduce_time(1e9, 1, bandwidth=1e9) == 0.0
-    with pytest.raises(ValueError, match="bandwidth > 0"):
-        ring_all_reduce_time(1e9, 2, bandwidth=0)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmlab.runtime.hardware import LAB_SIZES, lab_size, lab_size_for
+from llmlab.lab_sizes import LAB_LAYOUTS, LAB_SIZES, lab_layout_error, lab_size_for
+from llmlab.runtime.hardware import lab_size
 
 
 def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
@@ -35,10 +36,10 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
 
 
 def test_a_broken_backend_is_reported_with_its_error_not_raised():
-    if torch.cuda.is_available():
-        return
-    r = check_comm("nccl", 2)
-    assert r["ok"] is False and "one GPU per rank" in r["error"]
+    # More NCCL ranks than GPUs (on any host): launch refuses, and the doctor reports it.
+    n = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 2
+    r = check_comm("nccl", n)
+    assert r["ok"] is False and "one GPU per rank" in r["error"] and f"world_size={n}" in r["error"]
 
 
 def test_lab_size_on_cpu():
@@ -82,3 +83,26 @@ def test_every_lab_takes_its_size_from_the_one_table():
     assert lab_size_for("04_expert_parallel", force_cpu=True).model == "tiny-moe"
     with pytest.raises(KeyError, match="no lab named '10_x'"):
         lab_size_for("10_x")
+
+
+@pytest.mark.parametrize("gpus", range(1, 9))
+def test_every_lab_layout_validates_on_1_to_8_gpus(monkeypatch, gpus):
+    """Mocked GPU counts: each lab's rank count must pass the trainer's validation for every
+    layout the lab trains (3 GPUs once gave tp=3 on 8 heads and pp=3 on 8 layers)."""
+    import llmlab.runtime.hardware as hw
+    from llmlab.training.config import TrainConfig, validate
+    monkeypatch.delenv("LLMLAB_DEVICE", raising=False)
+    monkeypatch.setattr(hw, "gpu_count", lambda: gpus)
+    for lab in LAB_SIZES:
+        s = lab_size_for(lab)
+        if s.device != "cuda":
+            assert gpus < LAB_SIZES[lab]["min_ranks"], lab  # enough GPUs never fall back to CPU
+            continue
+        assert s.world_size <= gpus and s.backend == "nccl"
+        for kw in LAB_LAYOUTS.get(lab, lambda n: [])(s.world_size):
+            validate(TrainConfig(model=s.model, device="cpu", **kw))
+    want = {3: (2, 2, 2), 5: (4, 4, 4), 6: (4, 4, 4), 7: (4, 4, 4)}
+    if gpus in want:
+        assert tuple(lab_size_for(lab).world_size for lab in
+                     ("02_tensor_parallel", "03_pipeline_parallel", "05_zero")) == want[gpus]
+    assert lab_layout_error("02_tensor_parallel", 3, "small") is not None

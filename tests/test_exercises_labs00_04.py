@@ -28,7 +28,11 @@ def _ring_one_phase(nbytes, world, bw, lat=0.0):
 
 
 def _ring_factor_two(nbytes, world, bw, lat=0.0):
-    return lat + 2 * nbytes / bw  # the N -> infinity limit, wrong for small N
+    return 2 * (world - 1) * lat + 2 * nbytes / bw  # the N -> infinity limit, wrong for small N
+
+
+def _ring_latency_once(nbytes, world, bw, lat=0.0):
+    return lat + 2 * (world - 1) / world * nbytes / bw  # one latency per call, not per ring step
 
 
 WRONG = []
@@ -37,6 +41,7 @@ WRONG += [
     ("training_flops_and_time", _time_ignores_mfu, "seconds for N=8e+09 parameters"),
     ("ring_all_reduce_seconds", _ring_one_phase, "over 8 ranks"),
     ("ring_all_reduce_seconds", _ring_factor_two, "over 8 ranks"),
+    ("ring_all_reduce_seconds", _ring_latency_once, "latency 5e-05 s"),
 ]
 
 

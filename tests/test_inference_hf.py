@@ -8,10 +8,9 @@ import random
 
 import pytest
 import torch
+import transformers  # a hard dependency: missing is a failure, not a skip
 
-transformers = pytest.importorskip("transformers")
-
-from llmlab.inference import LLM, SamplingParams  # noqa: E402
+from llmlab.inference import LLM, SamplingParams
 
 MAX_TOKENS = 8
 VOCAB = 128

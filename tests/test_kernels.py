@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import llmlab.kernels as K
-from llmlab.kernels.online_softmax import online_softmax, online_softmax_matmul, online_softmax_steps
+from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
+                                          online_softmax_steps, softmax_partial)
 from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
                                       rms_norm_reference, swiglu_reference)
 from llmlab.metrics.memory import SavedActivations
@@ -42,6 +43,23 @@ def test_online_softmax_matches_softmax_and_running_stats():
     torch.testing.assert_close(online_softmax_matmul(x, v, 8), torch.softmax(x, -1) @ v)
     with pytest.raises(ValueError, match="block_size=0"):
         online_softmax_steps(x, 0)
+
+
+def test_merge_softmax_partials_equals_softmax_over_the_union():
+    g = torch.Generator().manual_seed(2)
+    s, v = torch.randn(3, 6, 20, generator=g) * 3, torch.randn(3, 20, 4, generator=g)
+    s[:, 0, :] = float("-inf")                            # a row that sees no key at all
+    s[:, 1, :9] = float("-inf")                           # a row empty in the first part only
+    out, lse = merge_softmax_partials(*softmax_partial(s[..., :9], v[:, :9]),
+                                      *softmax_partial(s[..., 9:], v[:, 9:]))
+    full_out, full_lse = softmax_partial(s, v)
+    torch.testing.assert_close(out[:, 1:], torch.softmax(s[:, 1:], -1) @ v)
+    torch.testing.assert_close(lse, full_lse)
+    assert torch.all(out[:, 0] == 0) and torch.all(lse[:, 0] == float("-inf"))
+    # order of the parts does not matter
+    out2, _ = merge_softmax_partials(*softmax_partial(s[..., 9:], v[:, 9:]),
+                                     *softmax_partial(s[..., :9], v[:, :9]))
+    torch.testing.assert_close(out2, out)
 
 
 @pytest.mark.parametrize("B,H,Hk,T,D,bm,bn,causal", [
@@ -185,3 +203,13 @@ def test_triton_switch_needs_package_and_falls_back_on_plain_cpu(monkeypatch):
     with K.use(attention="triton", rmsnorm=True):
         assert K.use_fused("attention", x) and K.use_fused("rmsnorm", x)
         assert not K.use_fused("swiglu", x)
+
+
+def test_triton_platform_is_the_kernels_extras_marker():
+    """The Triton tests skip exactly where the ``kernels`` extra installs no triton."""
+    import re
+    from pathlib import Path
+    from llmlab.kernels import TRITON_MARKER
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    (req,) = re.findall(r'^kernels = \["triton[^;]*;(.*)"\]$', text, re.M)   # tomllib needs 3.11
+    assert req.strip() == TRITON_MARKER

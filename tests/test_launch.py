@@ -140,7 +140,7 @@ def test_launch_joins_torchrun_ranks(tmp_path):
             dist.all_reduce(t)
             return [dist.get_rank(), x, t.item()]
 
-        res = llmlab.launch(fn, 2, 7)
+        res = llmlab.launch(fn, 2, 7, backend="gloo")  # a CPU tensor: gloo, on GPU nodes too
         if dist.is_initialized():
             raise SystemExit("process group leaked")
         import os
@@ -165,3 +165,20 @@ def test_ranks_see_the_callers_current_environment(monkeypatch):
     llmlab.launch(_env_value, 1, backend="gloo")  # the fork server is already running now
     monkeypatch.setenv("LLMLAB_TEST_ENV", "set-after-the-fork-server-started")
     assert llmlab.launch(_env_value, 2, backend="gloo") == ["set-after-the-fork-server-started"] * 2
+
+
+def test_torchrun_backend_needs_one_gpu_per_local_rank(monkeypatch):
+    """auto picks NCCL under torchrun only when every local rank gets its own GPU."""
+    from llmlab.runtime.launch import resolve_torchrun_backend
+    for gpus, local_ws, want in ((0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl"),
+                                 (3, 4, "gloo")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpus: g > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda g=gpus: g)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ws))
+        monkeypatch.setenv("WORLD_SIZE", str(2 * local_ws))  # two nodes
+        assert resolve_torchrun_backend("auto") == want, (gpus, local_ws)
+        assert resolve_torchrun_backend("gloo") == "gloo"
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4 > 3 GPUs"):
+        resolve_torchrun_backend("nccl")
+    with pytest.raises(ValueError, match="expected 'auto'"):
+        resolve_torchrun_backend("mpi")

@@ -52,7 +52,7 @@ def test_bad_degrees_name_the_constraint():
 
 def test_single_process_mesh_is_trivial():
     mesh = Mesh.build()
-    assert mesh.coords == {"dp": 0, "tp": 0, "pp": 0, "ep": 0}
+    assert mesh.coords == {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0}
     assert mesh.is_first_stage and mesh.is_last_stage and mesh.next_stage_rank is None
     t = torch.ones(3)
     assert comm.all_reduce(t, group=None) is None and t.tolist() == [1.0, 1.0, 1.0]

@@ -1,4 +1,5 @@
 """Memory accounting from tensors, saved activations, throughput formulas, live plots."""
+import pytest
 import torch
 
 from llmlab.metrics.memory import SavedActivations, grad_bytes, optimizer_state_bytes, tensor_bytes
@@ -50,3 +51,95 @@ def test_live_plot_runs_headless():
     plot.finish()
     lines = plot.axes["loss"].get_lines()
     assert len(lines) == 2 and list(lines[0].get_ydata()) == [5.0, 2.5, 5.0 / 3]
+
+
+def test_mfu_peak_is_the_peak_of_the_run_dtype(monkeypatch):
+    """An fp32 run divided by the bf16 tensor-core peak read ~15x too low on an H100."""
+    from llmlab.metrics import throughput as tp
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert tp.peak_flops("cuda", "bf16") == 989e12
+    assert tp.peak_flops("cuda", "fp32") == 67e12
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert tp.peak_flops("cuda", "fp32") == 495e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
+    assert tp.peak_flops("cuda", "bf16") is None and tp.peak_flops("cuda", "fp16") == 125e12
+    assert tp.peak_flops("cpu", "fp32") is None
+    with pytest.raises(ValueError, match="expected bf16, fp16 or fp32"):
+        tp.peak_flops("cuda", "int8")
+
+
+def test_each_training_run_starts_a_new_cuda_peak(monkeypatch):
+    """The caching allocator's peak lasts for the process: a second run in a notebook reported
+    the first run's peak. rank_main resets it (a no-op on CPU)."""
+    from llmlab.metrics import memory
+    from llmlab.training import trainer
+    from llmlab.training.config import TrainConfig
+    seen = []
+    monkeypatch.setattr(trainer, "reset_cuda_peak", lambda d: seen.append(torch.device(d)))
+    trainer.rank_main(TrainConfig(steps=1, global_batch_size=2, seq_len=8, device="cpu"))
+    assert seen == [torch.device("cpu")]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
+    memory.reset_cuda_peak(torch.device("cpu"))
+    memory.reset_cuda_peak(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]
+
+
+def test_gpu_timestamps_wait_for_the_work(monkeypatch):
+    """A host clock around queued GPU work measures the launch, and an NCCL future completes at
+    enqueue: timelines on a GPU synchronise (pipeline) or use CUDA events (DDP buckets)."""
+    import time
+
+    from llmlab.metrics import timing
+    assert timing.device_clock("cpu") is time.perf_counter
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    timing.device_clock("cuda:1")()
+    assert synced == [torch.device("cuda", 1)]
+
+    gpu_time = [0.0]  # a fake device: events read the device clock when the stream reaches them
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = gpu_time[0] + (stream.delay if stream is not None else 0.0)
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    class Stream:
+        delay = 0.0
+
+        def wait_stream(self, other):
+            pass
+
+    side = Stream()
+
+    class Work:  # an all-reduce that will take 0.5 s on the device once queued
+        def wait(self):
+            side.delay = 0.5
+
+        def get_future(self):
+            raise AssertionError("a CUDA future completes at enqueue: not a 'done' time")
+
+    import contextlib
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    events = []
+    tl = timing.EventTimeline("cuda", events)
+    tl.mark("launch", 0)
+    tl.mark_done("done", 0, Work())
+    gpu_time[0] = 0.1
+    tl.mark("grad_ready", 1)
+    assert events == []  # CUDA events are read once per step
+    tl.resolve()
+    assert [e[:2] for e in events] == [("launch", 0), ("grad_ready", 1), ("done", 0)]
+    t = {k: s for k, _, s in events}
+    assert t["done"] - t["launch"] == pytest.approx(0.5) and t["grad_ready"] - t["launch"] == pytest.approx(0.1)

@@ -2,8 +2,8 @@
 
 On a GPU the kernel runs on CUDA; without one it runs in Triton's interpreter (the root
 conftest sets ``TRITON_INTERPRET=1`` before triton is imported; this module sets it too when run
-alone). Shapes are tiny: the interpreter executes every program in numpy. Skipped if triton is
-not installed.
+alone). Shapes are tiny: the interpreter executes every program in numpy. Skipped only on
+platforms the ``kernels`` extra does not cover; where it does, a missing triton fails the import.
 """
 import os
 import random
@@ -14,7 +14,12 @@ import torch
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from llmlab.kernels import TRITON_MARKER, triton_platform  # noqa: E402  (does not import triton)
+
+if not triton_platform():
+    pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
+                allow_module_level=True)
+import triton  # noqa: E402  (installed by the dev/kernels extras here: missing is a failure)
 
 import llmlab.kernels as K  # noqa: E402
 import llmlab.kernels.paged_attention as kpa  # noqa: E402

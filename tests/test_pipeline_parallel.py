@@ -34,12 +34,12 @@ def cfg_for(pp=1, schedule="1f1b", m=1, v=1, **kw):
     ("1f1b", 4, 3, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 3),
     ("interleaved", 2, 2, 4)])
 def test_schedule_simulates_to_theory(schedule, p, m, v):
-    sched = ps.build_schedule(schedule, p, m, v)
-    for r, acts in enumerate(sched):  # every (chunk, mb) forward and backward exactly once
-        for op in (ps.F, ps.B):
-            done = sorted((a.chunk, a.mb) for a in acts if a.op == op)
-            assert done == [(c, i) for c in range(v) for i in range(m)], (r, op)
-    for t_f, t_b in ((1.0, 1.0), (1.0, 2.0)):
+    for t_f, t_b in ((1.0, 1.0), (1.0, 2.0)):  # p2p placed for these costs, then replayed
+        sched = ps.build_schedule(schedule, p, m, v, t_f=t_f, t_b=t_b)
+        for r, acts in enumerate(sched):  # every (chunk, mb) forward and backward exactly once
+            for op in (ps.F, ps.B):
+                done = sorted((a.chunk, a.mb) for a in acts if a.op == op)
+                assert done == [(c, i) for c in range(v) for i in range(m)], (r, op)
         sim = ps.simulate(sched, t_f, t_b)  # raises on a deadlock or unmatched message
         assert sim["bubble_fraction"] == pytest.approx(ps.bubble_fraction_theory(schedule, p, m, v))
     peak = sim["peak_inflight"]
@@ -49,6 +49,26 @@ def test_schedule_simulates_to_theory(schedule, p, m, v):
         assert peak == [min(m, p - r) for r in range(p)]
     else:
         assert max(peak) < m * v or m == p  # interleaving keeps fewer than all chunk-forwards
+
+
+def test_no_schedule_deadlocks_when_sends_block():
+    """NCCL completes a large send only when the peer's matching batch runs: replay every schedule
+    with blocking sends (each batch of p2p a rendezvous). Megatron's interleaved order with each
+    send right after its forward had circular waits here (e.g. p=2, M=4, v=2)."""
+    for p in range(2, 9):
+        for m in sorted({1, 3, p, 2 * p, 3 * p}):
+            for schedule, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4))):
+                for v in vs:
+                    if schedule == "interleaved" and m % p:
+                        continue
+                    sim = ps.simulate(ps.build_schedule(schedule, p, m, v), blocking_sends=True)
+                    assert sim["bubble_fraction"] >= ps.bubble_fraction_theory(schedule, p, m, v) - 1e-9
+    # the blocking model does find a circular wait that non-blocking sends hide
+    crossed = [[ps.Action(ps.SEND_ACT, 0, 0, 1), ps.Action(ps.F, 0, 1), ps.Action(ps.RECV_GRAD, 0, 0, 1)],
+               [ps.Action(ps.SEND_GRAD, 0, 0, 0), ps.Action(ps.B, 0, 1), ps.Action(ps.RECV_ACT, 0, 0, 0)]]
+    ps.simulate(crossed)
+    with pytest.raises(RuntimeError, match="circular wait with blocking sends"):
+        ps.simulate(crossed, blocking_sends=True)
 
 
 def test_1f1b_phases_and_printing():

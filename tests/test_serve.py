@@ -7,12 +7,11 @@ import statistics
 
 import pytest
 import torch
+import transformers  # a hard dependency: missing is a failure, not a skip
 
 from llmlab.cli import main
-from llmlab.inference import bench
+from llmlab.inference import bench, workload
 from llmlab.inference.metrics import RequestTiming, percentile, summarize
-
-transformers = pytest.importorskip("transformers")
 
 
 def test_workload_is_seeded_clipped_and_heavy_tailed():
@@ -197,17 +196,17 @@ def test_engine_int8_weights_bytes_perplexity_and_greedy_tokens():
 
 def test_kv_waste_is_last_block_fragmentation_and_matches_the_engine():
     # lengths 5 and 16 in blocks of 4: 8 + 16 slots allocated, 21 hold a token
-    assert bench.kv_waste([5, 16], 4) == pytest.approx(1 - 21 / 24)
-    assert bench.kv_waste([5, 16], 1) == 0.0 and bench.kv_waste([], 16) == 0.0
+    assert workload.kv_waste([5, 16], 4) == pytest.approx(1 - 21 / 24)
+    assert workload.kv_waste([5, 16], 1) == 0.0 and workload.kv_waste([], 16) == 0.0
     # prompts 3 and 2, outputs 3 and 1: after step 1 both prompts cached, then 4 tokens of the first
-    assert bench.concurrent_trace([3, 2], [3, 1]) == [[3], [4]]
+    assert workload.concurrent_trace([3, 2], [3, 1]) == [[3], [4]]
     wl = bench.sharegpt_workload(6, seed=2, prompt_len_median=10, output_len_median=8)
     r = bench.run_llmlab(str(bench_model_path()), wl, [0.0] * 6, block_size=4)
     # the engine allocates nothing ahead: its measured waste is exactly the last-block fragmentation
     # of the sequences it holds, which is what the concurrent trace predicts offline
     assert r["kv_cache_waste_fraction"] == pytest.approx(r["kv_waste_by_block_size"]["4"])
     assert r["kv_cache_waste_fraction"] == pytest.approx(
-        bench.trace_waste(bench.concurrent_trace(wl["prompt_lens"], wl["output_lens"]), 4))
+        workload.trace_waste(workload.concurrent_trace(wl["prompt_lens"], wl["output_lens"]), 4))
     w = [r["kv_waste_by_block_size"][str(b)] for b in bench.WASTE_BLOCK_SIZES]
     assert w[0] == 0.0 and all(a <= b for a, b in zip(w, w[1:]))
 
@@ -216,14 +215,14 @@ def test_runner_fuses_projections_over_views_of_one_weight():
     from llmlab.inference import LLM, SamplingParams
     llm = LLM("shakespeare", device="cpu", num_gpu_blocks=32)
     runner = llm.engine.runner
-    layer, fused = runner.model.model.layers[0], runner._fused[0]
-    w, b, split = fused["qkv"]
+    layer = runner.model.model.layers[0]
     a = layer.self_attn
+    w, b, split = a.fused_qkv
     assert split == [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
     # no copy: the modules' weights are views of the fused tensor
     assert a.q_proj.weight.data_ptr() == w.data_ptr()
     assert a.v_proj.weight.data_ptr() == w[split[0] + split[1]:].data_ptr()
-    assert layer.mlp.up_proj.weight.data_ptr() == fused["gate_up"][0][layer.mlp.gate_proj.out_features:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == layer.mlp.fused_gate_up[0][layer.mlp.gate_proj.out_features:].data_ptr()
     # a step mixing prompts and decodes gives each sequence the tokens it gets alone
     sp = SamplingParams(temperature=0, max_tokens=6)
     alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in ("ROMEO:", "KING HENRY IV:")]
@@ -237,11 +236,11 @@ def test_runner_fuses_projections_over_views_of_one_weight():
         eng.step()
     assert [eng.get_output(r).outputs[0].token_ids for r in "ab"] == alone
     q8 = LLM("shakespeare", device="cpu", num_gpu_blocks=8, quantization="int8")
-    assert q8.engine.runner._fused[0]["qkv"] is None        # int8 modules are kept as they are
+    assert q8.engine.runner.model.model.layers[0].self_attn.fused_qkv is None        # int8 modules are kept as they are
 
 
 def test_runner_buckets_split_only_when_padding_costs_more_than_a_call():
-    from llmlab.inference.model_runner import _buckets
+    from llmlab.inference.padding_buckets import buckets as _buckets
     from llmlab.inference.sequence import Sequence
 
     def decode(ctx):

@@ -28,7 +28,7 @@ def test_loss_falls_and_metrics_follow_the_contract(run):
     cfg = metrics["config"]
     assert cfg["world_size"] == 1 and cfg["model"] == "tiny" and cfg["seed"] == 1
     (rank,) = metrics["ranks"]
-    assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0}
+    assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0}
     assert set(rank["comm_bytes"]) >= {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
                                        "send", "recv"}
     assert sum(rank["comm_bytes"].values()) == 0  # one rank communicates nothing
@@ -90,6 +90,66 @@ def test_config_file_with_command_line_override(tmp_path):
     f.write_text(json.dumps({"stepz": 2}))
     with pytest.raises(ValueError, match="unknown keys.*stepz"):
         TrainConfig.from_file(f)
+
+
+def test_every_train_flag_comes_from_a_field_with_help_and_default(capsys, monkeypatch):
+    import dataclasses
+    from llmlab.cli import build_parser
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(TrainConfig):
+        help_ = f.metadata.get("help")
+        assert help_, f"TrainConfig.{f.name} has no help text (use option(default, help))"
+        flag = "--" + f.name.replace("_", "-")
+        assert f"{flag} " in text and " ".join(help_.split()) in text
+        if not isinstance(f.default, bool) and "default" not in help_:
+            shown = "none" if f.default is None else f.default
+            assert f"{' '.join(help_.split())} (default: {shown})" in text, f.name
+    # Parsing gives exactly the flags that were typed, with the field's type.
+    args = build_parser().parse_args(["train", "--seq-len", "32", "--lr", "0.01", "--sequence-parallel"])
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    assert given == {"seq_len": 32, "lr": 0.01, "sequence_parallel": True}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_choices_are_checked_in_python_too():
+    with pytest.raises(ValueError, match=r"--dtype 'fp8': expected fp32, bf16 or fp16"):
+        validate(TrainConfig(dtype="fp8"))
+    with pytest.raises(ValueError, match=r"--zero 4: expected 0, 1, 2 or 3"):
+        validate(TrainConfig(zero=4))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"llmlab {llmlab.__version__}"
+
+
+def test_a_failed_rank_is_one_error_line_its_traceback_and_log_path(monkeypatch, capsys):
+    import shutil
+    import llmlab.training.trainer as trainer
+
+    def boom(cfg, progress):
+        def fail():
+            raise ZeroDivisionError("rank 1 divides by zero")
+        return llmlab.launch(lambda: fail() if __import__("torch").distributed.get_rank() == 1 else 0, 2)
+
+    monkeypatch.setattr(trainer, "train", boom)
+    assert main(["train", "--steps", "1"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "llmlab train: error: rank 1 failed: ZeroDivisionError: rank 1 divides by zero"
+    assert err[1] == "Traceback (most recent call last):"
+    assert err[-2] == "ZeroDivisionError: rank 1 divides by zero"  # the rank's, not the CLI's
+    assert sum(line.startswith("Traceback") for line in err) == 1
+    assert err[-1].startswith("log: ") and err[-1].endswith("/rank1.log")
+    log = err[-1][len("log: "):]
+    assert "rank 1 divides by zero" in open(log).read()
+    shutil.rmtree(log.rsplit("/", 1)[0])
 
 
 def test_python_dash_m_llmlab_is_the_cli(tmp_path):

@@ -10,7 +10,9 @@ import torch
 
 import llmlab
 from llmlab.model.config import get_preset
-from llmlab.parallel.zero import validate_layout, zero_comm_bytes, zero_memory_bytes
+from llmlab.formulas.communication import zero_comm_bytes_per_step
+from llmlab.formulas.memory import zero_model_state_bytes
+from llmlab.parallel.zero import validate_layout
 from llmlab.training.config import TrainConfig, model_config, validate
 
 STEPS = 4
@@ -112,7 +114,7 @@ def assert_same_loss(losses, ref, rtol=1e-4):
 
 
 def assert_formula(memory, stage, dp, dtype):
-    f = zero_memory_bytes(PSI, stage, dp, dtype)
+    f = zero_model_state_bytes(PSI, stage, dp, dtype)
     for k in ("params", "grads", "optimizer_states"):
         assert abs(memory[k] - f[k]) / f[k] < 0.05, f"stage {stage} dp {dp} {dtype} {k}: {memory[k]} vs {f[k]}"
 
@@ -173,13 +175,14 @@ def test_communication_per_step(stage, dp2, dp4):
     for res in (dp2, dp4):
         c = res[0][stage - 1]["comm"]
         per_step = (c["reduce_scatter"] + c["all_gather"]) / STEPS
-        assert abs(per_step - zero_comm_bytes(PSI, stage)) / zero_comm_bytes(PSI, stage) < 0.01
+        want = zero_comm_bytes_per_step(PSI, stage)["payload"]
+        assert abs(per_step - sum(want.values())) / sum(want.values()) < 0.01
         assert c["all_reduce"] == 0
         expected_ag = 2 if stage == 3 else 1
         assert abs(c["all_gather"] / STEPS - expected_ag * 4 * PSI) / (4 * PSI) < 0.01
     bf = dp2[0][3 + stage - 1]["comm"]      # bf16: half the bytes
-    assert abs((bf["reduce_scatter"] + bf["all_gather"]) / STEPS - zero_comm_bytes(PSI, stage, "bf16")) \
-        < 0.01 * zero_comm_bytes(PSI, stage, "bf16")
+    want = sum(zero_comm_bytes_per_step(PSI, stage, dtype="bf16")["payload"].values())
+    assert abs((bf["reduce_scatter"] + bf["all_gather"]) / STEPS - want) < 0.01 * want
 
 
 def test_stage3_sequence_gathers_before_use(dp2):
@@ -228,8 +231,8 @@ def test_layout_refusals():
 
 def test_formula_reproduces_paper_example():
     """ZeRO §5, Ψ = 7.5 B, N = 64, mixed precision: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
-    got = [zero_memory_bytes(7.5e9, s, 64, "bf16")["total"] / 1e9 for s in range(4)]
+    got = [zero_model_state_bytes(7.5e9, s, 64, "bf16")["total"] / 1e9 for s in range(4)]
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
     # the seed's 8B model in fp32: 32 + 32 + 64 GB on one GPU
-    f = zero_memory_bytes(8e9, 0, 1, "fp32")
+    f = zero_model_state_bytes(8e9, 0, 1, "fp32")
     assert (f["params"], f["grads"], f["optimizer_states"]) == (32e9, 32e9, 64e9)

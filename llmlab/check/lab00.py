@@ -6,6 +6,7 @@ import math
 
 from llmlab.check._base import _fail, _ok, _run_on_ranks
 from llmlab.exercises import lab00 as ex
+from llmlab.formulas.communication import ring_all_reduce_time
 
 
 def training_memory_bytes(fn) -> bool:
@@ -16,7 +17,7 @@ def training_memory_bytes(fn) -> bool:
             if not isinstance(got, dict) or got.get(k) != want[k]:
                 _fail(name, f"{k} for {n:,} parameters", want, got,
                       "fp32 is 4 bytes; Adam keeps two states (m and v) per parameter.")
-    return _ok(name, "bytes for 3 model sizes match 4Ψ / 4Ψ / 8Ψ (the seed's 32 / 32 / 64 GB for 8B)")
+    return _ok(name, "bytes for 3 model sizes match 4Ψ / 4Ψ / 8Ψ (the source articles' 32 / 32 / 64 GB for 8B)")
 
 
 def _rel_close(a, b) -> bool:
@@ -40,7 +41,7 @@ def training_flops_and_time(fn) -> bool:
             _fail(name, f"seconds for {what}", want["seconds"], got.get("seconds"),
                   "time = FLOPs / (num_gpus x peak FLOP/s x MFU): MFU < 1 makes it longer.")
     days = ex.training_flops_and_time(*cases[0])["seconds"] / 86400
-    return _ok(name, f"6·N·T and the time at a given MFU match for 4 cases (the seed's 8B: {days:.0f} days)")
+    return _ok(name, f"6·N·T and the time at a given MFU match for 4 cases (the source articles' 8B: {days:.0f} days)")
 
 
 def _ring_bytes_job(numel):
@@ -58,10 +59,10 @@ def ring_all_reduce_seconds(fn, world: int = 3) -> bool:
     name = "ring_all_reduce_seconds"
     for nbytes, n, bw, lat in ((112e9, 8, 64e9, 0.0), (4e6, 2, 1e9, 0.0), (4e6, 4, 1e9, 5e-5),
                                (1024.0, 1, 1e9, 0.0)):
-        want, got = ex.ring_all_reduce_seconds(nbytes, n, bw, lat), fn(nbytes, n, bw, lat)
+        want, got = ring_all_reduce_time(nbytes, n, bw, lat), fn(nbytes, n, bw, lat)
         if not _rel_close(got, want):
             hint = ("each rank sends 2(N-1)/N of the bytes: (N-1)/N in the reduce-scatter and "
-                    "(N-1)/N in the all-gather; then add the latency once.")
+                    "(N-1)/N in the all-gather; and each of those 2(N-1) steps pays the latency.")
             if n == 1:
                 hint = "with one rank there is nothing to send: 2(N-1)/N = 0."
             _fail(name, f"{nbytes:.3g} bytes over {n} ranks at {bw:.3g} bytes/s, latency {lat} s",

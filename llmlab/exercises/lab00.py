@@ -17,7 +17,7 @@ def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per
     ``num_params`` parameters on ``num_tokens`` tokens, where ``F = 6·N·T`` FLOPs (2 per parameter
     per token forward, 4 backward; Kaplan et al. 2020, §2.1) and ``t = F / (num_gpus ·
     peak_flops_per_s · mfu)`` seconds (MFU, the model FLOPs utilisation in (0, 1]: PaLM, Chowdhery
-    et al. 2022, App. B). The seed's 8B model on 2.5e11 tokens at 312 TFLOP/s, MFU 1: 1.2e22 FLOPs,
+    et al. 2022, App. B). The source articles' 8B model on 2.5e11 tokens at 312 TFLOP/s, MFU 1: 1.2e22 FLOPs,
     about 445 days."""
     flops = 6.0 * num_params * num_tokens
     return {"flops": flops, "seconds": flops / (num_gpus * peak_flops_per_s * mfu)}
@@ -26,10 +26,12 @@ def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per
 def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth_bytes_per_s: float,
                             latency_s: float = 0.0) -> float:
     """Lab 00. The communication wall: seconds for one ring all-reduce of ``nbytes`` bytes over
-    ``world_size`` ranks, each sending at ``bandwidth_bytes_per_s`` (bytes/s): a reduce-scatter then
-    an all-gather, each moving (N-1)/N of the tensor per rank, so ``latency_s + 2(N-1)/N · nbytes /
-    bandwidth`` (the α-β model; Patarasuk & Yuan 2009). One rank (N = 1) sends nothing."""
-    return latency_s + 2 * (world_size - 1) / world_size * nbytes / bandwidth_bytes_per_s
+    ``world_size`` ranks, each link carrying ``bandwidth_bytes_per_s`` (bytes/s): a reduce-scatter
+    then an all-gather, each N-1 steps in which every rank sends one chunk of nbytes/N and pays the
+    latency ``latency_s`` once, so ``2(N-1)·(latency_s + nbytes / (N · bandwidth))`` (the α-β
+    model; Thakur, Rabenseifner & Gropp 2005). One rank (N = 1) sends nothing."""
+    steps = 2 * (world_size - 1)
+    return steps * (latency_s + nbytes / (world_size * bandwidth_bytes_per_s))
 
 
 EXERCISES = [training_memory_bytes, training_flops_and_time, ring_all_reduce_seconds]

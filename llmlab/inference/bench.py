@@ -21,6 +21,9 @@ the greedy tokens of both systems are checked equal on a few requests (:func:`ch
   length: HF runs batches of B; llmlab gets ``num_gpu_blocks = ceil(B * max_len / block_size)``.
   Without it HF sweeps batch sizes (8, 16, 32, 64) and its best throughput is reported.
 
+The workload and the waste arithmetic are :mod:`llmlab.inference.workload`, the HF harnesses
+:mod:`llmlab.inference.hf_baseline`; this module runs the engine, compares and reports.
+
 JSON written to ``--json``: see CONTRACT ``llmlab bench`` (plus extra keys ``e2e_s``,
 ``duration_s``, ``num_output_tokens``, ``config``; for HF ``batch_size``, ``sweep`` and
 ``outputs_vs_llmlab``; ``hf_continuous`` (or ``hf_continuous_skipped`` with the reason)).
@@ -30,95 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 
 import torch
 
+from llmlab.inference.hf_baseline import (hf_continuous_available, load_hf, run_hf,  # noqa: F401
+                                          run_hf_continuous)
 from llmlab.inference.metrics import RequestTiming, summarize
+from llmlab.inference.workload import (WASTE_BLOCK_SIZES, poisson_arrivals,  # noqa: F401
+                                       sharegpt_workload, trace_waste)
 
 HF_BATCH_SIZES = (8, 16, 32, 64)
-
-
-# --- workload ------------------------------------------------------------------------------------
-def sharegpt_workload(num_requests: int, *, seed: int = 0, max_len: int = 512,
-                      prompt_len_median: float = 32.0, output_len_median: float = 32.0,
-                      sigma: float = 0.9, vocab_size: int = 256) -> dict:
-    """A seeded ShareGPT-like workload: lognormal prompt and output lengths (median
-    ``*_median`` tokens, shape ``sigma``: a heavy right tail, as the ShareGPT conversations vLLM
-    benchmarks with), clipped so that prompt >= 4, output >= 2 and prompt + output <= ``max_len``.
-
-    Prompts are consecutive bytes of the bundled corpus (byte vocabulary) or uniform token ids.
-    Returns ``{"prompts": [[ids]], "prompt_lens": [...], "output_lens": [...]}``.
-    Raises ``ValueError`` if ``num_requests < 1`` or ``max_len < 6``."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests={num_requests} must be >= 1")
-    if max_len < 6:
-        raise ValueError(f"max_len={max_len} must be >= 6 (4 prompt + 2 output tokens)")
-    rng = random.Random(seed)
-    corpus = None
-    if vocab_size == 256:
-        from llmlab.data import load_corpus
-        corpus = load_corpus().encode("utf-8")
-    prompts, plens, olens = [], [], []
-    for _ in range(num_requests):
-        p = int(round(rng.lognormvariate(math.log(prompt_len_median), sigma)))
-        p = max(4, min(p, max_len // 2))
-        o = int(round(rng.lognormvariate(math.log(output_len_median), sigma)))
-        o = max(2, min(o, max_len - p))
-        if corpus is not None:
-            s = rng.randrange(0, len(corpus) - p)
-            ids = list(corpus[s:s + p])
-        else:
-            ids = [rng.randrange(vocab_size) for _ in range(p)]
-        prompts.append(ids)
-        plens.append(p)
-        olens.append(o)
-    return {"prompts": prompts, "prompt_lens": plens, "output_lens": olens}
-
-
-def poisson_arrivals(num_requests: int, request_rate: float | None, seed: int = 0) -> list[float]:
-    """Arrival offsets in seconds: all 0 when ``request_rate`` is None or inf (offline), else a
-    Poisson process of ``request_rate`` requests/s (exponential gaps), first at 0."""
-    if request_rate is None or math.isinf(request_rate):
-        return [0.0] * num_requests
-    if request_rate <= 0:
-        raise ValueError(f"request_rate={request_rate} must be > 0")
-    rng = random.Random(seed + 1)
-    t, out = 0.0, []
-    for i in range(num_requests):
-        out.append(t)
-        t += rng.expovariate(request_rate)
-    return out
-
-
-# --- KV-cache waste ------------------------------------------------------------------------------
-def kv_waste(seq_lens, block_size: int) -> float:
-    """Share of allocated KV slots holding no token when sequences of ``seq_lens`` tokens each
-    own ``ceil(L / block_size)`` blocks (PagedAttention, Kwon et al. 2023 §2.3 / §4.2: only the
-    last block of a sequence is partly empty). 0.0 for no sequences. About
-    ``(block_size - 1) / 2 / (mean L + (block_size - 1) / 2)`` when lengths are spread evenly
-    modulo ``block_size``: short sequences waste a larger share."""
-    alloc = sum(-(-L // block_size) * block_size for L in seq_lens)
-    return 0.0 if alloc == 0 else 1.0 - sum(seq_lens) / alloc
-
-
-def trace_waste(step_seq_lens, block_size: int) -> float:
-    """:func:`kv_waste` averaged over the steps of a trace (a list of per-step length lists) that
-    held any sequence: the engine's ``kv_cache_waste_fraction`` recomputed at ``block_size``."""
-    ws = [kv_waste(lens, block_size) for lens in step_seq_lens if lens]
-    return sum(ws) / len(ws) if ws else 0.0
-
-
-def concurrent_trace(prompt_lens, output_lens) -> list[list[int]]:
-    """The per-step cached lengths if every request runs from step 1 (offline, cache large
-    enough): after step ``k`` a request with prompt ``p`` and output ``o > k`` holds ``p + k - 1``
-    tokens (its newest sampled token is written at the next step)."""
-    return [[p + k - 1 for p, o in zip(prompt_lens, output_lens) if o > k]
-            for k in range(1, max(output_lens))]
-
-
-WASTE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 # --- llmlab --------------------------------------------------------------------------------------
@@ -166,176 +91,7 @@ def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: 
     return res
 
 
-# --- Hugging Face --------------------------------------------------------------------------------
-class _TimingStreamer:
-    """``generate`` streamer: the time of every ``put`` after the prompt (one per new token)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value):
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
-def load_hf(path, device: str = "cpu"):
-    """``transformers.AutoModelForCausalLM`` for the checkpoint ``path`` (fp32, eval)."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-
-
-@torch.no_grad()
-def hf_generate_batch(hf_model, prompts: list[list[int]], num_new: int, pad_token_id: int = 0,
-                      streamer=None) -> list[list[int]]:
-    """Static batch: left-padded ``prompts``, exactly ``num_new`` greedy tokens for every row."""
-    dev = next(hf_model.parameters()).device
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), L), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        mask[r, L - len(p):] = 1
-    out = hf_model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
-                            max_new_tokens=num_new, min_new_tokens=num_new,
-                            pad_token_id=pad_token_id, eos_token_id=None, streamer=streamer)
-    return out[:, L:].tolist()
-
-
-def run_hf(hf_model, workload: dict, arrivals: list[float], batch_size: int) -> dict:
-    """Serve ``workload`` with static batches of ``batch_size`` (arrival order); same entry as
-    :func:`run_llmlab` without preemptions."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
-    prompts, olens = workload["prompts"], workload["output_lens"]
-    n = len(prompts)
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    timings: list[RequestTiming | None] = [None] * n
-    tokens: list[list[int] | None] = [None] * n
-    waste_sum, waste_steps = 0.0, 0
-    t0 = time.perf_counter()
-    for b in range(0, n, batch_size):
-        idx = order[b:b + batch_size]
-        wait = arrivals[idx[-1]] - (time.perf_counter() - t0)
-        if wait > 0:
-            time.sleep(wait)
-        O = max(olens[i] for i in idx)
-        P = max(len(prompts[i]) for i in idx)
-        st = _TimingStreamer()
-        out = hf_generate_batch(hf_model, [prompts[i] for i in idx], O, streamer=st)
-        if len(st.times) != O:
-            raise RuntimeError(f"streamer saw {len(st.times)} tokens, expected {O}")
-        for r, i in enumerate(idx):
-            o = olens[i]
-            tokens[i] = out[r][:o]
-            timings[i] = RequestTiming(t0 + arrivals[i], st.times[0], st.times[o - 1], o)
-        alloc = len(idx) * (P + O)
-        for t in range(1, O + 1):           # cache after decode step t
-            stored = sum(len(prompts[i]) + min(t, olens[i]) for i in idx)
-            waste_sum += 1.0 - stored / alloc
-            waste_steps += 1
-    res = summarize(timings)
-    res["kv_cache_waste_fraction"] = waste_sum / waste_steps
-    res["batch_size"] = batch_size
-    res["token_ids"] = tokens
-    return res
-
-
-def hf_continuous_available(hf_model) -> str | None:
-    """None when ``hf_model`` has transformers' own continuous batching (``init_continuous_batching``,
-    transformers >= 5), else the reason it is skipped."""
-    if not hasattr(hf_model, "init_continuous_batching"):
-        import transformers
-        return (f"transformers {transformers.__version__} has no continuous batching "
-                f"(model.init_continuous_batching / generate_batch)")
-    try:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
-    except ImportError as e:                                      # pragma: no cover - old versions
-        return f"transformers has no ContinuousBatchingConfig ({e})"
-    return None
-
-
-@torch.no_grad()
-def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_blocks: int,
-                      block_size: int = 16, max_batch_tokens: int = 2048,
-                      max_num_seqs: int = 256) -> dict:
-    """Serve ``workload`` with transformers' own continuous batching (the engine behind
-    ``model.generate_batch``: ``init_continuous_batching`` -> ``ContinuousBatchingManager``, a
-    paged cache of ``num_blocks`` whole-model blocks of ``block_size`` tokens, scheduled by a
-    background thread). ``generate_batch`` itself takes one ``max_new_tokens`` for all prompts, so
-    the requests are added to the same manager one by one, each with its own output length and no
-    EOS (``eos_token_id=-1``), at their arrival times, streamed. Token times are the manager's
-    per-token timestamps (``time.perf_counter``, like ours); those restart when HF preempts a
-    request, and then its first token's time is when its stream delivered it. Same entry as :func:`run_llmlab` plus
-    ``kv_cache_bytes`` (HF's cache tensor, trash sectors excluded) and
-    ``kv_cache_waste_fraction = None``: HF does not expose its per-step block usage."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    prompts, olens = workload["prompts"], workload["output_lens"]
-    n = len(prompts)
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                           max_new_tokens=max(olens))
-    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks,
-                                  max_batch_tokens=max_batch_tokens,
-                                  max_requests_per_batch=max_num_seqs)
-    manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    manager.start()
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    results, first_seen = {}, {}
-    try:
-        t0 = time.perf_counter()
-        k = 0
-        while len(results) < n:
-            now = time.perf_counter() - t0
-            while k < n and arrivals[order[k]] <= now:
-                i = order[k]
-                manager.add_request(prompts[i], request_id=str(i), max_new_tokens=olens[i],
-                                    record_timestamps=True, eos_token_id=-1, streaming=True)
-                k += 1
-            wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
-            r = manager.get_result(timeout=min(wait, 60.0))
-            if r is None:
-                if k == n:
-                    raise RuntimeError(f"HF continuous batching returned {len(results)}/{n} "
-                                       f"requests (thread running: {manager.is_running()})")
-                continue
-            if r.generated_tokens and r.request_id not in first_seen:
-                first_seen[r.request_id] = time.perf_counter()
-            if r.is_finished():
-                if r.error is not None:
-                    raise RuntimeError(f"HF continuous batching: request {r.request_id}: {r.error}")
-                results[r.request_id] = r
-        cache = manager.batch_processor.cache if manager.batch_processor is not None else None
-    finally:
-        manager.stop(block=True, timeout=10)
-        manager.destroy()
-    timings, tokens = [], []
-    for i in range(n):
-        r = results[str(i)]
-        if len(r.generated_tokens) != olens[i]:
-            raise RuntimeError(f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
-                               f"tokens, expected {olens[i]}")
-        # per-token timestamps restart when HF preempts (offloads) a request; then the first
-        # token's time is when its stream delivered it
-        ts = r.timestamps or []
-        first = ts[0] if len(ts) == olens[i] else first_seen[str(i)]
-        finish = ts[-1] if ts else first_seen[str(i)]
-        timings.append(RequestTiming(t0 + arrivals[i], first, finish, olens[i]))
-        tokens.append(list(r.generated_tokens))
-    res = summarize(timings)
-    res["kv_cache_waste_fraction"] = None
-    res["num_gpu_blocks"] = int(cache.num_blocks) if cache is not None else None
-    res["kv_cache_bytes"] = (int(cache.cache_tensor.numel() - 2 * cache.bytes_per_sector)
-                             if cache is not None else None)
-    res["token_ids"] = tokens
-    return res
-
-
+# --- comparisons ---------------------------------------------------------------------------------
 def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """How many requests and output tokens of ``theirs`` equal ``ours`` position by position:
     ``{"requests_equal", "num_requests", "tokens_equal", "num_tokens", "first_difference"}``

@@ -1,14 +1,15 @@
-"""The engine loop: schedule, run, sample, stop; ``LLM.generate`` and streaming on top.
+"""The engine loop: schedule, run, sample, stop (``LLM`` in :mod:`llmlab.inference.llm` wraps it).
 
 ``LLMEngine.step()`` is one iteration (Orca's iteration-level scheduling): the scheduler plans
 (which sequences, how many tokens, which block copies), the model runner computes those tokens
 through the paged cache, every sequence whose last token was computed samples its next token, and
-finished sequences give their blocks back. ``LLM`` wraps it as vLLM's offline API::
+finished sequences give their blocks back.
 
-    from llmlab.inference import LLM, SamplingParams
-    llm = LLM("shakespeare")                      # the model shipped with llmlab
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
-    print(out[0].outputs[0].text)
+Per token: the logits are checked finite (a NaN or inf fails that request only,
+``finish_reason="error"``), processed (``min_tokens``, penalties) and sampled
+(:mod:`~llmlab.inference.sampling`), the token is detokenised incrementally
+(:mod:`~llmlab.inference.detokenizer`) and the stop conditions are checked on that text.
+A checkpoint's ``generation_config.json`` fills the sampling fields a request leaves unset.
 
 Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
 blocks used, preemptions, ...), ``on_step`` receives each as it is made, and every
@@ -27,89 +28,14 @@ import torch
 
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
+from llmlab.inference.detokenizer import IncrementalDetokenizer
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
-from llmlab.inference.sampling import SamplingParams, make_generator, sample_token
+from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
+                                      RequestOutput, StepMetrics)
+from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
+                                       sample_token, top_logprobs)
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
-
-
-@dataclass
-class RequestMetrics:
-    """Times in seconds (``time.perf_counter``). ``ttft`` = first token - arrival; ``tpot`` =
-    (finish - first token) / (output tokens - 1) of the longest sample."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    num_prefix_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None     # None while running, then "stop" | "length" | "abort"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-
-
-@dataclass
-class StepMetrics:
-    """One engine step. Times in seconds; ``kv_tokens_stored`` counts the cache slots holding a
-    computed token (shared blocks once), so ``1 - kv_tokens_stored / (kv_blocks_used *
-    block_size)`` is the fraction of allocated KV memory that is wasted (PagedAttention, Kwon et
-    al. 2023 §2.3: slots allocated but holding no token's K/V; the engine allocates a block only
-    when a token is about to be written into it, so this is the internal fragmentation of each
-    sequence's last block, nothing reserved ahead; blocks kept for the prefix cache after their
-    sequence finished are free, not counted). ``seq_lens``: cached tokens of each running sequence
-    after the step (what the waste at another block size would be computed from). ``sample_s``:
-    seconds spent drawing this step's tokens from the logits (temperature, top-k/p)."""
-
-    step: int
-    start_time: float
-    duration_s: float
-    num_seqs: int                 # batch size: sequences computed this step
-    num_batched_tokens: int
-    num_prefill_tokens: int       # tokens of sequences that computed more than one token
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int          # preempted in this step
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_tokens_stored: int
-    block_size: int
-    num_cow_copies: int
-    num_prefix_hit_tokens: int    # cumulative
-    seq_lens: tuple = ()
-    sample_s: float = 0.0
-
-    @property
-    def kv_waste_fraction(self) -> float:
-        alloc = self.kv_blocks_used * self.block_size
-        return 0.0 if alloc == 0 else 1.0 - self.kv_tokens_stored / alloc
 
 
 @dataclass
@@ -120,11 +46,14 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
+    sampling_defaults: dict = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs) and (
-            len(self.seqs) == self.params.n or any(s.finish_reason == "abort" for s in self.seqs))
+            len(self.seqs) == self.params.n
+            or any(s.finish_reason in ("abort", "error") for s in self.seqs))
 
 
 def _pick_device(device: str | torch.device) -> torch.device:
@@ -135,25 +64,47 @@ def _pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
+
+
+def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
+                        swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
+    """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
+    Raises ``ValueError`` for a negative ``swap_space_bytes`` or a non-positive block size."""
+    if swap_space_bytes < 0 or bytes_per_block <= 0:
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block="
+                         f"{bytes_per_block} > 0")
+    return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
     device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
     ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
-    host blocks for swap preemption (default: as many as device blocks when
-    ``preemption_mode == "swap"``); ``max_num_seqs``,
+    host blocks for swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
+    ``swap_space_bytes``, 4 GiB like vLLM's ``swap_space``, and no more than the device blocks; the
+    host cache is pinned memory on CUDA, so mirroring a 40 GB device cache would pin 40 GB of
+    host RAM); ``max_num_seqs``,
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
-    CUDA); ``max_model_len`` (default: the model's ``max_position_embeddings``); ``dtype`` of
+    CUDA); ``max_model_len`` (default, and at most: the model's ``max_position_embeddings``);
+    ``dtype`` of
     weights and cache (default fp32); ``quantization="int8"`` stores every linear weight but the
     output head as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; weight bytes
     about 1/4 of fp32, activations and cache stay in ``dtype``; a model object passed in is
     quantised in place); ``seed`` for requests without one; ``check_invariants``
-    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook.
+    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
+    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks).
+
+    ``generation_defaults`` (default: the checkpoint's ``generation_config.json``, see
+    :func:`~llmlab.inference.loader.generation_defaults`) fill the sampling fields a request
+    leaves unset.
 
     Raises ``ValueError`` for inconsistent sizes and, in :meth:`add_request`, for requests that
-    can never run (empty prompt, longer than the context or than the whole cache).
+    can never run (empty prompt, longer than the context or than the whole cache, bad ids).
     """
 
     def __init__(self, model="shakespeare", tokenizer=None, *, block_size: int = 16,
@@ -163,11 +114,18 @@ class LLMEngine:
                  enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
-                 on_step=None, quantization: str | None = None):
+                 on_step=None, quantization: str | None = None,
+                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1,
+                 swap_space_bytes: int = SWAP_SPACE_BYTES):
         self.device = _pick_device(device)
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
-        model, self.tokenizer, self.eos_token_ids = loader.load(model, tokenizer)
+        spec = model
+        model, self.tokenizer, self.eos_token_ids, defaults = loader.load(model, tokenizer)
+        self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
+        if tensor_parallel_size != 1:
+            from llmlab.inference import tensor_parallel
+            tensor_parallel.validate(model.config, tensor_parallel_size, quantization)
         if quantization == "int8":
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
@@ -175,6 +133,9 @@ class LLMEngine:
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         if max_num_seqs < 1:
@@ -191,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
         preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
         if num_host_blocks is None:
-            num_host_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(cfg, block_size, dtype),
+                                                   swap_space_bytes) if preemption_mode == "swap" else 0)
         self.block_size = block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -200,7 +162,15 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype, num_host_blocks)
+        if tensor_parallel_size == 1:
+            self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype,
+                                      num_host_blocks)
+        else:
+            self.runner = tensor_parallel.TensorParallelRunner.launch(
+                model, spec, tensor_parallel_size, self.device,
+                dict(num_blocks=num_gpu_blocks, block_size=block_size, dtype=dtype,
+                     num_host_blocks=num_host_blocks))
+        self.tensor_parallel_size = tensor_parallel_size
         self.check_invariants = check_invariants
         self.on_step = on_step
         self.step_metrics: list[StepMetrics] = []
@@ -208,6 +178,12 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._step = 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -232,8 +208,12 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served."""
-        params = params or SamplingParams()
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served.
+
+        ``params`` fields left unset take the engine's ``generation_defaults`` (recorded in the
+        request's outputs as ``sampling_defaults``)."""
+        params, used = (params or SamplingParams()).with_defaults(self.generation_defaults)
+        params.validate()
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one prompt token")
@@ -243,21 +223,23 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
                              f"max_model_len={self.max_model_len}")
-        need = self.block_manager.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
-        if self.block_manager.blocks_for(len(ids)) > self.num_gpu_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens needs {self.block_manager.blocks_for(len(ids))} "
-                             f"KV blocks of {self.block_size} tokens but the whole cache has "
-                             f"num_gpu_blocks={self.num_gpu_blocks}")
+        # K/V is stored for every token but the last sampled one, which ends the sequence
+        kv_tokens = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        need = self.block_manager.blocks_for(kv_tokens)
         if need > self.num_gpu_blocks:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                             f"{need} KV blocks of {self.block_size} tokens but the whole cache has "
-                             f"num_gpu_blocks={self.num_gpu_blocks}; lower max_tokens or add blocks")
+                             f"{need} KV blocks of {self.block_size} tokens ({kv_tokens} tokens "
+                             f"with K/V) but the whole cache has num_gpu_blocks="
+                             f"{self.num_gpu_blocks}; lower max_tokens or add blocks")
         sc = self.scheduler_config
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens="
                              f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget")
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {V})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -266,7 +248,9 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
-        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now), [seq])
+        self._start_text(seq)
+        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now),
+                                             [seq], sampling_defaults=used)
         self.scheduler.add(seq)
         return request_id
 
@@ -284,33 +268,46 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # --- stopping --------------------------------------------------------------------------------
-    def _decode(self, ids) -> str | None:
-        if self.tokenizer is None:
-            return None
-        if type(self.tokenizer).__name__ == "ByteTokenizer":
-            return self.tokenizer.decode(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    # --- text and stopping ------------------------------------------------------------------------
+    def _start_text(self, seq: Sequence) -> None:
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     seq.params.skip_special_tokens)
 
     def _check_stop(self, seq: Sequence) -> str | None:
+        """After ``seq`` got a token: detokenise it, then the reason to stop, or None (vLLM's
+        order: nothing stops before ``min_tokens``; stop strings on the new text, stop tokens,
+        then ``max_tokens`` and the context length)."""
         p: SamplingParams = seq.params
         tok = seq.token_ids[-1]
-        out = seq.output_token_ids
-        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-        text = self._decode(out[:-1] if stop_tok else out)
-        if text is not None:
-            seq.text = text
-            for s in p.stop:
-                i = text.find(s, max(0, seq.stop_text_offset - len(s)))
-                if i >= 0:
-                    seq.text = text[:i]
+        early = seq.num_output_tokens < p.min_tokens
+        stop_tok = not early and (tok in p.stop_token_ids
+                                  or (not p.ignore_eos and tok in self.eos_token_ids))
+        det = seq.detokenizer
+        if det is not None and not (stop_tok and not p.include_stop_str_in_output):
+            before = len(det.text)
+            det.add(tok)
+            seq.text = det.text
+            if p.stop and not early and len(det.text) > before:
+                found = [(i, s) for s in p.stop
+                         if (i := det.text.find(s, max(0, before - len(s) + 1))) >= 0]
+                if found:
+                    i, s = min(found)
+                    seq.text = det.text[:i + len(s) if p.include_stop_str_in_output else i]
                     return "stop"
-            seq.stop_text_offset = len(text)
         if stop_tok:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+        if reason in ("length", "stop") and seq.detokenizer is not None and \
+                seq.text == seq.detokenizer.text:
+            seq.detokenizer.finish()                     # an incomplete character at the end
+            seq.text = seq.detokenizer.text
 
     def _visible_text(self, seq: Sequence) -> str | None:
         """Text to show; while running, a tail that could still become a stop string is held back."""
@@ -361,19 +358,37 @@ class LLMEngine:
                 children = sched.fork(seq, seq.pending_fork)
                 for child in children:
                     child.generator = make_generator(seq.seed + child.sample_index, "cpu")
+                    self._start_text(child)
                 req.seqs += children
                 group += children
+            row = logits[seq.seq_id]
+            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
+                bad = "nan" if bool(torch.isnan(row).any()) else "inf"
+                req.error = (f"non-finite logits ({bad}) at output position "
+                             f"{seq.num_output_tokens}; the request was stopped")
+                for s in group:
+                    self._finish(s, "error", now)
+                changed[req.request_id] = req
+                continue
             for s in group:
                 ts = time.perf_counter()
-                s.append_token(sample_token(logits[seq.seq_id], s.params, s.generator))
+                p = s.params
+                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
+                tok = sample_token(x, p, s.generator)
+                if p.logprobs is not None:
+                    lp = top_logprobs(row, tok, p.logprobs)
+                    s.logprobs.append(lp)
+                    s.cumulative_logprob += lp[tok][0]
+                s.append_token(tok)
                 sample_s += time.perf_counter() - ts
                 if s.first_token_time is None:
                     s.first_token_time = now
                     req.metrics.first_token_time = req.metrics.first_token_time or now
                 reason = self._check_stop(s)
                 if reason is not None:
-                    sched.finish(s, reason)
-                    s.finish_time = now
+                    self._finish(s, reason, now)
             changed[req.request_id] = req
         for req in changed.values():
             if req.finished:
@@ -413,9 +428,19 @@ class LLMEngine:
         m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
         m.num_output_tokens = max(s.num_output_tokens for s in seqs)
         outs = [CompletionOutput(s.sample_index, list(s.output_token_ids), self._visible_text(s),
-                                 s.finish_reason) for s in seqs]
+                                 s.finish_reason, self._logprobs(s),
+                                 s.cumulative_logprob if s.params.logprobs is not None else None)
+                for s in seqs]
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                             req.finished, m)
+                             req.finished, m, error=req.error,
+                             sampling_defaults=dict(req.sampling_defaults))
+
+    def _logprobs(self, seq: Sequence) -> list[dict] | None:
+        if seq.params.logprobs is None:
+            return None
+        dec = (lambda t: None) if self.tokenizer is None else (
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        return [{t: Logprob(v, r, dec(t)) for t, (v, r) in d.items()} for d in seq.logprobs]
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""
@@ -430,65 +455,8 @@ class LLMEngine:
         self.requests.pop(str(request_id), None)
 
 
-class LLM:
-    """Offline generation, vLLM style: ``LLM(model, **engine_args).generate(prompts, params)``.
-
-    ``model``: a preset with shipped weights (default ``"shakespeare"``), a checkpoint directory,
-    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``engine_args`` as :class:`LLMEngine`.
-    """
-
-    def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
-        self.engine = LLMEngine(model, tokenizer, **engine_args)
-
-    def _add(self, prompts, sampling_params) -> list[str]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:                         # refuse the whole batch, leak nothing
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
-            raise
-        return ids
-
-    def stream(self, prompts, sampling_params=None):
-        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming)."""
-        ids = self._add(prompts, sampling_params)
-        try:
-            while self.engine.has_unfinished_requests():
-                yield from self.engine.step()
-        finally:
-            for rid in ids:
-                self.engine.abort_request(rid)     # no-op when finished; frees on early exit
-                self.engine.release(rid)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts)."""
-        ids = self._add(prompts, sampling_params)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate")
-        try:
-            while self.engine.has_unfinished_requests():
-                for o in self.engine.step():
-                    if bar is not None and o.finished:
-                        bar.update(1)
-            return [self.engine.get_output(rid) for rid in ids]
-        finally:
-            if bar is not None:
-                bar.close()
-            for rid in ids:
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
+def __getattr__(name):          # ``from llmlab.inference.engine import LLM`` keeps working
+    if name == "LLM":
+        from llmlab.inference.llm import LLM
+        return LLM
+    raise AttributeError(name)

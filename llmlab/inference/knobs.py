@@ -17,7 +17,7 @@ enable-chunked-prefill ``enable_chunked_prefill`` +           largest / longest 
 
 Every run serves its workload offline (all requests queued at t=0) through
 :class:`~llmlab.inference.LLMEngine`; a request's "natural" output length from
-:func:`~llmlab.inference.bench.sharegpt_workload` stands for where the model would stop
+:func:`~llmlab.inference.workload.sharegpt_workload` stands for where the model would stop
 (``ignore_eos``), and ``max_tokens`` caps it. Metrics follow :mod:`llmlab.inference.metrics`.
 ``benchmarks/bench_serve_knobs.py`` runs every sweep and prints the table; docs/serving-tuning.md
 records the numbers.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from llmlab.inference.bench import sharegpt_workload
+from llmlab.inference.workload import sharegpt_workload
 from llmlab.inference.metrics import RequestTiming, summarize
 
 # The values each knob is swept over (first = the baseline the others are compared with).

@@ -16,6 +16,19 @@ import math
 from dataclasses import dataclass
 
 
+def ttft(arrival: float, first_token: float | None) -> float | None:
+    """Time to first token, seconds (None before the first token)."""
+    return None if first_token is None else first_token - arrival
+
+
+def tpot(first_token: float | None, finish: float | None, num_output_tokens: int) -> float | None:
+    """Time per output token after the first, seconds; None for fewer than 2 tokens or before
+    the finish."""
+    if first_token is None or finish is None or num_output_tokens < 2:
+        return None
+    return (finish - first_token) / (num_output_tokens - 1)
+
+
 @dataclass
 class RequestTiming:
     """One request: ``arrival``, ``first_token``, ``finish`` in seconds (same clock),
@@ -28,13 +41,11 @@ class RequestTiming:
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.arrival
+        return ttft(self.arrival, self.first_token)
 
     @property
     def tpot(self) -> float | None:
-        if self.num_output_tokens < 2:
-            return None
-        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+        return tpot(self.first_token, self.finish, self.num_output_tokens)
 
     @property
     def e2e(self) -> float:

@@ -44,7 +44,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from llmlab.kernels.online_softmax import online_softmax, online_softmax_matmul, online_softmax_steps
+from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
+                                          online_softmax_steps, softmax_partial)
 from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
                                       rms_norm_reference, swiglu_reference)
 
@@ -67,6 +68,19 @@ class KernelSettings:
 
 
 _settings = KernelSettings()
+
+
+# The platforms the ``kernels`` extra installs triton on (pyproject.toml; tests check they agree).
+TRITON_MARKER = "python_version >= '3.11' and platform_system == 'Linux' and platform_machine == 'x86_64'"
+
+
+def triton_platform() -> bool:
+    """True where ``pip install llmlab[kernels]`` installs triton (:data:`TRITON_MARKER`): there
+    a missing triton is an installation error, elsewhere the Triton kernels cannot exist."""
+    import platform
+    import sys
+    return (sys.version_info >= (3, 11) and platform.system() == "Linux"
+            and platform.machine() == "x86_64")
 
 
 def triton_available() -> bool:
@@ -221,4 +235,5 @@ __all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable
            "use_fused", "attention", "rms_norm", "swiglu", "triton_available",
            "triton_interpreted", "triton_runs_on", "attention_reference",
            "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
-           "online_softmax", "online_softmax_steps", "online_softmax_matmul"]
+           "online_softmax", "online_softmax_steps", "online_softmax_matmul", "merge_softmax_partials",
+           "softmax_partial"]

@@ -5,8 +5,10 @@
   memory kept for backward grows as O(T²) per head.
 * :func:`flash_attention_reference`: the same maths, FlashAttention's algorithm (Dao et al. 2022,
   Algorithm 1 forward, Algorithm 2 backward; the loop order of FlashAttention-2, Dao 2023, §3.1)
-  written with PyTorch ops: tiles of ``block_m`` queries against tiles of ``block_n`` keys, an
-  online softmax (see :mod:`llmlab.kernels.online_softmax`), and only ``q, k, v, out`` and the
+  written with PyTorch ops: tiles of ``block_m`` queries against tiles of ``block_n`` keys, each
+  tile's partial softmax merged into the rows' running result with the log-sum-exp rule
+  (:func:`llmlab.kernels.online_softmax.merge_softmax_partials`, the same function ring
+  attention uses), and only ``q, k, v, out`` and the
   per-row log-sum-exp ``lse`` saved for backward: O(T) memory. The backward recomputes each score
   tile from ``q``, ``k`` and ``lse``. The Triton kernel in :mod:`llmlab.kernels.flash_attention`
   is this loop, one program per tile.
@@ -22,6 +24,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from llmlab.kernels.online_softmax import merge_softmax_partials, softmax_partial
 
 
 def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -98,23 +102,18 @@ def flash_forward_tiles(q, k, v, causal: bool, scale: float, block_m: int, block
     for qs in range(0, T, block_m):
         qb = q[:, :, qs:qs + block_m].float()
         bm = qb.shape[2]
-        m = torch.full((B, H, bm), float("-inf"), device=q.device)
-        l = torch.zeros(B, H, bm, device=q.device)
-        acc = torch.zeros(B, H, bm, D, device=q.device)
+        o = torch.zeros(B, H, bm, D, device=q.device)              # running (out, lse) of the rows
+        row_lse = torch.full((B, H, bm), float("-inf"), device=q.device)
         kv_end = min(T, qs + bm) if causal else T                  # causal: skip tiles above the diagonal
         for ks in range(0, kv_end, block_n):
             kb, vb = k[:, :, ks:ks + block_n].float(), v[:, :, ks:ks + block_n].float()
             s = (qb @ kb.transpose(-1, -2)) * scale                # one [bm, bn] tile per head
             if causal and ks + kb.shape[2] - 1 > qs:
                 s = s.masked_fill(_causal_tile_mask(qs, bm, ks, kb.shape[2], q.device), float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m - m_new)
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ vb
-            m = m_new
-        out[:, :, qs:qs + bm] = (acc / l[..., None]).to(q.dtype)
-        lse[:, :, qs:qs + bm] = m + torch.log(l)
+            # the tile's own softmax, then the online-softmax merge into the rows' running result
+            o, row_lse = merge_softmax_partials(o, row_lse, *softmax_partial(s, vb))
+        out[:, :, qs:qs + bm] = o.to(q.dtype)
+        lse[:, :, qs:qs + bm] = row_lse
     return out, lse
 
 

@@ -115,9 +115,6 @@ class SavedActivations:
             self.current -= entry[1]
             del self._live[ptr]
 
-    def reset_peak(self):
-        self.peak = self.current
-
     def __enter__(self):
         self._hooks.__enter__()
         return self
@@ -125,6 +122,13 @@ class SavedActivations:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         return False
+
+
+def reset_cuda_peak(device=None) -> None:
+    """Start a new peak on a CUDA ``device`` (the caching allocator's peak lasts for the process,
+    so a second run in one notebook would otherwise report the first run's peak); no-op on CPU."""
+    if torch.cuda.is_available() and torch.device(device or "cuda").type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def cuda_memory(device=None) -> dict[str, int]:

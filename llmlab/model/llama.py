@@ -21,6 +21,8 @@ from torch import nn
 
 from llmlab import kernels
 from llmlab.model.config import ModelConfig
+from llmlab.model.context import get_context
+from llmlab.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -40,11 +42,40 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  device=None) -> torch.Tensor:
+    """RoPE frequencies ``theta^(-2i/D)``, ``[D/2]`` fp32, with Hugging Face's scalings:
+    ``{"rope_type": "linear", "factor": f}`` divides every frequency by ``f`` (position
+    interpolation, Chen et al. 2023); ``"llama3"`` (Llama 3.1) divides only the low frequencies
+    (wavelength above ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps
+    the high ones (below ``... / high_freq_factor``) and blends linearly in between. Raises
+    ``ValueError`` for another ``rope_type``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                                / head_dim))
+    rt = (scaling or {}).get("rope_type", "default")
+    if rt == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if rt == "linear":
+        return inv_freq / factor
+    if rt == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling rope_type={rt!r} is not supported (default, linear, llama3)")
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for RoPE (Su et al. 2021), shape ``positions.shape + (head_dim,)``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+                   dtype: torch.dtype = torch.float32,
+                   scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for RoPE (Su et al. 2021), shape ``positions.shape + (head_dim,)``;
+    ``scaling``: see :func:`rope_inv_freq`."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -62,17 +93,71 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core of ``module``: ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]``.
+
+    ``module.core_attention``, when set, replaces it (context parallelism installs ring or
+    Ulysses attention there, :mod:`llmlab.parallel.context_parallel`); otherwise K/V heads are
+    repeated for GQA and the opt-in fused kernel or PyTorch's SDPA runs. A layer with
+    ``module.sliding_window = W`` lets query ``i`` see keys ``i - W < j <= i`` only.
+    """
+    core = getattr(module, "core_attention", None)
+    window = getattr(module, "sliding_window", None)
+    if core is not None:
+        if window is not None:
+            raise NotImplementedError("context parallelism does not support sliding-window layers")
+        return core(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if window is not None:
+        i = torch.arange(q.shape[2], device=q.device)
+        d = i[:, None] - i[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window))
+    if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
+        return kernels.attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _concat_linears(mods: list[nn.Linear]):
+    """One weight for several ``nn.Linear`` layers that read the same input: the layers' weights
+    (and biases) become views of one concatenated tensor (no extra memory), so one matmul replaces
+    ``len(mods)``. Returns ``(weight, bias or None, out_features of each)``, or None when a layer
+    is not a plain ``nn.Linear`` (e.g. int8 weights) or the biases differ in presence. Inference
+    only: the views are no longer trainable leaves."""
+    if not all(type(m) is nn.Linear for m in mods) or len({m.bias is None for m in mods}) != 1:
+        return None
+    w = torch.cat([m.weight.data for m in mods])
+    b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
+    r = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[r:r + n], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[r:r + n], requires_grad=False)
+        r += n
+    return w, b, [m.weight.shape[0] for m in mods]
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention. ``forward(x [B,T,h], cos, sin) -> [B,T,h]``.
 
     ``num_heads``/``num_kv_heads`` are the heads this module holds: all of them on one device,
-    ``1/tp`` of them under tensor parallelism (the TP wrapper updates them).
+    ``1/tp`` of them under tensor parallelism (the TP wrapper updates them). Inside a serving
+    engine's :func:`~llmlab.model.context.forward_context` the attention itself is the context's
+    (paged K/V, many sequences in one flattened batch); the projections and RoPE are these.
     """
 
-    def __init__(self, config: ModelConfig):
+    core_attention = None  # context parallelism sets a callable (q, k, v) -> out
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0):
         super().__init__()
         h, D = config.hidden_size, config.head_dim
         self.head_dim = D
+        self.layer_idx = layer_idx
+        slides = layer_idx in config.sliding_window_layers
+        self.sliding_window = config.sliding_window if slides else None   # keys per query
+        self.fused_qkv = None        # (weight, bias, split) after fuse(): one q/k/v matmul
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.q_proj = nn.Linear(h, self.num_heads * D, bias=config.attention_bias)
@@ -80,19 +165,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * D, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * D, h, bias=config.o_proj_bias)
 
+    def fuse(self) -> None:
+        """q/k/v as one matmul over views of one weight (inference; see :func:`_concat_linears`)."""
+        self.fused_qkv = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
-            out = kernels.attention(q, k, v)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused_qkv is not None:
+            w, b, split = self.fused_qkv
+            q, k, v = F.linear(x, w, b).split(split, dim=-1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = get_context()
+        if ctx is not None:      # serving: the engine's attention over its paged cache
+            o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, H, D),
+                              k.transpose(1, 2).reshape(B * T, Hkv, D),
+                              v.transpose(1, 2).reshape(B * T, Hkv, D), self.sliding_window)
+            return self.o_proj(o.reshape(B, T, H * D))
+        out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -104,9 +199,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.fused_gate_up = None    # (weight, bias, split) after fuse(): one gate/up matmul
+
+    def fuse(self) -> None:
+        """gate/up as one matmul over views of one weight (inference; see :func:`_concat_linears`)."""
+        self.fused_gate_up = _concat_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.fused_gate_up is not None:
+            w, b, split = self.fused_gate_up
+            gate, up = F.linear(x, w, b).split(split, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if kernels.use_fused("swiglu", gate):      # opt-in fused Triton kernel (llmlab.kernels)
             return self.down_proj(kernels.swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)
@@ -115,10 +219,6 @@ class MLP(nn.Module):
 def make_mlp(config: ModelConfig) -> nn.Module:
     """The MLP slot of a decoder layer: dense SwiGLU, or a mixture of experts."""
     if config.num_experts:
-        try:
-            from llmlab.model.moe import MoE
-        except ImportError as e:  # pragma: no cover - only before the MoE layer exists
-            raise NotImplementedError("mixture-of-experts layers are not supported yet") from e
         return MoE(config)
     return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
@@ -130,7 +230,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config)
 
@@ -175,15 +275,34 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def rotary(self, T: int, device, dtype, offset: int = 0):
-        pos = torch.arange(offset, offset + T, device=device)
-        return rotary_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+    # Context parallelism sets the positions of this rank's tokens (int64 [T]); None = 0..T-1.
+    position_ids: torch.Tensor | None = None
 
-    def run_layers(self, hidden: torch.Tensor, layers=None, seq_len: int | None = None) -> torch.Tensor:
+    def rotary(self, T: int, device, dtype, offset: int = 0):
+        if self.position_ids is not None:
+            if self.position_ids.numel() != T:
+                raise ValueError(f"{T} tokens but {self.position_ids.numel()} position_ids "
+                                 f"(context parallelism: each rank holds seq_len/cp tokens)")
+            pos = self.position_ids.to(device) + offset
+        else:
+            pos = torch.arange(offset, offset + T, device=device)
+        return self.rotary_at(pos, dtype)
+
+    def rotary_at(self, positions: torch.Tensor, dtype):
+        """cos, sin ``positions.shape + (head_dim,)`` with this model's RoPE (and scaling)."""
+        c = self.config
+        return rotary_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
+
+    def run_layers(self, hidden: torch.Tensor, layers=None, seq_len: int | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """Apply ``layers`` (default: all) to ``hidden [B,T,h]``. ``seq_len`` overrides T for RoPE
-        when the hidden state is sharded along the sequence."""
-        T = seq_len if seq_len is not None else hidden.shape[1]
-        cos, sin = self.rotary(T, hidden.device, hidden.dtype)
+        when the hidden state is sharded along the sequence; ``positions [T]`` gives each token's
+        position instead of ``0..T-1`` (a serving step: the new tokens of many sequences)."""
+        if positions is not None:
+            cos, sin = self.rotary_at(positions, hidden.dtype)
+        else:
+            T = seq_len if seq_len is not None else hidden.shape[1]
+            cos, sin = self.rotary(T, hidden.device, hidden.dtype)
         for layer in (self.model.layers if layers is None else layers):
             hidden = layer(hidden, cos, sin)
         return hidden
@@ -208,11 +327,28 @@ class LlamaForCausalLM(nn.Module):
                 total = total + a
         return total
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        logits = self.head(self.run_layers(self.embed(input_ids)))
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
+                logits_indices: torch.Tensor | None = None):
+        """``positions [T]`` (optional) are the tokens' RoPE positions; ``logits_indices [K]``
+        (optional) picks the flattened ``B*T`` rows whose logits are wanted (``[K, vocab]``)."""
+        h = self.embed(input_ids)
+        h = self.run_layers(h) if positions is None else self.run_layers(h, positions=positions)
+        if logits_indices is not None:
+            h = h.flatten(0, -2)[logits_indices]
+        logits = self.head(h)
         if labels is None:
             return logits
         return self.compute_loss(logits, labels) + self.aux_loss()
+
+    def fuse_projections(self) -> "LlamaForCausalLM":
+        """Inference: q/k/v and gate/up each become one matmul over views of one weight (fewer
+        kernel launches per layer); layers that are not plain ``nn.Linear`` are left as they are."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            if type(layer.mlp) is MLP:
+                layer.mlp.fuse()
+        return self
 
 
 @torch.no_grad()

@@ -106,35 +106,62 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
     return orders
 
 
-def build_schedule(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
+                   t_b: float = 2.0) -> list[list[Action]]:
     """The full action list per rank: compute order plus the p2p each op needs.
 
-    A receive is placed right before the op that consumes it and a send right after the op that
-    produces it, so consecutive p2p actions between two computes form one batch
-    (``batch_isend_irecv``, e.g. Megatron's send-forward-recv-backward). Sends never block, and
-    receives wait only for data an earlier op of another rank produces; :func:`simulate` checks
-    that no rank can wait forever. Raises ``ValueError`` on invalid arguments.
+    Point-to-point is placed in *synchronous rounds* (the bulk-synchronous idea behind Megatron's
+    combined ``send_forward_recv_backward`` calls): the flush is replayed with costs ``t_f``/``t_b``
+    (forward/backward of one chunk, any unit; backward ~ 2x forward by default), and at each
+    instant every output finished since the last round is sent, in the same round in which its
+    receiver posts the matching receive. So a rank's k-th batch (consecutive p2p actions, posted
+    together as one ``batch_isend_irecv``) only ever pairs with its peers' batches of the same
+    round, and the schedule cannot deadlock even if every send blocks until its receive is posted
+    (NCCL: a large send completes only once the peer's matching batch runs; ``simulate(...,
+    blocking_sends=True)`` checks it). Sends go out as soon as their data exists and receives are
+    posted when the data is due, so with matching costs :func:`simulate` reproduces the
+    theoretical bubble. Raises ``ValueError`` on invalid arguments or non-positive costs.
     """
+    if t_f <= 0 or t_b <= 0:
+        raise ValueError(f"t_f={t_f} and t_b={t_b} must be > 0")
+    orders = compute_order(schedule, p, m, v)
     S = p * v
-    out = []
-    for r, ops in enumerate(compute_order(schedule, p, m, v)):
-        acts = []
-        for op, c, mb in ops:
-            s = c * p + r  # virtual stage
-            if op == F:
-                if s > 0:
-                    acts.append(Action(RECV_ACT, c, mb, (r - 1) % p))
-                acts.append(Action(F, c, mb))
-                if s < S - 1:
-                    acts.append(Action(SEND_ACT, c, mb, (r + 1) % p))
-            else:
-                if s < S - 1:
-                    acts.append(Action(RECV_GRAD, c, mb, (r + 1) % p))
-                acts.append(Action(B, c, mb))
-                if s > 0:
-                    acts.append(Action(SEND_GRAD, c, mb, (r - 1) % p))
-        out.append(acts)
-    return out
+    acts: list[list[Action]] = [[] for _ in range(p)]
+    nxt, busy = [0] * p, [0.0] * p
+    arrived: list[set] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
+    outbox: list[list] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
+    t = 0.0
+    while any(nxt[r] < len(orders[r]) or outbox[r] for r in range(p)):
+        for r in range(p):  # the round at time t: sends of ready outputs, and their receives
+            due = [o for o in outbox[r] if o[0] <= t]
+            outbox[r] = [o for o in outbox[r] if o[0] > t]
+            for _, send, dst, need in due:
+                acts[r].append(send)
+                kind = RECV_ACT if send.op == SEND_ACT else RECV_GRAD
+                acts[dst].append(Action(kind, need[1], need[2], r))
+                arrived[dst].add(need)
+        for r in range(p):  # then every idle rank starts its next op if its input is here
+            if busy[r] > t or nxt[r] >= len(orders[r]):
+                continue
+            op, c, mb = orders[r][nxt[r]]
+            s = c * p + r
+            if (op == F and s > 0 or op == B and s < S - 1) and (op, c, mb) not in arrived[r]:
+                continue
+            nxt[r] += 1
+            acts[r].append(Action(op, c, mb))
+            busy[r] = t + (t_f if op == F else t_b)
+            if op == F and s < S - 1:
+                outbox[r].append((busy[r], Action(SEND_ACT, c, mb, (r + 1) % p), (r + 1) % p,
+                                  (F, (s + 1) // p, mb)))
+            elif op == B and s > 0:
+                outbox[r].append((busy[r], Action(SEND_GRAD, c, mb, (r - 1) % p), (r - 1) % p,
+                                  (B, (s - 1) // p, mb)))
+        pending = [busy[r] for r in range(p) if busy[r] > t] + [o[0] for ob in outbox for o in ob]
+        if not pending and any(nxt[r] < len(orders[r]) for r in range(p)):
+            raise RuntimeError(f"{schedule}: compute order waits forever at "
+                               f"{[orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])]}")
+        t = min(pending) if pending else t
+    return acts
 
 
 def message_key(action: Action, rank: int, p: int) -> tuple[str, int, int]:
@@ -156,11 +183,17 @@ def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0) -> dict:
+def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
+             blocking_sends: bool = False) -> dict:
     """Run the action lists with unit costs and instant p2p, as an event simulation.
 
-    Each rank executes its actions in order; a receive waits until the matching send has been
-    issued; sends never block. ``t_f``/``t_b`` are the costs of a forward/backward of one chunk.
+    Each rank executes its actions in order; ``t_f``/``t_b`` are the costs of a forward/backward
+    of one chunk. With ``blocking_sends=False`` a receive waits until the matching send has been
+    issued and sends never block (gloo, small messages). With ``blocking_sends=True`` each batch
+    of consecutive p2p actions (one ``batch_isend_irecv``) completes only when every one of its
+    sends and receives has its counterpart posted by the peer (NCCL with messages larger than
+    its buffers: a send completes only once the matching receive runs), which finds circular
+    waits that the first model hides.
 
     Returns ``{"timeline": [[(op, chunk, mb, t0, t1), ...] per rank], "span": flush time,
     "bubble_fraction": idle/span averaged over ranks, "peak_inflight": [max micro-batches
@@ -169,35 +202,61 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0) -
     """
     p = len(schedule)
     sent: dict[tuple, float] = {}
+    posted: dict[tuple, float] = {}  # blocking model: (key, is_send) -> time posted
     pc = [0] * p
     clock = [0.0] * p
     timeline = [[] for _ in range(p)]
     inflight, peak = [0] * p, [0] * p
+
+    def batch_end(r: int) -> int:
+        j = pc[r]
+        while j < len(schedule[r]) and schedule[r][j].op in COMM:
+            j += 1
+        return j
+
     while any(pc[r] < len(schedule[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             while pc[r] < len(schedule[r]):
                 a = schedule[r][pc[r]]
-                if a.op in (SEND_ACT, SEND_GRAD):
+                if a.op in COMM and blocking_sends:
+                    j = batch_end(r)
+                    batch = schedule[r][pc[r]:j]
+                    keys = [(message_key(x, r, p), x.op in (SEND_ACT, SEND_GRAD)) for x in batch]
+                    for k in keys:
+                        posted.setdefault(k, clock[r])
+                    peers = [(k, not is_send) for k, is_send in keys]
+                    if not all(k in posted for k in peers):
+                        break
+                    clock[r] = max([clock[r]] + [posted[k] for k in peers])
+                    pc[r] = j
+                elif a.op in (SEND_ACT, SEND_GRAD):
                     sent[message_key(a, r, p)] = clock[r]
+                    pc[r] += 1
                 elif a.op in (RECV_ACT, RECV_GRAD):
                     key = message_key(a, r, p)
                     if key not in sent:
                         break
                     clock[r] = max(clock[r], sent.pop(key))
+                    pc[r] += 1
                 else:
                     dt = t_f if a.op == F else t_b
                     timeline[r].append((a.op, a.chunk, a.mb, clock[r], clock[r] + dt))
                     clock[r] += dt
                     inflight[r] += 1 if a.op == F else -1
                     peak[r] = max(peak[r], inflight[r])
-                pc[r] += 1
+                    pc[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(schedule[r][pc[r]]) for r in range(p) if pc[r] < len(schedule[r])}
-            raise RuntimeError(f"pipeline schedule deadlocks: ranks wait at {stuck}")
-    if sent:
-        raise RuntimeError(f"unmatched sends: {sorted(sent)}")
+            stuck = {r: " ".join(str(x) for x in schedule[r][pc[r]:batch_end(r)] or
+                                 schedule[r][pc[r]:pc[r] + 1])
+                     for r in range(p) if pc[r] < len(schedule[r])}
+            how = " (circular wait with blocking sends)" if blocking_sends else ""
+            raise RuntimeError(f"pipeline schedule deadlocks{how}: ranks wait at {stuck}")
+    unmatched = sorted(sent) if not blocking_sends else sorted(
+        k for (k, is_send) in posted if (k, not is_send) not in posted)
+    if unmatched:
+        raise RuntimeError(f"unmatched sends: {unmatched}")
     span = max(clock)
     busy = [sum(e[4] - e[3] for e in tl) for tl in timeline]
     return {"timeline": timeline, "span": span,

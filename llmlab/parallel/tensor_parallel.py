@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlab.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary
+from llmlab.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, apply_rotary, causal_attention
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
                                      reduce_from_tensor_model_parallel_region, reduce_scatter_along,
@@ -338,10 +338,7 @@ class ParallelAttention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
 

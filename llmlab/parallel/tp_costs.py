@@ -1,73 +1,23 @@
-"""What tensor (and sequence) parallelism costs: formulas, and the same quantities measured.
+"""What tensor (and sequence) parallelism costs: the calculator, and the same quantities measured.
 
-Formulas, per transformer block and per rank, for ``b`` sequences of ``s`` tokens, hidden ``h``,
-MLP width ``f``, ``a`` query heads, ``kv`` key/value heads, tp degree ``t``:
+The formulas, per transformer block and per rank, are in :mod:`llmlab.formulas`:
+communication :func:`~llmlab.formulas.communication.tp_block_comm_bytes` (and per step
+:func:`~llmlab.formulas.communication.tp_step_comm_bytes`), saved activations
+:func:`~llmlab.formulas.activations.llama_block_activation_bytes` (this model's count) beside
+Korthikanti et al.'s :func:`~llmlab.formulas.activations.activation_bytes_per_layer`, FLOPs
+:func:`~llmlab.formulas.compute.block_flops`.
 
-* communication (Megatron-LM, Shoeybi et al. 2019, §3): without SP two all-reduces forward and two
-  backward, each of the full activation ``b*s*h`` elements. With SP (Korthikanti et al. 2022,
-  §4.2.2) each all-reduce becomes an all-gather plus a reduce-scatter of the same payload, and
-  re-gathering the saved sequence shard in backward adds one all-gather per column group (2 per
-  block). Bytes follow :mod:`llmlab.runtime.comm`'s payload convention (full tensor).
-* saved activations (this model: fp32, RMSNorm, SwiGLU, GQA, no dropout, PyTorch's fused
-  attention that keeps ``q, k, v, out`` and a ``logsumexp`` instead of the ``s x s`` scores):
-  elements saved for backward =
-  ``6bsh + 2bs`` (two norms: input, normalised input, output, 1/rms) + ``4bsh/t`` (q, k, v after
-  the kv heads are repeated, and the attention output, which is also o_proj's input: the fused
-  kernel writes it ``[b, s, a, d]``-contiguous so the reshape is a view) + ``bsa/t`` (logsumexp) + ``4bsf/t``
-  (gate, silu(gate), up, their product). Sequence parallelism divides the first term by ``t`` as
-  well, so everything is ``1/t``. Compare Korthikanti et al. 2022, Table 2 (16-bit, dropout,
-  explicit ``s x s`` scores): ``sbh(10 + 24/t + 5as/(ht))`` and ``sbh(34 + 5as/h)/t`` with SP.
-* FLOPs: ``2 * b * s * (weights' inputs x outputs)`` per matmul forward, plus ``4 * b * s^2 * h``
-  for the attention scores and values (causal masking not subtracted), all divided by ``t``;
-  backward is twice the forward.
-
+:func:`tp_calculator` puts them side by side for a large block at several tp degrees;
 :func:`measure_block` runs one block forward and backward on this rank and returns what was
-actually moved and saved, to be shown next to :func:`block_comm_bytes` and
-:func:`block_activation_bytes`.
+actually moved and saved, to be shown next to the formulas.
 """
 from __future__ import annotations
 
 import torch
 
-
-def block_comm_bytes(b: int, s: int, h: int, t: int, sequence_parallel: bool = False,
-                     dtype_bytes: int = 4) -> dict:
-    """Collectives of one block for one micro-batch: ``{"forward": {kind: (count, bytes_each)},
-    "backward": {...}}`` (bytes per collective, payload convention of :mod:`llmlab.runtime.comm`)."""
-    if t == 1:
-        return {"forward": {}, "backward": {}}
-    x = b * s * h * dtype_bytes
-    if not sequence_parallel:
-        return {"forward": {"all_reduce": (2, x)}, "backward": {"all_reduce": (2, x)}}
-    return {"forward": {"all_gather": (2, x), "reduce_scatter": (2, x)},
-            "backward": {"all_gather": (4, x), "reduce_scatter": (2, x)}}
-
-
-def block_activation_bytes(b: int, s: int, h: int, f: int, a: int, t: int,
-                           sequence_parallel: bool = False, dtype_bytes: int = 4) -> int:
-    """Bytes this model's block saves for backward on one rank (formula in the module doc)."""
-    replicated = 6 * b * s * h + 2 * b * s
-    sharded = (4 * b * s * h + b * s * a + 4 * b * s * f) // t
-    if sequence_parallel:
-        replicated //= t
-    return (replicated + sharded) * dtype_bytes
-
-
-def korthikanti_activation_bytes(b: int, s: int, h: int, a: int, t: int,
-                                 sequence_parallel: bool = False) -> float:
-    """Korthikanti et al. 2022, Table 2: bytes per layer for a GPT block in 16-bit with dropout
-    and explicit attention scores (4h MLP, no recomputation)."""
-    if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-def block_flops(b: int, s: int, h: int, f: int, a: int, kv: int, t: int = 1) -> dict:
-    """Per-rank FLOPs of one block: ``{"forward", "backward", "total"}`` (2 FLOPs per MAC)."""
-    d = h // a
-    weights = h * (a * d) + 2 * h * (kv * d) + (a * d) * h + 3 * h * f
-    fwd = (2 * b * s * weights + 4 * b * s * s * h) / t
-    return {"forward": fwd, "backward": 2 * fwd, "total": 3 * fwd}
+from llmlab.formulas.activations import activation_bytes_per_layer, llama_block_activation_bytes
+from llmlab.formulas.communication import ring_wire_factor, tp_block_comm_bytes
+from llmlab.formulas.compute import block_flops
 
 
 def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: int = 32,
@@ -78,8 +28,8 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
 
     Returns one dict per degree: ``tp``, ``flops`` (forward+backward), ``weight_bytes``,
     ``activation_bytes`` (16-bit, Korthikanti's formula: explicit ``s x s`` scores, dropout),
-    ``activation_bytes_fused`` (this model's formula, :func:`block_activation_bytes`: fused
-    attention, no dropout), ``comm_bytes`` (forward+backward
+    ``activation_bytes_fused`` (this model's count,
+    :func:`~llmlab.formulas.activations.llama_block_activation_bytes`: fused attention, no dropout), ``comm_bytes`` (forward+backward
     payload), ``wire_bytes`` (what a ring algorithm sends per rank: ``2(t-1)/t`` of the payload
     for an all-reduce, ``(t-1)/t`` for an all-gather or reduce-scatter) and ``comm_per_flop``
     (ring wire bytes per FLOP, the ratio that grows with ``t``).
@@ -88,16 +38,15 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
     d = h // a
     params = h * a * d + 2 * h * kv * d + a * d * h + 3 * h * f + 2 * h
     for t in tps:
-        comm = block_comm_bytes(b, s, h, t, sequence_parallel, dtype_bytes)
+        comm = tp_block_comm_bytes(b, s, h, t, sequence_parallel, dtype_bytes)
         cb = sum(n * x for ph in comm.values() for n, x in ph.values())
-        wire = sum(n * x * (t - 1) / t * (2 if k == "all_reduce" else 1)
-                   for ph in comm.values() for k, (n, x) in ph.items())
+        wire = sum(n * x * ring_wire_factor(k, t) for ph in comm.values() for k, (n, x) in ph.items())
         fl = block_flops(b, s, h, f, a, kv, t)["total"]
         rows.append({"tp": t, "flops": fl,
                      "weight_bytes": (params - 2 * h) * dtype_bytes / t + 2 * h * dtype_bytes,
-                     "activation_bytes": korthikanti_activation_bytes(b, s, h, a, t, sequence_parallel),
-                     "activation_bytes_fused": block_activation_bytes(b, s, h, f, a, t, sequence_parallel,
-                                                                      dtype_bytes),
+                     "activation_bytes": activation_bytes_per_layer(s, b, h, a, t, sequence_parallel),
+                     "activation_bytes_fused": llama_block_activation_bytes(b, s, h, f, a, t,
+                                                                            sequence_parallel, dtype_bytes),
                      "comm_bytes": cb, "wire_bytes": wire, "comm_per_flop": wire / fl})
     return rows
 

@@ -38,7 +38,9 @@ stages 2 and 3 reduce-scatter after every micro-batch (as DeepSpeed does) so tha
 never accumulate; ``no_sync()`` is accepted and changes nothing for them. Communication is then
 ``(M + 1)Ψ`` (stage 2) and ``(2M + M)Ψ`` (stage 3) for ``M`` micro-batches.
 
-Every collective goes through :mod:`llmlab.runtime.comm`, so the bytes are counted per rank.
+Every collective goes through :mod:`llmlab.runtime.comm`, so the bytes are counted per rank. The
+table's formulas are :func:`llmlab.formulas.memory.zero_model_state_bytes` and
+:func:`llmlab.formulas.communication.zero_comm_bytes_per_step`.
 """
 from __future__ import annotations
 
@@ -53,38 +55,6 @@ from torch import nn
 
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.runtime import comm
-
-# bytes per parameter (params, grads, optimizer states); ZeRO §5: K = 12 for mixed-precision Adam.
-STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
-
-
-def zero_memory_bytes(num_params: float, stage: int, dp: int, dtype: str = "fp32") -> dict:
-    """Per-rank bytes of model states under ZeRO ``stage`` over ``dp`` ranks (ZeRO §5).
-
-    ``dtype`` ``"fp32"``: 4Ψ + 4Ψ + 8Ψ (Adam m and v); ``"bf16"``: 2Ψ + 2Ψ + 12Ψ (fp32 master
-    weights + m + v). Returns ``{"params", "grads", "optimizer_states", "total"}`` in bytes.
-    Example: the seed's 8B model in fp32 needs 32 + 32 + 64 GB on one GPU; stage 3 over 8 GPUs
-    needs 16 GB per GPU. Raises ``ValueError`` for an unknown stage or dtype.
-    """
-    if stage not in (0, 1, 2, 3) or dtype not in STATE_BYTES or dp < 1:
-        raise ValueError(f"stage {stage} (0..3), dtype {dtype!r} (fp32|bf16), dp {dp} (>= 1)")
-    p, g, k = STATE_BYTES[dtype]
-    out = {"params": num_params * p / (dp if stage >= 3 else 1),
-           "grads": num_params * g / (dp if stage >= 2 else 1),
-           "optimizer_states": num_params * k / (dp if stage >= 1 else 1)}
-    out["total"] = sum(out.values())
-    return out
-
-
-def zero_comm_bytes(num_params: float, stage: int, dtype: str = "fp32") -> float:
-    """Bytes per rank per step (one micro-batch) in ZeRO's volume convention (ZeRO §7).
-
-    2Ψ for DDP (all-reduce = reduce-scatter + all-gather), stages 1 and 2; 3Ψ for stage 3;
-    ``Ψ`` in bytes of the compute dtype (4 for fp32, 2 for bf16).
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage {stage}: expected 0..3")
-    return (3 if stage == 3 else 2) * num_params * (4 if dtype == "fp32" else 2)
 
 
 def validate_layout(cfg, model_config) -> None:
@@ -102,9 +72,6 @@ def validate_layout(cfg, model_config) -> None:
         raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
                          "belong to two units, the embedding's and the LM head's, and be gathered "
                          "and reduced twice); untie the embeddings or use --zero 1 or 2")
-    if cfg.checkpoint_dir:
-        raise ValueError(f"--checkpoint-dir with --zero {cfg.zero} is not supported yet (the "
-                         f"optimizer state lives in flat ZeRO shards)")
     if cfg.zero == 3 and cfg.save_model:
         raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
                          "a shard of the parameters; use ZeroDataParallel.full_state_dict())")

@@ -14,6 +14,11 @@ the *full* tensor the collective works on, as seen by this rank:
 ``send`` / ``recv``           bytes of the tensor sent / received
 ============================  ===============================================
 
+A strategy whose traffic should not be mixed with another's passes its own ``kind``: context
+parallelism counts its ring K/V blocks as ``cp_ring_send``/``cp_ring_recv`` and its Ulysses
+all-to-alls as ``cp_all_to_all`` (not the pipeline's ``send``/``recv`` or expert parallelism's
+``all_to_all``). Such keys appear in :meth:`CommCounter.snapshot` once they are non-zero.
+
 Wire traffic differs by algorithm (a ring all-reduce moves 2(N-1)/N of the tensor per rank);
 :mod:`llmlab.parallel.data_parallel` measures that separately. Collectives on a group of one rank
 (``group=None`` with a 1x mesh, or a single-process run) are no-ops and count nothing.
@@ -50,9 +55,10 @@ class CommCounter:
             self.events.append((kind, int(nbytes), t0, time.perf_counter()))
 
     def snapshot(self) -> dict[str, int]:
-        """``{kind: bytes}`` for every kind in the CONTRACT (zeros included)."""
-        return {k: int(self.bytes.get(k, 0)) for k in KINDS if k != "broadcast"} | (
-            {"broadcast": int(self.bytes["broadcast"])} if self.bytes.get("broadcast") else {})
+        """``{kind: bytes}`` for every kind in the CONTRACT (zeros included), plus ``broadcast`` and
+        strategy-specific kinds (``cp_ring_send`` ...) when non-zero."""
+        return {k: int(self.bytes.get(k, 0)) for k in KINDS if k != "broadcast"} | {
+            k: int(v) for k, v in self.bytes.items() if v and (k == "broadcast" or k not in KINDS)}
 
 
 COUNTER = CommCounter()
@@ -106,15 +112,16 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None,
-                      group=None, async_op: bool = False):
-    """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``."""
+                      group=None, async_op: bool = False, kind: str = "all_to_all"):
+    """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``.
+    Counted under ``kind``."""
     if not _active(group):
         out.copy_(inp)
         return None
     t0 = time.perf_counter()
     work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group,
                                   async_op=async_op)
-    COUNTER.add("all_to_all", nbytes(inp), t0)
+    COUNTER.add(kind, nbytes(inp), t0)
     return work
 
 
@@ -149,9 +156,10 @@ def irecv(t: torch.Tensor, src: int, group=None):
     return dist.irecv(t, src=src, group=group)
 
 
-def batch_isend_irecv(ops: list) -> list:
-    """Post a batch of ``dist.P2POp`` together (deadlock-free pairing); counts their bytes."""
+def batch_isend_irecv(ops: list, kind: str | None = None) -> list:
+    """Post a batch of ``dist.P2POp`` together (deadlock-free pairing); counts their bytes under
+    ``send``/``recv``, or ``{kind}_send``/``{kind}_recv`` when ``kind`` is given."""
     for op in ops:
-        kind = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
-        COUNTER.add(kind, nbytes(op.tensor))
+        name = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
+        COUNTER.add(f"{kind}_{name}" if kind else name, nbytes(op.tensor))
     return dist.batch_isend_irecv(ops) if ops else []

@@ -46,7 +46,7 @@ def gpu_count() -> int:
 
 def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,
              cpu_model: str = "tiny", gpu_model: str | None = None, cpu_steps: int = 20,
-             gpu_steps: int = 200) -> LabSize:
+             gpu_steps: int = 200, fits=None) -> LabSize:
     """Choose a lab's size from the hardware.
 
     ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
@@ -59,45 +59,18 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
     A lab whose model must meet a constraint (an MoE preset; ``tp`` dividing the heads; ``pp``
     dividing the layers) names its presets: ``cpu_model`` on CPU, ``gpu_model`` on GPUs (default:
     ``small`` below 8 GPUs, ``base`` from 8). ``cpu_steps``/``gpu_steps``: its demo length.
+    ``fits(ranks, model)``: ``None`` when the lab's layouts are valid at that many ranks, else the
+    reason; the largest fitting count from ``min(N, max_ranks)`` down to ``min_ranks`` is taken
+    (3 GPUs give tp = 2 on 8 heads, not 3), and CPU ranks if none fits.
     """
     cores = os.cpu_count() or 1
     n = gpu_count()
     if force_cpu is None:
         force_cpu = os.environ.get("LLMLAB_DEVICE", "").lower() == "cpu"
     if not force_cpu and n >= max(min_ranks, 1):
-        ranks = min(n, max_ranks)
         model = gpu_model or ("small" if n < 8 else "base")
-        return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model, gpu_steps,
-                       n, cores)
+        for ranks in range(min(n, max_ranks), max(min_ranks, 1) - 1, -1):
+            if fits is None or fits(ranks, model) is None:
+                return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model,
+                               gpu_steps, n, cores)
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
-
-
-# What each lab asks of :func:`lab_size`: its rank range, presets meeting its constraints, demo
-# length. One table, read by the labs (``lab_size_for``) and by ``llmlab doctor``.
-LAB_SIZES: dict[str, dict] = {
-    "00_three_walls": dict(max_ranks=8, min_ranks=2, cpu_steps=10, gpu_steps=50),
-    "01_data_parallel": dict(max_ranks=8, min_ranks=2, cpu_steps=4, gpu_steps=20),
-    # tp <= 4 divides the 8 heads / 4 kv heads of "small"
-    "02_tensor_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=8, gpu_steps=20),
-    # pp <= 4 times 2 virtual stages divides the 8 layers of "small"
-    "03_pipeline_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=5, gpu_steps=20),
-    # an MoE preset; dp = ep ranks divide its 4 experts
-    "04_expert_parallel": dict(max_ranks=4, min_ranks=2, cpu_model="tiny-moe", gpu_model="tiny-moe",
-                               cpu_steps=10, gpu_steps=30),
-    "05_zero": dict(max_ranks=4, min_ranks=2, cpu_steps=2, gpu_steps=5),
-    # one engine process serving the shipped model
-    "06_paged_kv_cache": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
-    "07_continuous_batching": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare",
-                                   gpu_model="shakespeare"),
-    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
-    "09_kernels": dict(max_ranks=1, min_ranks=1),
-}
-
-
-def lab_size_for(lab: str, force_cpu: bool | None = None) -> LabSize:
-    """The size lab ``lab`` (a notebook name such as ``"03_pipeline_parallel"``) runs at here:
-    :func:`lab_size` with that lab's entry of :data:`LAB_SIZES`. Raises ``KeyError`` naming the
-    labs if ``lab`` is not one."""
-    if lab not in LAB_SIZES:
-        raise KeyError(f"no lab named {lab!r}; labs: {', '.join(LAB_SIZES)}")
-    return lab_size(force_cpu=force_cpu, **LAB_SIZES[lab])

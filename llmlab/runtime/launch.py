@@ -4,31 +4,48 @@
 ``torch.distributed`` process group in each (gloo on CPU, NCCL with one GPU per rank on CUDA),
 calls ``fn(*args, **kwargs)`` on every rank and returns the list of per-rank return values.
 
-How (measured on a 2-core CPU box, see shared/reference/notebooks-and-launching.md):
+How (measured on a 2-core CPU box):
 
 * ranks are forked from a *forkserver* that has imported only ``torch``: after the server's first
   start (~2 s), 4 ranks start in ~0.1 s, and no learner-editable module is cached in it;
 * ``fn`` and its arguments travel by value with ``cloudpickle``, so a function defined in a
   notebook cell works (it must not capture unpicklable objects such as open files or locks);
 * rendezvous goes through a ``TCPStore`` the caller hosts on an OS-chosen port (never a fixed
-  port), which also carries results, errors and live metrics (:func:`report`);
+  port) bound to the loopback interface, which also carries results, errors and live metrics
+  (:func:`report`); gloo's own sockets use loopback too unless ``GLOO_SOCKET_IFNAME`` is set;
+* the store has no authentication (anyone who reaches its port can write any key), so every value
+  llmlab puts in it carries an HMAC-SHA256 tag under a secret made fresh for each launch, which
+  reaches the ranks through the fork server's local pipe, never the network. The caller checks the
+  tag *before* decoding anything: a forged or tampered result (a crafted pickle, say) raises
+  :class:`ForgedValueError` naming the rank and key, and none of it is decoded or executed.
+  Results are pickled (``cloudpickle``) only after that check; metric records are JSON,
+  tracebacks text;
 * each rank writes its stdout/stderr to ``<log_dir>/rank<r>.log`` (rank prints would vanish or
   land in a random notebook cell), dies with its parent (``PR_SET_PDEATHSIG``), and if a rank
   raises, the others are killed and :class:`RankError` carries its rank and traceback.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` already set, one or several nodes),
 ``launch`` joins that rank's process group with ``env://``, runs ``fn`` once and returns every
-rank's result (gathered with ``all_gather_object``).
+rank's result, gathered as raw bytes (never ``all_gather_object``, which unpickles what arrives
+from the network). There is no parent to make a secret, so the user may give one: with
+``LLMLAB_SECRET`` (or ``LLMLAB_SECRET_FILE``, a file holding it) set to the same value on every
+node, results are pickled and HMAC-tagged like a local launch's; without it they travel as JSON
+(None, bool, int, float, str, list, tuple, dict) and anything else is refused with a ``TypeError``
+before it is sent.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import datetime
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -54,6 +71,47 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed: {message}\n{rank_traceback}".rstrip())
 
 
+class ForgedValueError(RuntimeError):
+    """A value llmlab reads from the rendezvous store (or, under torchrun, from a peer) does not
+    carry this job's authentication tag: another process that reached the store's port wrote or
+    changed it. Nothing of it was decoded. ``rank`` is the rank the value claims to come from,
+    ``key`` the store key (``res/<rank>``, ``err/<rank>``, ``m/<rank>/<i>``, ``n/<rank>``).
+    See docs/workshop.md, "Running on a shared node"."""
+
+    def __init__(self, rank: int, key: str, why: str = "its HMAC tag does not match",
+                 where: str = "in the rendezvous store"):
+        self.rank, self.key = rank, key
+        super().__init__(f"rank {rank}: the value of {key!r} {where} was forged or tampered with "
+                         f"({why}); it was rejected without being decoded. Some other process "
+                         f"reached the job's ports: see docs/workshop.md, 'Running on a shared node'")
+
+
+# --------------------------------------------------------------------------------------------
+# Authentication of what travels through the store (HMAC-SHA256, RFC 2104)
+# --------------------------------------------------------------------------------------------
+_TAG_BYTES = 32
+
+
+def _tag(secret: bytes, key: str, body: bytes) -> bytes:
+    # The key is part of the message, so a genuine value moved to another key (rank 1's result
+    # copied to res/0) does not verify either.
+    return hmac.new(secret, key.encode() + b"\0" + body, hashlib.sha256).digest()
+
+
+def _sign(secret: bytes, key: str, body: bytes) -> bytes:
+    """``tag || body``: what a rank writes under ``key``."""
+    return _tag(secret, key, body) + body
+
+
+def _verified(secret: bytes, rank: int, key: str, blob: bytes, **where) -> bytes:
+    """The body of a signed value, or :class:`ForgedValueError` before anything is decoded."""
+    if len(blob) < _TAG_BYTES:
+        raise ForgedValueError(rank, key, f"{len(blob)} bytes, shorter than the tag", **where)
+    if not hmac.compare_digest(blob[:_TAG_BYTES], _tag(secret, key, blob[_TAG_BYTES:])):
+        raise ForgedValueError(rank, key, **where)
+    return blob[_TAG_BYTES:]
+
+
 # --------------------------------------------------------------------------------------------
 # Inside a rank
 # --------------------------------------------------------------------------------------------
@@ -64,15 +122,19 @@ def report(record: dict) -> None:
     """Send a JSON-serialisable record from this rank to the caller's ``on_metric`` callback.
 
     A no-op outside :func:`launch` (e.g. a single process or under torchrun without a callback).
+    Raises ``TypeError`` if ``record`` is not a dict that JSON can encode.
     """
+    if not isinstance(record, dict):
+        raise TypeError(f"report() takes a dict, got {type(record).__name__}")
     store, rank = _channel.get("store"), _channel.get("rank")
     if store is None:
         cb = _channel.get("local_callback")
         if cb is not None:
             cb(_channel.get("rank", 0), record)
         return
+    body = json.dumps(record).encode()
     i = _channel["n"] = _channel.get("n", 0) + 1
-    store.set(f"m/{rank}/{i}", json.dumps(record))
+    store.set(f"m/{rank}/{i}", _sign(_channel["secret"], f"m/{rank}/{i}", body))
     store.add(f"n/{rank}", 1)
 
 
@@ -84,7 +146,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env):
+def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env, secret):
     _die_with_parent()
     # The fork server's environment dates from its start; apply the caller's current one.
     os.environ.update(env)
@@ -99,22 +161,25 @@ def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env
                           LOCAL_WORLD_SIZE=str(world_size))
         store = dist.TCPStore(host, port, is_master=False,
                               timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
-        _channel.update(store=store, rank=rank)
+        _channel.update(store=store, rank=rank, secret=secret)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs = cloudpickle.loads(payload)  # from the caller, over the fork server's local pipe
         result = fn(*args, **kwargs)
-        store.set(f"res/{rank}", cloudpickle.dumps(result))
+        store.set(f"res/{rank}", _sign(secret, f"res/{rank}", cloudpickle.dumps(result)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything must reach the caller
         tb = traceback.format_exc()
         print(tb, flush=True)
         if store is not None:
             try:
-                store.set(f"err/{rank}", tb)
+                # "<order>\n<traceback>": order 1 is the first rank to fail (its peers fail later,
+                # when its sockets close), whichever the caller sees dead first
+                order = store.add("errors", 1)
+                store.set(f"err/{rank}", _sign(secret, f"err/{rank}", f"{order}\n{tb}".encode()))
             except Exception:  # noqa: BLE001
                 pass
         log.flush()
@@ -146,6 +211,23 @@ def resolve_backend(backend: str, world_size: int) -> str:
         if world_size > n:
             raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} "
                              f"> {n} GPUs")
+    return backend
+
+
+def resolve_torchrun_backend(backend: str) -> str:
+    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
+    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
+    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
+    ranks (naming both counts)."""
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if n >= local_ws and n > 0 else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl" and local_ws > n:
+        raise ValueError(f"backend='nccl' needs one GPU per local rank: LOCAL_WORLD_SIZE={local_ws} "
+                         f"> {n} GPUs on this node")
     return backend
 
 
@@ -187,6 +269,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
         ValueError: ``world_size`` < 1, unknown backend, or more NCCL ranks than GPUs.
         RankError: a rank raised or died; names the rank, carries its traceback. The other ranks
             are killed first; no process is left behind.
+        ForgedValueError: a result, traceback or metric record in the store does not carry this
+            launch's HMAC tag (another process wrote it); it is not decoded.
         TimeoutError: ``timeout`` elapsed (all ranks killed).
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -201,13 +285,16 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     own_logs = not log_dir  # a temporary log folder is removed again after a clean run
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmlab-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
+    store = _loopback_store()
+    secret = secrets.token_bytes(32)  # travels to the ranks with the payload, over local pipes
     threads = max(1, (os.cpu_count() or 1) // world_size) if backend == "gloo" else 1
+    env = dict(os.environ)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and _loopback_interface():
+        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # all ranks are local: not on the network
     ctx = _context()
     procs = [ctx.Process(target=_entry, name=f"llmlab-rank{r}", daemon=False,
                          args=(r, world_size, backend, "127.0.0.1", store.port, payload,
-                               str(log_dir), threads, dict(os.environ)))
+                               str(log_dir), threads, env, secret))
              for r in range(world_size)]
     seen = [0] * world_size
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -216,11 +303,11 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
             for p in procs:
                 p.start()
         while True:
-            _drain(store, seen, on_metric)
+            _drain(store, secret, seen, on_metric)
             codes = [p.exitcode for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                raise _failure(store, procs, failed, log_dir)
+                raise _failure(store, secret, procs, failed, log_dir)
             if all(c == 0 for c in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -229,14 +316,60 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
                 err.log_dir = str(log_dir)  # kept for reading, like a RankError's
                 raise err
             time.sleep(0.02)
-        _drain(store, seen, on_metric)
-        results = [cloudpickle.loads(store.get(f"res/{r}")) for r in range(world_size)]
-        if own_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        _drain(store, secret, seen, on_metric)
+        try:
+            # verified before unpickling: only bytes a rank of this launch signed are decoded
+            results = [cloudpickle.loads(_verified(secret, r, f"res/{r}", _get(store, r, f"res/{r}")))
+                       for r in range(world_size)]
+        finally:  # every rank finished cleanly: its log holds nothing to read
+            if own_logs:
+                shutil.rmtree(log_dir, ignore_errors=True)
         return results
     finally:
         _stop(procs)
         del store
+
+
+def _loopback_store():
+    """The rendezvous store, listening on 127.0.0.1 only (given a bound socket: TCPStore's own
+    listener binds every interface whatever host it is given). Falls back to TCPStore's listener
+    where this torch cannot take a socket; the values stay authenticated either way."""
+    timeout = datetime.timedelta(seconds=_PG_TIMEOUT_S)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns (and closes) the descriptor from now on
+    except OSError:
+        sock.close()
+        fd = None
+    if fd is not None:
+        try:
+            return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+                                 wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
+        except (RuntimeError, TypeError, ValueError):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                         wait_for_workers=False, timeout=timeout)
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), or None."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _get(store, rank: int, key: str) -> bytes:
+    """``store.get`` of a key a rank must have written; a missing one (deleted by another
+    process) is reported at once instead of blocking for the store's timeout."""
+    if not store.check([key]):
+        raise ForgedValueError(rank, key, "missing: deleted from the store")
+    return store.get(key)
 
 
 @contextlib.contextmanager
@@ -257,29 +390,51 @@ def _main_module_hidden():
             setattr(main, k, v)
 
 
-def _drain(store, seen, on_metric):
+def _drain(store, secret, seen, on_metric):
+    """Pass every new record to ``on_metric``: tag checked, then JSON decoded, then checked to
+    be a dict. A rank writes ``m/<r>/<i>`` before counting it in ``n/<r>``, so a count ahead of
+    its records was raised by someone else."""
     if on_metric is None:
         return
     for r in range(len(seen)):
-        n = store.add(f"n/{r}", 0)
+        try:
+            n = store.add(f"n/{r}", 0)
+        except Exception as e:  # noqa: BLE001 - a counter overwritten with non-numeric bytes
+            raise ForgedValueError(r, f"n/{r}", f"not a counter: {e}") from None
         while seen[r] < n:
+            key = f"m/{r}/{seen[r] + 1}"
+            if not store.check([key]):
+                raise ForgedValueError(r, f"n/{r}", f"counts {n} records but {key!r} is missing")
+            body = _verified(secret, r, key, store.get(key))
+            try:
+                record = json.loads(body)
+            except ValueError as e:  # signed by our own rank, so a bug rather than an attack
+                raise RuntimeError(f"rank {r}: metric record {key!r} is not JSON: {e}") from None
+            if not isinstance(record, dict):
+                raise RuntimeError(f"rank {r}: metric record {key!r} is not a JSON object")
             seen[r] += 1
-            on_metric(r, json.loads(store.get(f"m/{r}/{seen[r]}")))
+            on_metric(r, record)
 
 
-def _failure(store, procs, failed, log_dir) -> RankError:
+def _failure(store, secret, procs, failed, log_dir) -> RankError:
     """The error of the rank that failed first (``failed``: those seen dead at the first poll).
 
-    Peers of a crashed rank fail afterwards with connection errors; those are not the cause. A
-    rank killed by a signal leaves no error record, while its peers record their connection
+    Peers of a crashed rank fail afterwards with connection errors; those are not the cause: when
+    several error records are seen at once, the first one written is. A rank killed by a signal leaves no error record, while its peers record their connection
     errors: when both are seen at the same poll, the killed rank is the cause.
     """
     killed = [r for r in failed if (procs[r].exitcode or 0) < 0 and not store.check([f"err/{r}"])]
+    errors = {}  # rank -> (order of failure, traceback text)
     for r in [] if killed else failed:
         if store.check([f"err/{r}"]):
-            tb = store.get(f"err/{r}").decode()
-            last = tb.strip().splitlines()[-1] if tb.strip() else "error"
-            return RankError(r, last, tb, str(log_dir))
+            body = _verified(secret, r, f"err/{r}", store.get(f"err/{r}")).decode("utf-8", "replace")
+            order, _, tb = body.partition("\n")
+            errors[r] = (int(order) if order.isdigit() else sys.maxsize, tb)
+    if errors:
+        r = min(errors, key=lambda k: errors[k][0])
+        tb = errors[r][1]
+        last = tb.strip().splitlines()[-1] if tb.strip() else "error"
+        return RankError(r, last, tb, str(log_dir))
     r = (killed or failed)[0]
     code = procs[r].exitcode
     how = (f"killed by signal {signal.Signals(-code).name}" if code < 0
@@ -312,9 +467,9 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
+    secret = torchrun_secret()
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_torchrun_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(local % torch.cuda.device_count())
     own = not dist.is_initialized()
@@ -324,10 +479,129 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
     _channel.update(rank=dist.get_rank(), local_callback=on_metric)
     try:
         result = fn(*args, **kwargs)
-        results = [None] * world_size
-        dist.all_gather_object(results, result)
-        return results
+        return _exchange_results(result, secret)
     finally:
         _channel.pop("local_callback", None)
         if own:
             dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Under torchrun: results travel between ranks as bytes, pickled only when authenticated
+# --------------------------------------------------------------------------------------------
+def torchrun_secret() -> bytes | None:
+    """The job secret under torchrun: ``LLMLAB_SECRET``, else the contents of the file named by
+    ``LLMLAB_SECRET_FILE``, else ``None``. Raises ``ValueError`` for an empty one."""
+    if os.environ.get("LLMLAB_SECRET"):
+        return os.environ["LLMLAB_SECRET"].encode()
+    path = os.environ.get("LLMLAB_SECRET_FILE")
+    if not path:
+        return None
+    data = Path(path).read_bytes().strip()
+    if not data:
+        raise ValueError(f"LLMLAB_SECRET_FILE={path} is empty")
+    return data
+
+
+def _exchange_results(result, secret: bytes | None) -> list:
+    """Every rank's ``result``, by rank. Each rank sends one blob, ``mode || body``:
+    ``P`` + cloudpickle (only with a secret, then the blob is HMAC-tagged), ``J`` + tagged JSON,
+    or ``E`` + the reason its result could not be encoded (then every rank raises ``TypeError``).
+    """
+    rank = dist.get_rank()
+    key = f"res/{rank}"
+    try:
+        blob = b"P" + cloudpickle.dumps(result) if secret else b"J" + json.dumps(_to_json(result)).encode()
+    except Exception as e:  # noqa: BLE001 - told to every rank, so none waits forever
+        hint = "" if secret else (" (without LLMLAB_SECRET results travel as JSON: None, bool, int, "
+                                  "float, str, list, tuple, dict; set LLMLAB_SECRET to the same "
+                                  "value on every node to return anything cloudpickle can send)")
+        blob = b"E" + f"{type(e).__name__}: {e}{hint}".encode()
+    if secret:
+        blob = _sign(secret, key, blob)
+    where = dict(where="received from the process group")
+    results, errors = [], []
+    for r, got in enumerate(_all_gather_bytes(blob)):
+        if secret:  # checked before anything of it is decoded
+            got = _verified_torchrun(secret, r, got)
+        mode, body = got[:1], got[1:]
+        if mode == b"E":
+            errors.append(f"rank {r}: cannot send its result: {body.decode('utf-8', 'replace')}")
+            results.append(None)
+        elif mode == b"P" and secret:
+            results.append(cloudpickle.loads(body))
+        elif mode == b"J":
+            try:
+                results.append(_from_json(json.loads(body)))
+            except ValueError as e:
+                raise ForgedValueError(r, f"res/{r}", f"not llmlab's JSON encoding: {e}", **where) from None
+        else:
+            raise ForgedValueError(r, f"res/{r}", f"unexpected kind {mode!r}; is LLMLAB_SECRET set "
+                                                   f"on every node?", **where)
+    if errors:
+        raise TypeError("\n".join(errors))
+    return results
+
+
+def _verified_torchrun(secret: bytes, rank: int, blob: bytes) -> bytes:
+    try:
+        return _verified(secret, rank, f"res/{rank}", blob, where="received from the process group")
+    except ForgedValueError:
+        raise ForgedValueError(rank, f"res/{rank}", "its HMAC tag does not match: forged, or "
+                               "LLMLAB_SECRET differs between nodes",
+                               where="received from the process group") from None
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    """``all_gather`` of byte strings of any lengths, as uint8 tensors (no pickle involved)."""
+    world = dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s.item()) for s in sizes]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(outs, buf.to(device))
+    return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, sizes)]
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _to_json(v):
+    """A JSON value that :func:`_from_json` turns back into exactly ``v`` (lists, tuples and
+    dicts are tagged, so a tuple stays a tuple and dict keys keep their type)."""
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, list):
+        return {"l": [_to_json(x) for x in v]}
+    if isinstance(v, tuple):
+        return {"t": [_to_json(x) for x in v]}
+    if isinstance(v, dict):
+        return {"d": [[_to_json(k), _to_json(x)] for k, x in v.items()]}
+    raise TypeError(f"{type(v).__name__} is not JSON-encodable")
+
+
+def _from_json(v):
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, dict) and len(v) == 1:
+        (tag, items), = v.items()
+        if isinstance(items, list):
+            if tag == "l":
+                return [_from_json(x) for x in items]
+            if tag == "t":
+                return tuple(_from_json(x) for x in items)
+            if tag == "d" and all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+                out = {}
+                for k, x in items:
+                    k = _from_json(k)
+                    try:
+                        out[k] = _from_json(x)
+                    except TypeError:
+                        raise ValueError(f"unhashable dict key {k!r}") from None
+                return out
+    raise ValueError(f"unexpected JSON value {str(v)[:80]!r}")

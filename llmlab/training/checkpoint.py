@@ -3,15 +3,23 @@
 Layout of ``--checkpoint-dir``::
 
     step_00000010/
-        metadata.json      step, loss, layout, world size, files with their CRC32 and size
-        rank00000.pt       this rank's tensors, each under its *full-model* name with its slice
+        metadata.json          step, loss, layout, world size; per file: CRC32, size, and every
+                               tensor it holds (dtype, shape, slice of the full tensor)
+        rank00000.safetensors  this rank's tensors, each under its *full-model* name
         ...
+
+* Safe to load: tensors are in ``safetensors`` files and everything else is JSON, so loading a
+  checkpoint never unpickles (a pickle can run any code when loaded; a checkpoint passed around a
+  workshop is untrusted input). A shard that is not what ``metadata.json`` says it is (not a
+  safetensors file, other tensors, dtypes or shapes, a matching CRC32 notwithstanding) is refused
+  by name, and so is a file of the older pickle format.
 
 * Atomic: ranks write into ``step_XXXXXXXX.tmp``; when every file is written and checksummed,
   rank 0 writes ``metadata.json`` and renames the directory. A half-written checkpoint is never
   named like a finished one, so it is never the latest.
-* Verified: loading recomputes every file's CRC32 (as the seed document's deployment practice
-  does); a corrupted or truncated checkpoint is reported and the previous good one is used.
+* Verified: loading recomputes every file's CRC32 (as the source articles' deployment practice
+  does) and reads every shard's header; a corrupted, truncated or refused checkpoint is reported
+  and the previous good one is used.
 * Kept: the newest ``keep`` (3) finished checkpoints; older ones are deleted after a save.
 * Reshardable: every tensor is stored under its name in the full model (``model.layers.3...``,
   whatever stage holds layer 3) with the slice this rank holds (``dim``, ``index``, ``parts`` for
@@ -19,6 +27,8 @@ Layout of ``--checkpoint-dir``::
   the slices the *new* layout needs, so a checkpoint saved at dp2×tp2 resumes at tp4 or on one rank.
   Optimizer states (Adam ``exp_avg``, ``exp_avg_sq``, ``step``, and fp32 master weights under
   mixed precision) travel the same way.
+* Extensible: a new kind of state is more named tensors in the shards (``<param>::<state>``) with
+  its slice in ``metadata.json``; the loader assembles whatever names it finds.
 * Resume is exact: the data of step ``s`` depends only on (seed, s), so continuing at the next step
   with the restored weights and optimizer state gives the losses of an uninterrupted run.
 """
@@ -34,8 +44,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+SHARD = re.compile(r"^rank\d{5}\.safetensors$")
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +131,87 @@ def _collect(engine) -> tuple[dict, dict]:
     return tensors, slices
 
 
+def _zero_params(engine):
+    """``[(bucket, master, [(param, offset, numel)])]`` of a ZeRO engine (every flat bucket)."""
+    opt = engine.optimizer
+    return [(b, m, list(zip(b.params, b.offsets, b.numels)))
+            for b, m in zip(engine.wrapper.buckets, opt.masters)]
+
+
+def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
+    """The bucket's full padded flat tensor from every rank's ``shard`` (collective over the
+    bucket's group; bookkeeping: not counted in the comm bytes)."""
+    if b.world == 1:
+        return shard.detach().clone()
+    out = shard.new_empty(b.padded)
+    dist.all_gather_into_tensor(out, shard.detach().contiguous(), group=b.group)
+    return out
+
+
+def _collect_zero(engine) -> tuple[dict, dict]:
+    """Like :func:`_collect` for a ZeRO engine: the shards of parameters, fp32 masters and Adam
+    moments are all-gathered over each bucket's group and cut into whole (tp-local) tensors, so
+    the checkpoint is the same format as without ZeRO. Collective: every rank calls it."""
+    names = full_names(engine.model)
+    tensors, slices = {}, {}
+    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
+    inner = engine.optimizer.optimizer
+    stage3 = engine.wrapper.stage == 3
+    for b, m, params in _zero_params(engine):
+        flats = {"": _gather_flat(b, b.local_shard if stage3 else b.shard_view())}
+        if m.data_ptr() != (b.local_shard if stage3 else b.shard_view()).data_ptr():
+            flats["::master"] = _gather_flat(b, m.to(b.device))
+        st = inner.state.get(m, {})
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in st:
+                flats[f"::{k}"] = _gather_flat(b, st[k].to(b.device))
+        for p, o, n in params:
+            name = names[id(p)]
+            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
+            for suffix, flat in flats.items():
+                tensors[name + suffix] = flat[o:o + n].view(p.shape).to("cpu").clone()
+                slices[name + suffix] = spec
+            if "step" in st:
+                tensors[f"{name}::step"] = st["step"].detach().to("cpu").clone().float()
+                slices[f"{name}::step"] = None
+    return tensors, slices
+
+
+@torch.no_grad()
+def _load_zero(engine, full: dict, path) -> None:
+    """Install full tensors into a ZeRO engine: each rank cuts its tp slice of every parameter,
+    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments."""
+    names = full_names(engine.model)
+    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
+    inner = engine.optimizer.optimizer
+    stage3 = engine.wrapper.stage == 3
+    for b, m, params in _zero_params(engine):
+        lo, hi = b.shard_range
+        flats, step = {}, None
+        for p, o, n in params:
+            name = names[id(p)]
+            if name not in full:
+                raise CheckpointError(f"{path} has no tensor {name!r} (different model?)")
+            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
+            for suffix in ("", "::master", "::exp_avg", "::exp_avg_sq"):
+                t = full.get(name + suffix, full[name] if suffix == "::master" else None)
+                if t is None:
+                    continue
+                flat = flats.setdefault(suffix, torch.zeros(b.padded, dtype=torch.float32))
+                flat[o:o + n] = _cut(t, spec).reshape(-1).float()
+            if f"{name}::step" in full:
+                step = full[f"{name}::step"]
+        if stage3:
+            b.local_shard.copy_(flats[""][lo:hi].to(b.local_shard.dtype))
+        else:  # stages 1-2 hold the whole parameters
+            b.alias.copy_(flats[""].to(b.alias.dtype))
+        m.copy_(flats["::master"][lo:hi].to(m.device, m.dtype))
+        if step is not None and "::exp_avg" in flats:
+            inner.state[m] = {"step": step.clone().reshape(()),
+                              "exp_avg": flats["::exp_avg"][lo:hi].clone().to(m.device),
+                              "exp_avg_sq": flats["::exp_avg_sq"][lo:hi].clone().to(m.device)}
+
+
 # --------------------------------------------------------------------------------------------
 # Save
 # --------------------------------------------------------------------------------------------
@@ -137,9 +231,8 @@ def _barrier():
 def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep: int = 3) -> Path | None:
     """Collectively save this step. Ranks holding a distinct part of the model write a file
     (data-parallel replicas do not repeat it). Returns the finished directory (on rank 0)."""
-    if getattr(engine.cfg, "zero", 0):
-        raise NotImplementedError("checkpoints of ZeRO-sharded optimizers are not supported yet")
     directory = Path(directory)
+    zero = bool(getattr(engine.cfg, "zero", 0))
     mesh = engine.mesh
     final = directory / f"step_{step:08d}"
     tmp = directory / f"step_{step:08d}.tmp"
@@ -148,18 +241,29 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    writer = mesh.coords["dp"] < mesh.ep  # one copy per distinct shard (experts differ across ep)
+    # one copy per distinct shard (experts differ across ep; context-parallel ranks are replicas)
+    writer = mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0
+    if zero:  # ZeRO: every rank takes part in gathering the shards; the writers write them
+        tensors, slices = _collect_zero(engine)
     if writer:
-        tensors, slices = _collect(engine)
-        torch.save({"rank": rank, "coords": dict(mesh.coords), "tensors": tensors, "slices": slices,
-                    "rng": torch.get_rng_state()}, tmp / f"rank{rank:05d}.pt")
+        if not zero:
+            tensors, slices = _collect(engine)
+        # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
+        header = {"rank": rank, "coords": dict(mesh.coords),
+                  "slices": {n: None if s is None else list(s) for n, s in slices.items()}}
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"rank{rank:05d}.safetensors"),
+                  metadata={"format": "pt", "llmlab": json.dumps(header)})
     _barrier()
     if rank == 0:
-        files = {f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size} for f in sorted(tmp.glob("rank*.pt"))}
+        files = {f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size, **_header(f)}
+                 for f in sorted(tmp.glob("rank*.safetensors"))}
         cfg = engine.cfg
         meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "zero", "dtype")},
-                "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files}
+                "layout": {k: getattr(cfg, k, 1) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
+                "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
+                # the schedule's position (its rate is a function of the step) and the fp16 scaler
+                "lr_schedule": {"step": step, "lr": getattr(engine, "last", {}).get("lr")},
+                "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) else None}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -172,23 +276,55 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
 # --------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------
+def _header(f: Path) -> dict:
+    """What a shard's safetensors header says it holds: ``{"rank", "coords", "tensors": {name:
+    {"dtype", "shape", "slice"}}}``. Reads the header only (JSON, parsed by safetensors); raises
+    ``CheckpointError`` for anything that is not a safetensors file written by llmlab."""
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            info = json.loads((st.metadata() or {}).get("llmlab", "null"))
+            tensors = {n: {"dtype": st.get_slice(n).get_dtype(), "shape": list(st.get_slice(n).get_shape())}
+                       for n in st.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: refused, not a safetensors file ({e}); llmlab checkpoints hold "
+                              f"tensors only and are never unpickled") from None
+    if not isinstance(info, dict) or not isinstance(info.get("slices"), dict) \
+            or set(info["slices"]) != set(tensors):
+        raise CheckpointError(f"{f}: refused, its header does not describe its tensors")
+    for n, t in tensors.items():
+        t["slice"] = info["slices"][n]
+    return {"rank": info.get("rank"), "coords": info.get("coords"), "tensors": tensors}
+
+
 def verify(path: Path) -> dict:
-    """Metadata of a finished checkpoint; raises ``CheckpointError`` naming what is wrong."""
+    """Metadata of a finished checkpoint; raises ``CheckpointError`` naming what is wrong: no or
+    corrupted ``metadata.json``, a missing, truncated or corrupted (CRC32) file, a file that is not
+    a safetensors shard, or a shard holding other tensors than ``metadata.json`` claims."""
     meta_file = path / "metadata.json"
     if not meta_file.exists():
         raise CheckpointError(f"{path}: no metadata.json (unfinished checkpoint)")
     try:
         meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}/metadata.json is corrupted: {e}") from None
-    for name, info in meta["files"].items():
+        files = meta["files"]
+        claims = {name: (int(info["bytes"]), int(info["crc32"]), info["tensors"]) for name, info in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}/metadata.json is corrupted: {type(e).__name__}: {e}") from None
+    if not claims:
+        raise CheckpointError(f"{path}/metadata.json lists no files")
+    for name, (size, crc, tensors) in claims.items():
         f = path / name
+        if not SHARD.match(name):
+            raise CheckpointError(f"{f}: refused, not a rank<NNNNN>.safetensors shard (a checkpoint of "
+                                  f"an older llmlab, in pickle format, is not loaded: saving it again "
+                                  f"needs the code that wrote it)")
         if not f.exists():
             raise CheckpointError(f"{f}: missing")
-        if f.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {info['bytes']} bytes)")
-        if _crc32(f) != info["crc32"]:
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} of {size} bytes)")
+        if _crc32(f) != crc:
             raise CheckpointError(f"{f}: CRC32 mismatch (corrupted)")
+        if _header(f)["tensors"] != tensors:
+            raise CheckpointError(f"{f}: refused, it does not hold the tensors metadata.json lists")
     return meta
 
 
@@ -205,21 +341,34 @@ def latest_checkpoint(directory: str | Path, log=None) -> tuple[Path, dict] | No
     return None
 
 
+def _spec(f: Path, n: str, spec):
+    """A slice from JSON: ``None`` or ``(dim, index, parts)`` with ``0 <= index < parts``."""
+    if spec is None:
+        return None
+    if (isinstance(spec, list) and len(spec) == 3 and all(type(v) is int for v in spec)
+            and spec[0] >= 0 and 0 <= spec[1] < spec[2]):
+        return tuple(spec)
+    raise CheckpointError(f"{f}: tensor {n!r} has an invalid slice {spec!r}")
+
+
 def _assemble(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    """Full tensors, by name, from the slices every shard holds (files already verified)."""
     pieces: dict[str, dict] = {}
-    for name in meta["files"]:
-        blob = torch.load(path / name, map_location="cpu", weights_only=False)
-        for n, t in blob["tensors"].items():
-            spec = blob["slices"][n]
-            entry = pieces.setdefault(n, {})
-            entry[None if spec is None else (spec[0], spec[1], spec[2])] = t
+    for name, info in meta["files"].items():
+        f = path / name
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for n, t in info["tensors"].items():
+                pieces.setdefault(n, {})[_spec(f, n, t["slice"])] = st.get_tensor(n)
     full = {}
     for n, parts in pieces.items():
         if None in parts:
             full[n] = parts[None]
-        else:
-            (dim, _, count) = next(iter(parts))
-            full[n] = torch.cat([parts[(dim, i, count)] for i in range(count)], dim=dim)
+            continue
+        dim, _, count = next(iter(parts))
+        want = [(dim, i, count) for i in range(count)]
+        if any(k not in parts for k in want):
+            raise CheckpointError(f"{path}: tensor {n!r} lacks slices: has {sorted(parts)}, needs {want}")
+        full[n] = torch.cat([parts[k] for k in want], dim=dim)
     return full
 
 
@@ -227,13 +376,16 @@ def _assemble(path: Path, meta: dict) -> dict[str, torch.Tensor]:
 def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
     """Load the newest good checkpoint into ``engine`` (any layout). Returns its metadata, or
     ``None`` when there is none. Raises ``CheckpointError`` if the model does not match."""
-    if getattr(engine.cfg, "zero", 0):
-        raise NotImplementedError("checkpoints of ZeRO-sharded optimizers are not supported yet")
     found = latest_checkpoint(directory, log)
     if found is None:
         return None
     path, meta = found
     full = _assemble(path, meta)
+    if getattr(engine, "scaler", None) is not None and meta.get("loss_scaler"):
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    if getattr(engine.cfg, "zero", 0):
+        _load_zero(engine, full, path)
+        return meta | {"path": str(path)}
     names = full_names(engine.model)
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
     pairs, inner = _optimizer_views(engine)

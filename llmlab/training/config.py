@@ -8,56 +8,98 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from llmlab.model.config import ModelConfig, get_preset
+from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.runtime.mesh import check_degrees
+
+
+def option(default, help: str, choices=None):
+    """A :class:`TrainConfig` field: its default, the ``--help`` text and, optionally, the allowed
+    values. The ``llmlab train`` flag, its type, default, help and choices, the config-file key and
+    the check in :func:`validate` all come from here."""
+    meta = {"help": help} | ({"choices": tuple(choices)} if choices is not None else {})
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass
 class TrainConfig:
-    model: str = "tiny"
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    pp_schedule: str = "1f1b"
-    num_microbatches: int = 1
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    num_experts: int | None = None
-    top_k: int | None = None
-    capacity_factor: float | None = None
-    steps: int = 100
-    global_batch_size: int = 16
-    seq_len: int = 64
-    lr: float = 3e-3
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    grad_clip: float | None = None
-    seed: int = 0
-    dtype: str = "fp32"
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    device: str = "auto"
-    metrics_json: str | None = None
-    save_model: str | None = None
-    dp_mode: str = "ddp"
-    bucket_mb: float = 25.0
+    """One training run: every ``llmlab train`` flag, config-file key and Python keyword.
+
+    ``llmlab train --seq-len 128`` == ``{"seq-len": 128}`` in a ``--config`` file ==
+    ``TrainConfig(seq_len=128)``. The command line is generated from these fields
+    (:func:`llmlab.cli.add_train_arguments`): a field ``grad_clip`` becomes ``--grad-clip``, its type
+    (``int``, ``float``, ``str``, ``bool``, or ``X | None``) the flag's type, and a ``bool`` field a
+    ``--flag/--no-flag`` switch.
+
+    To add an option, add ONE field here and nothing in ``cli.py``::
+
+        grad_clip: float | None = option(None, "clip the global gradient norm to this value")
+        lr_schedule: str = option("constant", "learning-rate schedule", choices=("constant", "cosine"))
+
+    then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
+    :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout``, and list
+    the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
+    does and its unit; ``tests/test_train.py`` fails for a field without one.
+    """
+    model: str = option("tiny", "model preset (llmlab.model.config.PRESETS)", choices=sorted(PRESETS))
+    dp: int = option(1, "data-parallel degree (model replicas)")
+    tp: int = option(1, "tensor-parallel degree (ranks that split each layer's matrices)")
+    pp: int = option(1, "pipeline-parallel degree (ranks that split the layers into stages)")
+    ep: int = option(1, "expert-parallel degree (ranks that split the experts; divides dp*tp)")
+    cp: int = option(1, "context-parallel degree (ranks that split each sequence; "
+                        "llmlab.parallel.context_parallel)")
+    cp_mode: str = option("ring", "context parallelism: ring attention (K/V blocks passed around a "
+                                  "ring) or ulysses (all-to-all to head shards)",
+                          choices=("ring", "ulysses"))
+    zero: int = option(0, "ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights",
+                       choices=(0, 1, 2, 3))
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved"))
+    num_microbatches: int = option(1, "micro-batches per step (pipeline and gradient accumulation)")
+    virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved schedule)")
+    sequence_parallel: bool = option(False, "with --tp > 1, split the activations between "
+                                            "tensor-parallel regions along the sequence")
+    num_experts: int | None = option(None, "experts per MoE layer (default: the preset's)")
+    top_k: int | None = option(None, "experts each token is routed to (default: the preset's)")
+    capacity_factor: float | None = option(None, "expert capacity as a multiple of the even share of "
+                                                 "tokens (default: the preset's)")
+    steps: int = option(100, "optimizer steps")
+    global_batch_size: int = option(16, "sequences per step, over all data-parallel ranks")
+    seq_len: int = option(64, "tokens per sequence")
+    lr: float = option(3e-3, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: str = option("constant", "learning-rate decay after warm-up, reaching --min-lr at "
+                                          "the last step (nanoGPT/Megatron shapes)",
+                              choices=("constant", "linear", "cosine"))
+    warmup_steps: int = option(0, "linear warm-up from 0 to --lr over this many steps")
+    min_lr: float = option(0.0, "learning rate at the last step (linear/cosine schedules)")
+    grad_clip: float | None = option(None, "clip the global gradient norm (all ranks, replicated "
+                                           "parameters counted once) to this value")
+    seed: int = option(0, "seed for weights and data order (same seed, same run)")
+    dtype: str = option("fp32", "compute dtype; bf16/fp16 keep fp32 master weights "
+                                "(fp16 adds loss scaling)", choices=("fp32", "bf16", "fp16"))
+    activation_checkpointing: bool = option(False, "recompute each layer's activations in the "
+                                                   "backward pass instead of keeping them")
+    cpu_offload: bool = option(False, "with --zero, keep fp32 master weights and Adam moments in CPU memory (ZeRO-Offload)")
+    checkpoint_dir: str | None = option(None, "folder for training checkpoints")
+    checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
+                                      "(a checkpoint is always written after the last step)")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    device: str = option("auto", "where ranks run (auto: one GPU per rank if enough, else CPU)",
+                         choices=("auto", "cpu", "cuda"))
+    metrics_json: str | None = option(None, "write the run's metrics (docs/CONTRACT.md) to this file")
+    save_model: str | None = option(None, "after training, write the model here as config.json + "
+                                          "model.safetensors")
+    dp_mode: str = option("ddp", "data-parallel gradient sync: naive per-tensor all-reduce, "
+                                 "bucketed overlapped ddp, or our own ring", choices=("naive", "ddp", "ring"))
+    bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"world_size": self.world_size}
@@ -95,13 +137,6 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     return mc
 
 
-def _have(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def resolve_device(cfg: TrainConfig) -> str:
     """``cpu`` or ``cuda``; raises ``ValueError`` if CUDA is asked for but absent or too small."""
     if cfg.device not in ("auto", "cpu", "cuda"):
@@ -132,19 +167,17 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
+    for f in dataclasses.fields(cfg):
+        choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
+        if choices is not None and value not in choices:
+            *rest, last = map(str, choices)
+            raise ValueError(f"--{f.name.replace('_', '-')} {value!r}: expected "
+                             f"{', '.join(rest)} or {last}")
     from llmlab.training.lr_schedule import check_schedule
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     if cfg.grad_clip is not None and cfg.grad_clip <= 0:
         raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
-    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep)
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero {cfg.zero}: expected 0, 1, 2 or 3")
-    if cfg.dtype not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"--dtype {cfg.dtype!r}: expected fp32, bf16 or fp16")
-    if cfg.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise ValueError(f"--pp-schedule {cfg.pp_schedule!r}: expected gpipe, 1f1b or interleaved")
-    if cfg.dp_mode not in ("naive", "ddp", "ring"):
-        raise ValueError(f"--dp-mode {cfg.dp_mode!r}: expected naive, ddp or ring")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "
@@ -170,12 +203,10 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
     resolve_device(cfg)
-    _check_features(cfg, mc)
     for module in STRATEGY_VALIDATORS:
-        if _have(module):
-            check = getattr(importlib.import_module(module), "validate_layout", None)
-            if check is not None:
-                check(cfg, mc)
+        check = getattr(importlib.import_module(module), "validate_layout", None)
+        if check is not None:
+            check(cfg, mc)
     return mc
 
 
@@ -186,23 +217,6 @@ STRATEGY_VALIDATORS = (
     "llmlab.parallel.pipeline_parallel",
     "llmlab.parallel.expert_parallel",
     "llmlab.parallel.zero",
+    "llmlab.parallel.context_parallel",
 )
 
-
-def _check_features(cfg: TrainConfig, mc: ModelConfig) -> None:
-    """Refuse, with a clear message, flags whose implementation has not landed."""
-    needs = [
-        (cfg.dp > 1 and cfg.zero == 0, "--dp > 1", "llmlab.parallel.data_parallel"),
-        (cfg.tp > 1, "--tp > 1", "llmlab.parallel.tensor_parallel"),
-        (cfg.pp > 1, "--pp > 1", "llmlab.parallel.pipeline_parallel"),
-        (bool(mc.num_experts), "mixture-of-experts models", "llmlab.model.moe"),
-        (cfg.ep > 1, "--ep > 1", "llmlab.parallel.expert_parallel"),
-        (cfg.zero > 0, "--zero > 0", "llmlab.parallel.zero"),
-        (cfg.dtype != "fp32", f"--dtype {cfg.dtype}", "llmlab.training.precision"),
-        (cfg.activation_checkpointing, "--activation-checkpointing", "llmlab.training.recompute"),
-        (cfg.cpu_offload, "--cpu-offload", "llmlab.parallel.zero"),
-        (bool(cfg.checkpoint_dir), "--checkpoint-dir", "llmlab.training.checkpoint"),
-    ]
-    for used, flag, module in needs:
-        if used and not _have(module):
-            raise NotImplementedError(f"{flag} is not supported yet (needs {module})")

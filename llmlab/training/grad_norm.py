@@ -13,8 +13,9 @@ adds them up. Ownership makes every element count exactly once:
   first copy (``p.tp_duplicate`` is ``False`` there, set by
   :func:`llmlab.parallel.tensor_parallel.apply_tensor_parallel`);
 * pipeline parallelism: stages hold different parameters;
-* data parallelism: after the all-reduce every replica holds the same gradient, so only data-parallel
-  index 0 owns it (expert-data-parallel index 0 for experts); under ZeRO each rank owns the
+* data (and context) parallelism: after the all-reduce every replica holds the same gradient, so
+  only data-parallel index 0 (context-parallel index 0) owns it (expert-data-parallel index 0 for
+  experts); under ZeRO each rank owns the
   gradient *shard* it holds, and the shards are disjoint.
 
 The same all-reduce carries a count of non-finite elements over *everything* a rank holds
@@ -38,6 +39,8 @@ def owns(p: torch.Tensor, mesh, sharded_over_dp: bool) -> bool:
         return False
     if sharded_over_dp:
         return True
+    if mesh.coords.get("cp", 0) != 0:   # context-parallel ranks hold the same reduced gradient
+        return False
     if getattr(p, "expert_parallel", False):
         return mesh.index("edp") == 0
     return mesh.coords["dp"] == 0

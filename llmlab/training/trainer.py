@@ -1,7 +1,7 @@
 """The training loop that composes the mesh, the model and the parallel strategies.
 
 :func:`train` validates a :class:`~llmlab.training.config.TrainConfig` in the caller, launches
-``dp*tp*pp`` ranks (or joins torchrun's), and each rank runs :func:`rank_main`:
+``dp*cp*tp*pp`` ranks (or joins torchrun's), and each rank runs :func:`rank_main`:
 
 1. build the :class:`~llmlab.runtime.mesh.Mesh`;
 2. build the *full* model from the seed (identical on every rank, whatever the layout), then
@@ -20,6 +20,7 @@ Strategy modules plug in through small protocols, documented where they are call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -32,12 +33,13 @@ import torch.distributed as dist
 
 from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
-                                   param_bytes, tensor_bytes)
+                                   param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
 
 
@@ -83,6 +85,12 @@ class Engine:
             # only this rank's shards; may append to model.grad_finalizers.
             from llmlab.parallel.tensor_parallel import apply_tensor_parallel
             model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
+        if cfg.cp > 1:
+            # Protocol: this rank's token positions and ring/Ulysses attention over the cp group.
+            from llmlab.parallel.context_parallel import apply_context_parallel
+            apply_context_parallel(model, mesh, cfg.cp_mode, cfg.seq_len)
+        # Gradients are reduced over dp x cp (the mesh itself when cp == 1).
+        dp_mesh = mesh.data_parallel_view()
         if cfg.ep > 1:
             # Protocol: keeps this rank's experts; marks their parameters ``expert_parallel=True``
             # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
@@ -98,7 +106,8 @@ class Engine:
             # nn.Module), .run(microbatches) -> float | None (loss on the last stage) and
             # .stats() -> dict (CONTRACT "pipeline").
             from llmlab.parallel.pipeline_parallel import build_pipeline
-            self.pipeline = build_pipeline(model, mesh, cfg)
+            # With cp > 1 the stages exchange activations of this rank's seq_len/cp tokens.
+            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(cfg, seq_len=cfg.seq_len // cfg.cp))
             local = self.pipeline.module
         else:
             local = model
@@ -115,12 +124,12 @@ class Engine:
             # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
             # wrapper follows LocalModule's protocol and may offer grad_tensors().
             from llmlab.parallel.zero import build_zero
-            self.wrapper, self.optimizer = build_zero(local, mesh, cfg, opt_factory, self.scaler)
+            self.wrapper, self.optimizer = build_zero(local, dp_mesh, cfg, opt_factory, self.scaler)
         else:
-            if cfg.dp > 1:
+            if cfg.dp * cfg.cp > 1:
                 # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
                 from llmlab.parallel.data_parallel import wrap_data_parallel
-                self.wrapper = wrap_data_parallel(local, mesh, mode=cfg.dp_mode,
+                self.wrapper = wrap_data_parallel(local, dp_mesh, mode=cfg.dp_mode,
                                                   bucket_mb=cfg.bucket_mb)
             else:
                 self.wrapper = LocalModule(local)
@@ -144,16 +153,18 @@ class Engine:
     def loss_weights(self, micro) -> list[float]:
         """Weight of each micro-batch's mean cross-entropy so that the step's loss is the mean over
         the *global* number of labelled tokens (labels ``!= -100``), not a mean of per-micro-batch
-        means: ``w_i = n_i * dp / N`` (gradient sync then averages over ``dp``). ``1/M`` when no
-        label is ignored. ``N`` is summed over the data-parallel group (one small all-reduce)."""
+        means: ``w_i = n_i * dp / N`` (gradient sync then averages over ``dp``; ``dp*cp`` with context
+        parallelism). ``1/M`` when no label is ignored. ``N`` is summed over the data-parallel
+        (and context-parallel) ranks with one small all-reduce."""
         counts = [int((y != -100).sum()) for _, y in micro]
         total = sum(counts)
-        group = self.mesh.groups.get("dp")
-        if self.mesh.dp > 1 and group is not None:
+        dp_mesh = self.mesh.data_parallel_view()      # dp x cp ranks: different tokens
+        group = dp_mesh.groups.get("dp")
+        if dp_mesh.dp > 1 and group is not None:
             t = torch.tensor([total], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, group=group)  # bookkeeping-sized: one number
             total = int(t.item())
-        return [c * self.mesh.dp / max(total, 1) for c in counts]
+        return [c * dp_mesh.dp / max(total, 1) for c in counts]
 
     def forward_backward(self, micro) -> float | None:
         """Run every micro-batch forward and backward; return this rank's share of the loss.
@@ -240,7 +251,7 @@ def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
     holds = mesh.is_last_stage and mesh.coords["tp"] == 0 and local_loss is not None
     t = torch.tensor([float(local_loss) if holds else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item() / mesh.dp
+    return t.item() / (mesh.dp * mesh.cp)  # cp ranks: equal token counts, so the mean of means
 
 
 def _fault_injection(rank: int) -> int | None:
@@ -269,13 +280,16 @@ def rank_main(cfg: TrainConfig) -> dict:
     device_type = resolve_device(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
     engine = Engine(cfg, mesh, device)
     loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
-    peak = peak_flops(device) if device.type == "cuda" else None
+    peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
+    reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
     first = 1
+    if cfg.checkpoint_dir:  # every rank writes into it: it must be one directory for all nodes
+        check_shared_directory(cfg.checkpoint_dir)
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
         meta = load_checkpoint(engine, cfg.checkpoint_dir)
@@ -289,6 +303,9 @@ def rank_main(cfg: TrainConfig) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         micro = [(x.to(device), y.to(device)) for x, y in
                  loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)]
+        if cfg.cp > 1:  # this rank's tokens of the same sequences
+            from llmlab.parallel.context_parallel import shard_microbatches
+            micro = shard_microbatches(micro, mesh, cfg.cp_mode)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -364,9 +381,14 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
             bar.close()
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
-        Path(cfg.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.metrics_json).write_text(json.dumps(metrics, indent=1))
+        write_metrics(metrics, cfg.metrics_json)
     return metrics
+
+
+def write_metrics(metrics: dict, path: str | Path) -> None:
+    """Write the metrics as JSON (format: llmlab/metrics/train_metrics.schema.json)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(metrics, indent=1))
 
 
 def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:

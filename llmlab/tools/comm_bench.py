@@ -13,7 +13,7 @@ NVIDIA/nccl-tests):
   with the hardware's link bandwidth whatever n is.
 
 busbw is the ``bandwidth`` of the communication wall,
-:func:`llmlab.parallel.data_parallel.ring_all_reduce_time`.
+:func:`llmlab.formulas.communication.ring_all_reduce_time`.
 
 Example::
 
@@ -27,14 +27,13 @@ import time
 
 import torch
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+from llmlab.formulas.communication import COLLECTIVES as OPS, ring_wire_factor
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw ratio for ``op`` on ``n`` ranks."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
-    return (2 * (n - 1) / n) if op == "all_reduce" else (n - 1) / n
+    """nccl-tests' busbw / algbw ratio for ``op`` on ``n`` ranks: the ring's wire bytes per
+    payload byte, :func:`llmlab.formulas.communication.ring_wire_factor`."""
+    return ring_wire_factor(op, n)
 
 
 def parse_size(text: str) -> int:

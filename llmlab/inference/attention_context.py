@@ -1,0 +1,74 @@
+"""The attention metadata of one engine step, set as the model's forward context.
+
+The model runner flattens the step's new tokens of all sequences into one ``[1, N]`` forward of
+the model (:mod:`llmlab.model.context`). Every attention layer of that forward hands its
+``q [N, H, D]``, ``k, v [N, Hkv, D]`` to :meth:`PagedAttentionContext.attention`, which writes the
+new K/V at their cache slots (:func:`~llmlab.inference.paged_attention.write_kv`) and attends each
+sequence's queries to its cached tokens through its block table
+(:func:`~llmlab.inference.paged_attention.paged_attention`). Orca's *selective batching* (Yu et
+al. 2022 §4.2): token-wise layers see one batch, only attention separates the sequences.
+
+A step's tokens are grouped into one or more :class:`AttentionBatch` es, each one attention call:
+the runner's ``prepare_prefill`` and ``prepare_decode`` build them (see
+:mod:`llmlab.inference.model_runner`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmlab.inference.paged_attention import paged_attention, write_kv
+
+
+@dataclass
+class AttentionBatch:
+    """One attention call over ``S`` sequences whose ``N = query_lens.sum()`` new tokens are
+    consecutive in the step's flattened batch.
+
+    ``input_ids, positions, slot_mapping [N]`` int64 (the flat cache slot of each new token,
+    :func:`~llmlab.inference.paged_attention.slot_mapping`); ``block_tables [S, max_blocks]``
+    (padded with block 0); ``context_lens [S]`` cached tokens after the step, new ones included;
+    ``query_lens [S]``; ``is_prefill``: some sequence computes more than one token."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclass
+class PagedAttentionContext:
+    """The forward context of one step: the paged cache ``kv_cache [layers, 2, num_blocks,
+    block_size, Hkv, D]`` and the step's :class:`AttentionBatch` es, in the order of the tokens."""
+
+    kv_cache: torch.Tensor
+    batches: list[AttentionBatch]
+    slot_mapping: torch.Tensor = field(init=False)     # [N]: every batch's slots, in order
+
+    def __post_init__(self):
+        self.slot_mapping = (self.batches[0].slot_mapping if len(self.batches) == 1
+                             else torch.cat([b.slot_mapping for b in self.batches]))
+
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sliding_window: int | None = None) -> torch.Tensor:
+        """Write ``k, v [N, Hkv, D]`` into layer ``layer_idx``'s cache, then return the causal
+        paged attention of ``q [N, H, D]`` (``[N, H, D]``); with ``sliding_window`` a query sees
+        only the last ``sliding_window`` positions, itself included."""
+        k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        if len(self.batches) == 1:
+            b = self.batches[0]
+            return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens,
+                                   b.query_lens, sliding_window=sliding_window)
+        sizes = [b.num_tokens for b in self.batches]
+        return torch.cat([paged_attention(qb, k_cache, v_cache, b.block_tables, b.context_lens,
+                                          b.query_lens, sliding_window=sliding_window)
+                          for qb, b in zip(q.split(sizes), self.batches)])

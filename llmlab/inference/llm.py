@@ -1,0 +1,84 @@
+"""``LLM``: vLLM's offline API over :class:`~llmlab.inference.engine.LLMEngine`.
+
+    from llmlab.inference import LLM, SamplingParams
+    llm = LLM("shakespeare")                      # the model shipped with llmlab
+    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
+    print(out[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import time
+
+from llmlab.inference.engine import LLMEngine
+from llmlab.inference.outputs import RequestOutput, error_output
+from llmlab.inference.sampling import SamplingParams
+
+
+class LLM:
+    """Offline generation, vLLM style: ``LLM(model, **engine_args).generate(prompts, params)``.
+
+    ``model``: a preset with shipped weights (default ``"shakespeare"``), a checkpoint directory,
+    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``engine_args`` as :class:`LLMEngine`.
+    """
+
+    def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
+        self.engine = LLMEngine(model, tokenizer, **engine_args)
+
+    def _add(self, prompts, sampling_params) -> list:
+        """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
+        long, bad ids or parameters) becomes a finished error output in its place, so one bad
+        request never fails the batch. Returns request ids and error outputs, in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        entries = []
+        for p, sp in zip(prompts, params):
+            try:
+                entries.append(self.engine.add_request(p, sp))
+            except ValueError as e:
+                rid = f"error-{next(self.engine._ids)}"
+                entries.append(error_output(rid, p, str(e), time.perf_counter()))
+        return entries
+
+    def _release(self, entries) -> None:
+        for rid in entries:
+            if isinstance(rid, str):
+                self.engine.abort_request(rid)     # no-op when finished; frees on early exit
+                self.engine.release(rid)
+
+    def stream(self, prompts, sampling_params=None):
+        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming); a
+        refused request is yielded once, first, with ``finish_reason="error"``."""
+        entries = self._add(prompts, sampling_params)
+        try:
+            yield from (e for e in entries if not isinstance(e, str))
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
+        finally:
+            self._release(entries)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts), one for
+        every prompt: a refused or failed request has ``finish_reason="error"`` and ``error``."""
+        entries = self._add(prompts, sampling_params)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(entries), desc="generate")
+        try:
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    if bar is not None and o.finished:
+                        bar.update(1)
+            return [self.engine.get_output(e) if isinstance(e, str) else e for e in entries]
+        finally:
+            if bar is not None:
+                bar.close()
+            self._release(entries)

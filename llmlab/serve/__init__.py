@@ -1,0 +1,82 @@
+"""``llmlab serve``: the inference engine behind an OpenAI-compatible HTTP API.
+
+| file | what it holds |
+|---|---|
+| ``protocol.py`` | the OpenAI request bodies, the error body, request -> ``SamplingParams`` |
+| ``chat.py`` | chat messages -> prompt (tokenizer template, ``--chat-template``, plain template) |
+| ``async_engine.py`` | ``LLMEngine`` stepping on its own thread; requests join/leave between steps |
+| ``router.py`` | data-parallel replicas: least-loaded routing |
+| ``responses.py`` | outputs -> OpenAI responses and server-sent-event chunks |
+| ``metrics.py`` | ``/metrics``: vLLM v1 names under ``llmlab:``, KV fragmentation, engine busy |
+| ``app.py`` | the FastAPI routes, API key, errors |
+| ``server.py`` | uvicorn in the foreground or on a thread; clean shutdown |
+| ``cli.py`` | ``llmlab serve`` |
+
+From Python (tests, labs)::
+
+    from llmlab.serve import start_server
+    with start_server("shakespeare", max_num_seqs=8) as server:   # ephemeral 127.0.0.1 port
+        print(server.url)                                           # http://127.0.0.1:PORT
+
+Needs the ``serve`` extra (``pip install -e .[serve]``): fastapi, uvicorn, prometheus_client.
+"""
+from __future__ import annotations
+
+
+def default_served_name(model) -> str:
+    """``--served-model-name`` default: the checkpoint folder's name, or the preset's name."""
+    from pathlib import Path
+    if isinstance(model, str):
+        p = Path(model).expanduser()
+        return p.resolve().name if p.is_dir() else model
+    return "llmlab-model"
+
+
+def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
+                  max_waiting_requests: int | None = None, metrics=None, **engine_args) -> list:
+    """``data_parallel_size`` :class:`AsyncEngine` replicas, each with its own
+    :class:`~llmlab.inference.LLMEngine` (weights and KV cache) built from ``engine_args``."""
+    from llmlab.inference.engine import LLMEngine
+    from llmlab.serve.async_engine import AsyncEngine
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
+    if data_parallel_size > 1 and engine_args.get("tensor_parallel_size", 1) > 1:
+        raise NotImplementedError("tensor_parallel_size > 1 with data_parallel_size > 1 is not "
+                                  "supported (one tensor-parallel engine per server process)")
+    engines = []
+    devices = _replica_devices(engine_args.get("device", "auto"), data_parallel_size)
+    for r in range(data_parallel_size):
+        eng = LLMEngine(model, **{**engine_args, "device": devices[r]})
+        engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
+                                   metrics=None if metrics is None else metrics.replica(str(r))))
+    return engines
+
+
+def _replica_devices(device: str, n: int) -> list[str]:
+    """One device per replica: with ``cuda`` (or ``auto`` on a CUDA machine) and several GPUs,
+    replica ``r`` gets ``cuda:r % num_gpus``; otherwise every replica gets ``device``."""
+    import torch
+    if str(device) in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return [f"cuda:{r % torch.cuda.device_count()}" for r in range(n)]
+    return [device] * n
+
+
+def start_server(model="shakespeare", *, served_model_name: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 chat_template: str | None = None, data_parallel_size: int = 1,
+                 max_waiting_requests: int | None = None, shutdown_timeout: float = 5.0,
+                 **engine_args):
+    """Build the engines and the app and run them on a background thread; returns the started
+    :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit)."""
+    from llmlab.serve.app import build_app
+    from llmlab.serve.metrics import ServerMetrics
+    from llmlab.serve.server import ServerThread
+    name = served_model_name or default_served_name(model)
+    metrics = ServerMetrics(name)
+    engines = build_engines(model, data_parallel_size=data_parallel_size,
+                            max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
+    app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,
+                    metrics=metrics)
+    server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout)
+    server.app, server.metrics = app, metrics
+    return server.start()

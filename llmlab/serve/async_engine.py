@@ -1,0 +1,263 @@
+"""The engine behind the HTTP server: ``LLMEngine`` stepping in its own thread, requests joining
+and leaving the running batch between steps.
+
+The HTTP handlers run on an asyncio event loop; the engine steps on one background thread (the
+"engine loop", as vLLM's ``AsyncLLM`` output-handler loop): between two steps it takes the
+commands handlers queued (add a request, abort one, stop), then runs ``engine.step()`` and hands
+each changed :class:`RequestOutput` to the handler's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``. Only this thread touches the engine, so the engine needs no locks.
+
+A handler that stops listening (client disconnected, task cancelled) aborts its request; the abort
+is applied before the next step and the request's KV blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("llmlab.serve")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` requests (answered 503)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine no longer admits requests (shutting down, or its loop died); answered 503."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_output_tokens: int = 0
+    prompt_counted: bool = False
+
+
+class RequestStream:
+    """One admitted request: ``async for out in stream`` yields its outputs (the last one
+    finished); :meth:`abort` (a no-op once finished) frees its blocks before the next step."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream):
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self.finished = False
+        engine.num_in_flight += 1
+
+    def _done(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.num_in_flight -= 1
+
+    async def __aiter__(self):
+        while not self.finished:
+            item = await self._stream.queue.get()
+            if isinstance(item, BaseException):
+                self._done()
+                raise item
+            if item.finished:
+                self._done()
+            yield item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._done()
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """``engine``: an :class:`~llmlab.inference.LLMEngine` (this object owns it from now on).
+
+    ``max_waiting_requests``: refuse a request (:class:`QueueFullError`) when that many wait
+    already (None: no limit). ``metrics``: a :class:`~llmlab.serve.metrics.ReplicaMetrics`.
+    ``idle_wait_s``: how long the loop sleeps when there is nothing to run (a new command wakes it
+    at once). Use :meth:`start` / :meth:`shutdown`, or ``with AsyncEngine(...)``."""
+
+    def __init__(self, engine, *, max_waiting_requests: int | None = None, metrics=None,
+                 name: str = "0", idle_wait_s: float = 0.5):
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 1")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.name = name
+        self.idle_wait_s = idle_wait_s
+        self.num_in_flight = 0                 # requests admitted and not yet finished (routing)
+        self.num_steps = 0
+        self.error: str | None = None          # traceback of the step that failed, if any
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._admitting = True
+        self._thread = threading.Thread(target=self._loop, name=f"llmlab-engine-{name}", daemon=True)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def stop_admitting(self) -> None:
+        """New requests get :class:`EngineStoppedError`; running ones go on."""
+        self._admitting = False
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what still runs, stop the loop and join its thread (idempotent)."""
+        self._admitting = False
+        if self._thread.is_alive():
+            self._send(("stop",))
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"engine loop {self.name} did not stop within {timeout}s")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # --- requests (called on the event loop) ------------------------------------------------------
+    async def add_request(self, prompt, params, request_id: str) -> "RequestStream":
+        """Admit a request before the next step; returns its :class:`RequestStream`.
+
+        ``prompt``: text or token ids. Raises ``ValueError`` (a request the engine can never
+        serve), :class:`QueueFullError`, :class:`EngineStoppedError`."""
+        if not self._admitting or not self._thread.is_alive():
+            raise EngineStoppedError("the server is shutting down" if not self._admitting
+                                     else "the engine loop is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("add", request_id, prompt, params, stream, added))
+        await asyncio.wrap_future(added)
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, prompt, params, request_id: str):
+        """Yield a :class:`RequestOutput` each time the request changes, the last one finished.
+        Closing the generator early aborts the request."""
+        rs = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in rs:
+                yield out
+        finally:
+            rs.abort()
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # --- the engine loop (its own thread) ---------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            if not self._apply_commands():
+                break
+            if engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    self.error = traceback.format_exc()
+                    log.error("engine step failed; aborting every request\n%s", self.error)
+                    self._abort_all(RuntimeError("the engine step failed; see the server log"))
+                    self._admitting = False
+                    continue
+                t1 = time.perf_counter()
+                self.num_steps += 1
+                last = engine.step_metrics[-1] if engine.step_metrics else None
+                engine.step_metrics.clear()            # a server runs for days: keep nothing
+                if self.metrics is not None:
+                    self.metrics.on_step(last, t0, t1)
+                for out in outputs:
+                    self._deliver(out)
+            else:
+                self._wake.wait(self.idle_wait_s)
+            self._wake.clear()
+            if self.metrics is not None:
+                self.metrics.on_state(engine)
+        self._abort_all(EngineStoppedError("the server shut down"))
+        if self.metrics is not None:
+            self.metrics.on_state(engine)
+        stop = getattr(engine, "shutdown", None)      # tensor-parallel ranks, if any
+        if stop is not None:
+            stop()
+
+    def _apply_commands(self) -> bool:
+        """Apply queued commands; False when told to stop."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "add":
+                self._add(*cmd[1:])
+            elif cmd[0] == "abort":
+                self._abort(cmd[1])
+            elif cmd[0] == "stop":
+                return False
+
+    def _add(self, request_id, prompt, params, stream: _Stream, added) -> None:
+        engine = self.engine
+        try:
+            if not self._admitting:
+                raise EngineStoppedError("the server is shutting down")
+            waiting = len(engine.scheduler.waiting)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are waiting (--max-waiting-requests="
+                                     f"{self.max_waiting_requests}); retry later")
+            engine.add_request(prompt, params, request_id=request_id)
+        except Exception as e:          # ValueError for bad requests; answered, never fatal
+            added.set_exception(e)
+            return
+        self._streams[request_id] = stream
+        added.set_result(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self._streams:
+            return                                  # finished already (or never admitted)
+        self.engine.abort_request(request_id)
+        self._deliver(self.engine.get_output(request_id))
+
+    def _abort_all(self, error: BaseException) -> None:
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
+            stream = self._streams.pop(rid)
+            self.engine.release(rid)
+            _put(stream, error)
+
+    def _deliver(self, out) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if self.metrics is not None:
+            first = not stream.prompt_counted and n > 0
+            self.metrics.on_tokens(len(out.prompt_token_ids) if first else 0,
+                                   n - stream.num_output_tokens)
+            stream.prompt_counted |= first
+        stream.num_output_tokens = n
+        if out.finished:
+            del self._streams[out.request_id]
+            self.engine.release(out.request_id)
+            if self.metrics is not None:
+                self.metrics.on_finish(out)
+        if not _put(stream, out) and not out.finished:
+            self._abort(out.request_id)             # nobody listens any more
+
+
+def _put(stream: _Stream, item) -> bool:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        return True
+    except RuntimeError:                            # the event loop is closed
+        return False

@@ -1,0 +1,128 @@
+"""``llmlab serve``: an OpenAI-compatible HTTP server on the paged-KV-cache engine (see CONTRACT.md).
+
+    llmlab serve                                         # the shipped shakespeare model, 127.0.0.1:8000
+    llmlab serve --model DIR --served-model-name qwen --port 8080 --api-key secret
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
+
+Prints ``llmlab serve: serving NAME at http://HOST:PORT`` once it listens (with ``--port 0``, the
+port the OS chose). SIGTERM or Ctrl-C: stop admitting, let running requests finish (at most
+``--shutdown-timeout`` s, then abort them), exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="shakespeare",
+                   help="checkpoint directory (HF Llama/Qwen2 or llmlab) or a preset with shipped "
+                        "weights (default: shakespeare, bundled)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the checkpoint folder's name, or the preset)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LLMLAB_API_KEY; "
+                        "/health and /metrics stay open)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template (default: the tokenizer's, else a plain 'role: text' one)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 when this many requests wait (default: no limit)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, requests routed to the least-loaded (default 1)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over (default 1; not with --data-parallel-size > 1)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM (default 30)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
+                   "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--enable-chunked-prefill", action="store_true")
+    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that send none")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def engine_args(args) -> dict:
+    return {"block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
+            "enable_chunked_prefill": args.enable_chunked_prefill, "quantization": args.quantization,
+            "seed": args.seed, "device": args.device,
+            "tensor_parallel_size": args.tensor_parallel_size}
+
+
+def validate(args) -> None:
+    """Raise ``ValueError`` naming the bad flag, before any model is loaded."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
+    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
+        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 is not "
+                                  "supported (one tensor-parallel engine per server process)")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests {args.max_waiting_requests} must be >= 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+
+
+def run(args: argparse.Namespace) -> int:
+    validate(args)
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise NotImplementedError(f"llmlab serve needs the 'serve' extra ({e.name} is missing): "
+                                  "pip install -e '.[serve]'") from None
+    from llmlab.serve import build_engines, default_served_name
+    from llmlab.serve.app import build_app
+    from llmlab.serve.chat import load_template
+    from llmlab.serve.metrics import ServerMetrics
+    from llmlab.serve.server import bind_socket, make_server
+
+    template = load_template(args.chat_template)
+    name = args.served_model_name or default_served_name(args.model)
+    kw = engine_args(args)
+    metrics = ServerMetrics(name, device_type=_device_type(args.device))
+    engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
+                            max_waiting_requests=args.max_waiting_requests, metrics=metrics, **kw)
+    app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
+                    metrics=metrics)
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"llmlab serve: serving {name} at http://{shown}:{port} "
+          f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for e in engines:
+            e.shutdown()
+        sock.close()
+    print("llmlab serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device

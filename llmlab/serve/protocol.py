@@ -1,0 +1,154 @@
+"""The OpenAI API's request bodies and error body, and their translation to ``SamplingParams``.
+
+Field names and defaults follow the OpenAI API reference (``/v1/completions``,
+``/v1/chat/completions``) as vLLM's OpenAI-compatible server accepts them: ``max_tokens`` (16 for
+completions; for chat, what is left of ``max_model_len``), ``temperature`` 1.0, ``top_p`` 1.0,
+``n`` 1, ``stop``, ``seed``, ``stream`` and ``stream_options.include_usage``; vLLM's extra
+sampling fields ``top_k``, ``stop_token_ids``, ``ignore_eos`` (sent by the ``openai`` client in
+``extra_body``). Any other field the engine's :class:`SamplingParams` has (e.g. ``min_p``,
+``repetition_penalty``) is passed on by name. Unknown fields are ignored, as vLLM does.
+
+Errors raised here are :class:`APIError` (HTTP status, OpenAI ``type``, ``param``); the app turns
+them into ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmlab.inference.sampling import SamplingParams
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body with HTTP ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API (and vLLM) answer."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters; raises :class:`APIError` (400) naming the bad field."""
+        if self.logprobs not in (None, False):
+            raise APIError("logprobs are not supported by this server", param="logprobs")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
+                           param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "seed": self.seed,
+                              "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
+                              "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if name in names and value is not None:
+                kw[name] = value
+            elif value not in (None, 0, 0.0):
+                raise APIError(f"{name} is not supported by this engine", param=name)
+        for name, value in (self.model_extra or {}).items():
+            if name in names and name not in kw:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except (TypeError, ValueError) as e:
+            param = str(e).split("=")[0] if "=" in str(e) else None
+            raise APIError(str(e), param=param) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids
+    or a list of such lists (each prompt is its own request; choices are numbered
+    ``prompt_index * n + sample``)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict], None] = None
+
+    def text(self) -> str:
+        """The content as one string (``{"type": "text"}`` parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(f"content part of type {part.get('type')!r} is not supported "
+                               "(text only)", param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,97 @@
+"""Engine outputs to OpenAI response bodies: whole responses, and streamed chunks.
+
+Streaming follows the OpenAI API (and vLLM): server-sent events ``data: {chunk}\\n\\n`` ending
+with ``data: [DONE]``; each chunk carries one choice with its ``index`` (``prompt * n + sample``)
+and the text added since that choice's previous chunk; ``finish_reason`` is null except on a
+choice's last chunk; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and
+one last chunk with no choices carries the request's ``usage``. The chat stream opens each choice
+with a ``{"role": "assistant", "content": ""}`` delta.
+
+Text deltas: the engine gives each choice's whole visible text so far; a delta is what follows the
+text already sent. A trailing U+FFFD (an incomplete UTF-8 character of a byte-level model, or an
+incomplete multi-byte token) is held back until the next token completes it or the choice ends,
+so the streamed pieces concatenate to exactly the non-streamed text.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj) -> str:
+    """One server-sent event."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class ChoiceDeltas:
+    """Per choice: the text already streamed and whether its last chunk was sent."""
+
+    def __init__(self):
+        self.sent: dict[int, str] = {}
+        self.done: set[int] = set()
+
+    def delta(self, index: int, text: str | None, finish_reason: str | None):
+        """``(delta text, finish_reason or None)``, or None when there is nothing to send."""
+        if index in self.done:
+            return None
+        text = text or ""
+        prev = self.sent.get(index, "")
+        if finish_reason is None:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(prev):          # cannot happen with the engine's text; be safe
+            text = prev
+        piece = text[len(prev):]
+        if not piece and finish_reason is None:
+            return None
+        self.sent[index] = text
+        if finish_reason is not None:
+            self.done.add(index)
+        return piece, finish_reason
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], prompt_tokens: int,
+                        completion_tokens: int, chat: bool) -> dict:
+    """A whole response. ``choices``: ``{"index", "text", "finish_reason"}`` in index order."""
+    if chat:
+        body = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                 "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+    else:
+        body = [{"index": c["index"], "text": c["text"], "logprobs": None,
+                 "finish_reason": c["finish_reason"]} for c in choices]
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": body,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(request_id: str, model: str, created: int, index: int, text: str | None,
+          finish_reason: str | None, chat: bool, include_usage: bool, role: bool = False) -> dict:
+    """One streamed chunk for one choice. ``role``: the chat stream's opening delta."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else (
+            {"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
+    out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(request_id: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int, chat: bool) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
