@@ -280,3 +280,61 @@ def test_fp16_loss_scaler_state_is_checkpointed(tmp_path, monkeypatch):
     assert meta["lr_schedule"] == {"step": 2, "lr": 3e-3}
     resumed = _steps(steps=3, dtype="fp16", zero=2, checkpoint_dir=str(tmp_path), resume=True)
     _assert_tracks(resumed, ref[2:], 2e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO-3 x TP against PyTorch's own FSDP2 x DTensor tensor parallelism on the same 2x2 mesh
+# --------------------------------------------------------------------------------------------
+def _fsdp2_tp_rank(steps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from llmlab.data import BatchLoader
+    from llmlab.runtime.mesh import Mesh
+    from llmlab.training.checkpoint import _cut, full_names, slice_spec
+    from llmlab.training.trainer import Engine, make_optimizer
+    cfg = TrainConfig(dp=2, tp=2, zero=3, steps=steps, **{k: v for k, v in KW.items() if k != "steps"})
+    mesh = Mesh.build(dp=2, tp=2)
+    engine = Engine(cfg, mesh, torch.device("cpu"))
+    loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    for step in range(1, steps + 1):
+        engine.train_step(loader.microbatches(step, mesh.coords["dp"], 2, 1), step)
+    ours = engine.wrapper.full_state_dict()            # this rank's tp slices, gathered over dp
+    names = full_names(engine.model)
+    ours = {names[id(p)]: ours[n] for n, p in engine.model.named_parameters() if n in ours}
+
+    dmesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # tp fastest, as ours
+    model = llmlab.LlamaForCausalLM(engine.model_config, seed=cfg.seed)
+    for layer in model.model.layers:
+        parallelize_module(layer, dmesh["tp"], {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+        layer.self_attn.num_heads //= 2
+        layer.self_attn.num_kv_heads //= 2
+        fully_shard(layer, mesh=dmesh["dp"])
+    fully_shard(model, mesh=dmesh["dp"])
+    opt = make_optimizer(model.parameters(), cfg)
+    for step in range(1, steps + 1):
+        (x, y), = loader.microbatches(step, mesh.coords["dp"], 2, 1)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    diffs = {}
+    for n, p in model.named_parameters():
+        full = p.full_tensor().detach()
+        mine = _cut(full, slice_spec(ours[n].shape, full.shape, mesh.coords["tp"], 2))
+        diffs[n] = ((ours[n] - mine).abs().max().item(), mine.abs().max().item(),
+                    (full - llmlab.LlamaForCausalLM(engine.model_config, seed=cfg.seed)
+                     .get_parameter(n)).abs().max().item())
+    return diffs
+
+
+def test_zero3_x_tp_equals_fsdp2_x_dtensor_tp():
+    for diffs in llmlab.launch(_fsdp2_tp_rank, 4, 3, backend="gloo", timeout=300):
+        assert len(diffs) == len(dict(llmlab.LlamaForCausalLM(llmlab.get_preset("tiny")).named_parameters()))
+        for n, (diff, scale, moved) in diffs.items():
+            assert diff <= 1e-5 + 1e-4 * scale, f"{n} differs from FSDP2 x DTensor by {diff}"
+            assert moved > 1e-4, f"{n} did not train"
