@@ -87,15 +87,19 @@ def run_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from llmlab import __version__
-    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="llmlab", description="llmlab: train and serve large language models at scale on "
+        "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
     parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a model on dp*tp*pp ranks"))
+    add_train_arguments(sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks"))
     bench = sub.add_parser("bench", help="benchmarks: serve, comm")
     bench_sub = bench.add_subparsers(dest="bench_what", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
         parent = bench_sub if name.startswith("bench ") else sub
-        p = parent.add_parser(name.split()[-1], help=help_)
+        # Other commands' flags show their defaults; train's help texts carry them already.
+        p = parent.add_parser(name.split()[-1], help=help_,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.set_defaults(module=module)
         importlib.import_module(module).add_arguments(p)
     return parser
@@ -112,8 +116,9 @@ def _report_rank_error(command: str, e) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
-    1 a rank failed (reported as one error line, that rank's traceback and its log path)."""
-    from llmlab.runtime.launch import RankError
+    1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
+    value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
+    from llmlab.runtime.launch import ForgedValueError, RankError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train":
@@ -121,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(args.module).run(args) or 0)
     except RankError as e:
         _report_rank_error(args.command, e)
+        return 1
+    except ForgedValueError as e:
+        print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)

@@ -9,6 +9,10 @@ Checks, each with a verdict and, when it fails, the usual fix:
   bus bandwidth (nccl-tests' definition: 2(n-1)/n x bytes / time);
 * Triton: imports and, on a GPU, compiles and runs a kernel;
 * the size every lab will run at here (:func:`llmlab.runtime.hardware.lab_size`).
+
+``llmlab doctor --selftest [--quick] [--json PATH]`` runs :mod:`llmlab.selftest` instead: every
+kernel, the engine, training and each parallel layout against its reference, one process per
+check, one PASS / FAIL / SKIP line each.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import time
 
 import torch
 
-from llmlab.runtime.hardware import LAB_SIZES, gpu_count, lab_size, lab_size_for
+from llmlab.lab_sizes import LAB_SIZES, lab_size_for
+from llmlab.runtime.hardware import gpu_count, lab_size
 
 LABS = list(LAB_SIZES)
 
@@ -192,9 +197,20 @@ def lab_size_line(r: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     p.add_argument("--ranks", type=int, default=2, help="CPU ranks for the gloo check (default 2)")
+    p.add_argument("--selftest", action="store_true",
+                   help="run every correctness check and measurement this machine allows, each in "
+                        "its own process with a timeout (llmlab.selftest); exit code 1 on a FAIL")
+    p.add_argument("--quick", action="store_true",
+                   help="with --selftest: smaller sizes (about 2 minutes on a 2-core CPU)")
+    p.add_argument("--check", action="append", default=None, metavar="NAME",
+                   help="with --selftest: run only this check (repeatable)")
 
 
 def run(args) -> int:
+    if args.selftest or args.quick or args.check:
+        from llmlab.selftest import run_selftest
+        report = run_selftest(quick=args.quick, json_path=args.json, only=args.check)
+        return 0 if report["ok"] else 1
     r = diagnose(comm_ranks=args.ranks)
     print(format_report(r))
     if args.json:

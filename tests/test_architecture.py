@@ -13,7 +13,7 @@ ALLOWED = {p: BOTTOM for p in BOTTOM} | {
     "model": BOTTOM,
     "parallel": BOTTOM | {"model"},
     "training": BOTTOM | {"model", "parallel"},
-    "inference": BOTTOM | {"model"},
+    "inference": BOTTOM | {"model", "parallel"},
 }
 
 

@@ -123,7 +123,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("layout", [
     dict(cp=2), dict(cp=4), dict(cp=2, cp_mode="ulysses"), dict(dp=2, cp=2), dict(tp=2, cp=2),
     dict(dp=2, cp=2, zero=2), dict(pp=2, cp=2, num_microbatches=2),
-], ids=["cp2", "cp4", "cp2-ulysses", "dp2xcp2", "tp2xcp2", "dp2xcp2+zero2", "pp2xcp2"])
+    dict(tp=2, cp=2, sequence_parallel=True), dict(cp=2, activation_checkpointing=True),
+], ids=["cp2", "cp4", "cp2-ulysses", "dp2xcp2", "tp2xcp2", "dp2xcp2+zero2", "pp2xcp2", "tp2xcp2+sp",
+        "cp2+recompute"])
 def test_layout_equals_one_device_loss_and_gradients(layout, one_device):
     from llmlab.training.checkpoint import _cut
     cfg = TrainConfig(**KW, **layout)
@@ -219,3 +221,48 @@ def test_unsupported_attention_kind_refused():
     with kernels.use(attention="eager"):
         with pytest.raises(ValueError, match="attention kind 'eager'"):
             validate(TrainConfig(cp=2, **KW))
+
+
+def test_cli_refuses_cp3_and_estimate_gives_activation_bytes_per_cp_rank(capsys, tmp_path):
+    from llmlab import estimate as E
+    from llmlab.cli import main
+    assert main(["train", "--cp", "3", "--seq-len", "128", "--no-progress"]) == 2
+    assert "must be divisible by 2*cp = 6" in capsys.readouterr().err
+    one = E.activation_bytes_per_layer(1024, 2, 64, 4)
+    assert E.activation_bytes_per_rank(1024, 2, 64, 4, cp=4) == round(one / 4)
+    with pytest.raises(ValueError, match="cp=3 must be a positive integer dividing seq_len=1024"):
+        E.activation_bytes_per_rank(1024, 2, 64, 4, cp=3)
+    out = tmp_path / "e.json"
+    assert main(["estimate", "--model", "tiny", "--seq-len", "1024", "--cp", "2", "--json", str(out)]) == 0
+    import json
+    mem = json.loads(out.read_text())["memory"]
+    assert mem["cp"] == 2 and mem["activations"] == 4 * round(E.activation_bytes_per_layer(1024, 1, 64, 4) / 2)
+    assert "per rank over cp = 2" in capsys.readouterr().out
+
+
+def _mesh_groups():
+    from llmlab.runtime.mesh import Mesh
+    mesh = Mesh.build(dp=2, cp=2)
+    view = mesh.data_parallel_view()
+    return dict(mesh.coords), {k: list(v) for k, v in mesh.ranks.items()}, view.dp, view.coords["dp"], list(view.ranks["dp"])
+
+
+def test_mesh_puts_cp_between_tp_and_dp_and_reduces_gradients_over_dp_x_cp():
+    for rank, (coords, ranks, vdp, vidx, vranks) in enumerate(llmlab.launch(_mesh_groups, 4, backend="gloo")):
+        assert rank == coords["dp"] * 2 + coords["cp"]
+        assert ranks["cp"] == [rank - coords["cp"], rank - coords["cp"] + 1]
+        assert ranks["dp"] == [coords["cp"], coords["cp"] + 2]
+        assert ranks["dp_cp"] == vranks == [0, 1, 2, 3] and vdp == 4 and vidx == rank
+
+
+def test_checkpoint_saved_at_cp2_resumes_on_one_device(tmp_path):
+    kw = dict(KW, seq_len=64)
+    whole = llmlab.train(TrainConfig(steps=4, **kw), progress=False)["steps"]
+    llmlab.train(TrainConfig(steps=2, cp=2, checkpoint_dir=str(tmp_path), **kw), progress=False)
+    files = sorted(p.name for p in (tmp_path / "step_00000002").glob("rank*.safetensors"))
+    assert files == ["rank00000.safetensors"]          # the cp replica does not write a copy
+    resumed = llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **kw),
+                           progress=False)["steps"]
+    assert [s["step"] for s in resumed] == [3, 4]
+    for a, b in zip(resumed, whole[2:]):
+        assert _rel(a["loss"], b["loss"]) < 1e-4

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmlab.runtime.hardware import LAB_SIZES, lab_size, lab_size_for
+from llmlab.lab_sizes import LAB_LAYOUTS, LAB_SIZES, lab_layout_error, lab_size_for
+from llmlab.runtime.hardware import lab_size
 
 
 def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
@@ -98,10 +99,10 @@ def test_every_lab_layout_validates_on_1_to_8_gpus(monkeypatch, gpus):
             assert gpus < LAB_SIZES[lab]["min_ranks"], lab  # enough GPUs never fall back to CPU
             continue
         assert s.world_size <= gpus and s.backend == "nccl"
-        for kw in hw.LAB_LAYOUTS.get(lab, lambda n: [])(s.world_size):
+        for kw in LAB_LAYOUTS.get(lab, lambda n: [])(s.world_size):
             validate(TrainConfig(model=s.model, device="cpu", **kw))
     want = {3: (2, 2, 2), 5: (4, 4, 4), 6: (4, 4, 4), 7: (4, 4, 4)}
     if gpus in want:
         assert tuple(lab_size_for(lab).world_size for lab in
                      ("02_tensor_parallel", "03_pipeline_parallel", "05_zero")) == want[gpus]
-    assert hw.lab_layout_error("02_tensor_parallel", 3, "small") is not None
+    assert lab_layout_error("02_tensor_parallel", 3, "small") is not None

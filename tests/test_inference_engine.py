@@ -83,18 +83,28 @@ def test_n_samples_share_the_prompt_and_copy_on_write():
     assert_pool_full(llm)
 
 
-def test_bad_requests_are_refused_clearly_and_leak_nothing():
+def test_bad_requests_fail_alone_clearly_and_leak_nothing():
     llm = make_llm(num_gpu_blocks=8, max_model_len=64)
-    with pytest.raises(ValueError, match="empty prompt"):
-        llm.generate([""], SamplingParams())
-    with pytest.raises(ValueError, match="max_model_len=64"):
-        llm.generate(["ok", "x" * 65], SamplingParams())
-    with pytest.raises(ValueError, match="whole cache"):
-        llm.generate(["x" * 40], SamplingParams(max_tokens=1))      # 10 blocks > 8
+    eng = llm.engine
+    for prompt, params, msg in [("", SamplingParams(), "empty prompt"),
+                                ("x" * 65, SamplingParams(), "max_model_len=64"),
+                                ("x" * 40, SamplingParams(max_tokens=1), "whole cache"),   # 10 blocks
+                                ([300], SamplingParams(), "vocab_size=256"),
+                                ("ok", SamplingParams(stop_token_ids=[999]), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=msg):                 # the engine API refuses it
+            eng.add_request(prompt, params)
+        # LLM.generate: that request fails alone, the good ones around it are served
+        outs = llm.generate(["ROMEO:", prompt, "MAC"], [SamplingParams(temperature=0, max_tokens=3),
+                                                        params, SamplingParams(temperature=0, max_tokens=3)])
+        assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+        assert outs[1].finished and msg in outs[1].error and outs[1].outputs[0].token_ids == []
+        assert outs[0].error is None and len(outs[2].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_model_len=4096"):
+        LLM(CFG, device="cpu", max_model_len=4096)                 # the model has 256 positions
     assert_pool_full(llm)
     assert not llm.engine.has_unfinished_requests()
 
@@ -173,6 +183,38 @@ def test_cli_generate_prompt_and_jsonl(tmp_path, capsys):
     assert [r["index"] for r in rows] == [0, 1]
     assert rows[0]["prompt_token_ids"] == list(b"JULIET:") and len(rows[0]["token_ids"]) == 3
     assert rows[1]["prompt_token_ids"] == [65, 66] and rows[1]["finish_reason"] in ("stop", "length")
-    assert set(rows[1]) == {"index", "prompt_token_ids", "token_ids", "text", "finish_reason"}
+    assert set(rows[1]) == {"index", "prompt_token_ids", "token_ids", "text", "finish_reason",
+                            "error", "sampling_defaults"}
+    assert rows[1]["error"] is None and rows[1]["sampling_defaults"] == {}
     assert main(["generate", "--prompt", "", "--device", "cpu"]) == 2        # clear error, no hang
     assert "empty prompt" in capsys.readouterr().err
+    # a prompts file with bad requests among good ones: results for the good, error lines, exit 2
+    src.write_text("\n".join([json.dumps({"prompt": "A", "max_tokens": 2}), json.dumps({"prompt": ""}),
+                              "{not json", json.dumps({"prompt": "B", "top_p": 0}),
+                              json.dumps({"prompt": "C", "max_tokens": 2, "logprobs": 2})]) + "\n")
+    assert main(["generate", "--prompts-file", str(src), "--output", str(out), "--temperature", "0"]) == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["length", "error", "error", "error", "length"]
+    assert "empty prompt" in rows[1]["error"] and ":3: not valid JSON" in rows[2]["error"]
+    assert "top_p" in rows[3]["error"] and rows[0]["error"] is None and len(rows[4]["token_ids"]) == 2
+    lp = rows[4]["logprobs"]
+    assert len(lp) == 2 and all(d[0]["rank"] == 1 and len(d) == 2 for d in lp)   # greedy: rank 1
+
+
+def test_swap_space_defaults_to_4_gib_not_the_whole_device_cache():
+    """The host mirror for swap preemption is pinned memory on CUDA: mirroring a 40 GB device
+    cache pinned 40 GB of host RAM. Default: 4 GiB of blocks (vLLM's swap_space), at most the
+    device blocks."""
+    from llmlab.inference.engine import LLMEngine, default_host_blocks
+    from llmlab.inference.model_runner import kv_bytes_per_block
+    per_block = 2 * 2**20
+    assert default_host_blocks(20_000, per_block) == 2048               # 4 GiB, not 20,000 blocks
+    assert default_host_blocks(100, per_block) == 100                   # a small cache: mirrored
+    assert default_host_blocks(100, per_block, swap_space_bytes=0) == 0
+    with pytest.raises(ValueError, match="swap_space_bytes=-1"):
+        default_host_blocks(1, per_block, swap_space_bytes=-1)
+    eng = LLMEngine(preemption_mode="swap", num_gpu_blocks=64, block_size=4)
+    assert eng.block_manager.num_host_blocks == 64
+    b = kv_bytes_per_block(eng.model_config, 4, torch.float32)
+    eng = LLMEngine(preemption_mode="swap", num_gpu_blocks=64, block_size=4, swap_space_bytes=10 * b)
+    assert eng.block_manager.num_host_blocks == 10 and eng.runner.host_cache.shape[2] == 10

@@ -86,3 +86,60 @@ def test_each_training_run_starts_a_new_cuda_peak(monkeypatch):
     memory.reset_cuda_peak(torch.device("cpu"))
     memory.reset_cuda_peak(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1)]
+
+
+def test_gpu_timestamps_wait_for_the_work(monkeypatch):
+    """A host clock around queued GPU work measures the launch, and an NCCL future completes at
+    enqueue: timelines on a GPU synchronise (pipeline) or use CUDA events (DDP buckets)."""
+    import time
+
+    from llmlab.metrics import timing
+    assert timing.device_clock("cpu") is time.perf_counter
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    timing.device_clock("cuda:1")()
+    assert synced == [torch.device("cuda", 1)]
+
+    gpu_time = [0.0]  # a fake device: events read the device clock when the stream reaches them
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = gpu_time[0] + (stream.delay if stream is not None else 0.0)
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    class Stream:
+        delay = 0.0
+
+        def wait_stream(self, other):
+            pass
+
+    side = Stream()
+
+    class Work:  # an all-reduce that will take 0.5 s on the device once queued
+        def wait(self):
+            side.delay = 0.5
+
+        def get_future(self):
+            raise AssertionError("a CUDA future completes at enqueue: not a 'done' time")
+
+    import contextlib
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    events = []
+    tl = timing.EventTimeline("cuda", events)
+    tl.mark("launch", 0)
+    tl.mark_done("done", 0, Work())
+    gpu_time[0] = 0.1
+    tl.mark("grad_ready", 1)
+    assert events == []  # CUDA events are read once per step
+    tl.resolve()
+    assert [e[:2] for e in events] == [("launch", 0), ("grad_ready", 1), ("done", 0)]
+    t = {k: s for k, _, s in events}
+    assert t["done"] - t["launch"] == pytest.approx(0.5) and t["grad_ready"] - t["launch"] == pytest.approx(0.1)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import os
 
-LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "11")
+LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
 
 SOLUTIONS: dict = {}  # exercise name -> reference solution
 LAB_OF: dict[str, str] = {}  # exercise name -> lab number ("00".."11")

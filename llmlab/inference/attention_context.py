@@ -57,17 +57,18 @@ class PagedAttentionContext:
         self.slot_mapping = (self.batches[0].slot_mapping if len(self.batches) == 1
                              else torch.cat([b.slot_mapping for b in self.batches]))
 
-    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sliding_window: int | None = None) -> torch.Tensor:
         """Write ``k, v [N, Hkv, D]`` into layer ``layer_idx``'s cache, then return the causal
-        paged attention of ``q [N, H, D]`` (``[N, H, D]``)."""
+        paged attention of ``q [N, H, D]`` (``[N, H, D]``); with ``sliding_window`` a query sees
+        only the last ``sliding_window`` positions, itself included."""
         k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if len(self.batches) == 1:
             b = self.batches[0]
             return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens,
-                                   b.query_lens)
+                                   b.query_lens, sliding_window=sliding_window)
         sizes = [b.num_tokens for b in self.batches]
         return torch.cat([paged_attention(qb, k_cache, v_cache, b.block_tables, b.context_lens,
-                                          b.query_lens)
+                                          b.query_lens, sliding_window=sliding_window)
                           for qb, b in zip(q.split(sizes), self.batches)])

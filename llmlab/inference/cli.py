@@ -4,9 +4,16 @@
     llmlab generate --model DIR --prompts-file in.jsonl --temperature 0 --output out.jsonl
 
 ``in.jsonl``: one request per line, ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``, with
-optional ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``.
+optional sampling fields (:data:`PER_REQUEST`, names of ``SamplingParams``).
 ``out.jsonl``: one line per request in input order: ``index``, ``prompt_token_ids``,
-``token_ids``, ``text`` (null without a tokenizer) and ``finish_reason`` (``length``/``stop``).
+``token_ids``, ``text`` (null without a tokenizer), ``finish_reason`` (``length``/``stop``/
+``error``), ``error`` (the message, or null), ``sampling_defaults`` (the fields the checkpoint's
+generation config filled) and, when requested, ``logprobs``.
+
+Sampling fields: a request's own value, else the flag's, else the checkpoint's
+``generation_config.json``, else the CLI's default (temperature 0.8, max_tokens 128). A bad
+request (unreadable line, empty prompt, bad parameters, too long) gets an ``error`` line; the
+others still run; the exit status is then 2.
 """
 from __future__ import annotations
 
@@ -14,7 +21,11 @@ import argparse
 import json
 import sys
 
-PER_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+PER_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+               "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
+               "skip_special_tokens")
+CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,11 +35,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt text(s)")
     src.add_argument("--prompts-file", metavar="IN.jsonl", help="one JSON request per line")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per request (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="default 0.8; 0 = greedy (the tokens Hugging Face generate(do_sample=False) gives)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate per request (default: the checkpoint's, else 128)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the checkpoint's, else 0.8; 0 = greedy (the tokens Hugging Face "
+                        "generate(do_sample=False) gives)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = all tokens")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
                    help="stop strings")
@@ -40,10 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
-def read_requests(args) -> list[dict]:
+def read_requests(args) -> list:
+    """The requests in order: a dict per request, or a ``str`` error for a line that is not one."""
     if args.prompt:
         return [{"prompt": t} for t in args.prompt]
     reqs = []
@@ -54,46 +75,95 @@ def read_requests(args) -> list[dict]:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{args.prompts_file}:{n}: not valid JSON ({e.msg})") from None
+                reqs.append(f"{args.prompts_file}:{n}: not valid JSON ({e.msg})")
+                continue
             if not isinstance(r, dict) or not ("prompt" in r or "prompt_token_ids" in r):
-                raise ValueError(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_token_ids'")
+                reqs.append(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_token_ids'")
+                continue
             reqs.append(r)
     if not reqs:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return reqs
 
 
-def run(args: argparse.Namespace) -> int:
-    from llmlab.inference.llm import LLM
+def _params(args, r: dict, i: int, fallback: dict):
     from llmlab.inference.sampling import SamplingParams
+    kw = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                        "repetition_penalty", "presence_penalty",
+                                        "frequency_penalty", "logprobs", "stop")
+          if getattr(args, k, None) is not None}
+    kw["seed"] = args.seed + i
+    kw.update({k: r[k] for k in PER_REQUEST if k in r})
+    unknown = sorted(set(r) - set(PER_REQUEST) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"unknown request fields {unknown}; known: {', '.join(PER_REQUEST)}")
+    return SamplingParams(**{**fallback, **kw})
+
+
+def _row(i: int, o) -> dict:
+    c = o.outputs[0]
+    row = {"index": i, "prompt_token_ids": o.prompt_token_ids, "token_ids": c.token_ids,
+           "text": c.text, "finish_reason": c.finish_reason, "error": o.error,
+           "sampling_defaults": o.sampling_defaults}
+    if c.logprobs is not None:
+        row["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
+                             "text": lp.decoded_token} for t, lp in d.items()] for d in c.logprobs]
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from llmlab.inference.llm import LLM
+    from llmlab.inference.outputs import error_output
+    from llmlab.inference import tensor_parallel
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
+    if tensor_parallel.join_torchrun(args.tensor_parallel_size) != 0:
+        tensor_parallel.run_worker(args.model, args.device)   # a torchrun rank other than 0
+        return 0
     reqs = read_requests(args)
-    params = []
-    for i, r in enumerate(reqs):
-        kw = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-              "top_p": args.top_p, "seed": args.seed + i, "stop": args.stop}
-        kw.update({k: r[k] for k in PER_REQUEST if k in r})
-        params.append(SamplingParams(**kw))
     llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching,
-              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device)
-    prompts = [{k: r[k] for k in ("prompt", "prompt_token_ids") if k in r} for r in reqs]
-    outs = llm.generate(prompts, params)
+              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
+              tensor_parallel_size=args.tensor_parallel_size)
+    fallback = {k: v for k, v in CLI_DEFAULTS.items() if k not in llm.engine.generation_defaults}
+    outs, todo = [None] * len(reqs), []
+    for i, r in enumerate(reqs):
+        try:
+            if isinstance(r, str):
+                raise ValueError(r)
+            params = _params(args, r, i, fallback)
+        except (ValueError, TypeError) as e:
+            outs[i] = error_output(str(i), r if isinstance(r, dict) else None, str(e), time.perf_counter())
+            continue
+        todo.append((i, {k: r[k] for k in ("prompt", "prompt_token_ids") if k in r}, params))
+    try:
+        if todo:
+            for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo],
+                                                       [sp for _, _, sp in todo])):
+                outs[i] = o
+    finally:
+        llm.engine.shutdown()
+    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    for i in failed:
+        print(f"request {i}: error: {outs[i].error}", file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
             for i, o in enumerate(outs):
-                c = o.outputs[0]
-                f.write(json.dumps({"index": i, "prompt_token_ids": o.prompt_token_ids,
-                                    "token_ids": c.token_ids, "text": c.text,
-                                    "finish_reason": c.finish_reason}) + "\n")
-        print(f"wrote {len(outs)} result{'s' * (len(outs) != 1)} to {args.output}", file=sys.stderr)
+                f.write(json.dumps(_row(i, o)) + "\n")
+        print(f"wrote {len(outs)} result{'s' * (len(outs) != 1)} to {args.output}"
+              + (f" ({len(failed)} with errors)" if failed else ""), file=sys.stderr)
     else:
         for i, o in enumerate(outs):
             c = o.outputs[0]
+            if i in failed:
+                continue
             if len(outs) > 1:
                 print(f"--- [{i}] finish_reason={c.finish_reason}")
             if c.text is None:
                 print(c.token_ids)
             else:
                 print((o.prompt or "") + c.text)
-    return 0
+    return 2 if failed else 0

@@ -5,6 +5,12 @@
 through the paged cache, every sequence whose last token was computed samples its next token, and
 finished sequences give their blocks back.
 
+Per token: the logits are checked finite (a NaN or inf fails that request only,
+``finish_reason="error"``), processed (``min_tokens``, penalties) and sampled
+(:mod:`~llmlab.inference.sampling`), then detokenised and checked for the stop conditions
+(:mod:`~llmlab.inference.stop_checker`).
+A checkpoint's ``generation_config.json`` fills the sampling fields a request leaves unset.
+
 Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
 blocks used, preemptions, ...), ``on_step`` receives each as it is made, and every
 :class:`RequestOutput` carries :class:`RequestMetrics` (arrival, first scheduled, first token and
@@ -23,11 +29,13 @@ import torch
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
-from llmlab.inference.outputs import (CompletionOutput, RequestMetrics, RequestOutput,  # noqa: F401
-                                      StepMetrics)
-from llmlab.inference.sampling import SamplingParams, make_generator, sample_token
+from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
+                                      RequestOutput, StepMetrics)
+from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
+                                       sample_token, top_logprobs)
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
+from llmlab.inference.stop_checker import StopChecker
 
 
 @dataclass
@@ -38,11 +46,14 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
+    sampling_defaults: dict = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs) and (
-            len(self.seqs) == self.params.n or any(s.finish_reason == "abort" for s in self.seqs))
+            len(self.seqs) == self.params.n
+            or any(s.finish_reason in ("abort", "error") for s in self.seqs))
 
 
 def _pick_device(device: str | torch.device) -> torch.device:
@@ -53,25 +64,47 @@ def _pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
+
+
+def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
+                        swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
+    """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
+    Raises ``ValueError`` for a negative ``swap_space_bytes`` or a non-positive block size."""
+    if swap_space_bytes < 0 or bytes_per_block <= 0:
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block="
+                         f"{bytes_per_block} > 0")
+    return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
     device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
     ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
-    host blocks for swap preemption (default: as many as device blocks when
-    ``preemption_mode == "swap"``); ``max_num_seqs``,
+    host blocks for swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
+    ``swap_space_bytes``, 4 GiB like vLLM's ``swap_space``, and no more than the device blocks; the
+    host cache is pinned memory on CUDA, so mirroring a 40 GB device cache would pin 40 GB of
+    host RAM); ``max_num_seqs``,
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
-    CUDA); ``max_model_len`` (default: the model's ``max_position_embeddings``); ``dtype`` of
+    CUDA); ``max_model_len`` (default, and at most: the model's ``max_position_embeddings``);
+    ``dtype`` of
     weights and cache (default fp32); ``quantization="int8"`` stores every linear weight but the
     output head as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; weight bytes
     about 1/4 of fp32, activations and cache stay in ``dtype``; a model object passed in is
     quantised in place); ``seed`` for requests without one; ``check_invariants``
-    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook.
+    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
+    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks).
+
+    ``generation_defaults`` (default: the checkpoint's ``generation_config.json``, see
+    :func:`~llmlab.inference.loader.generation_defaults`) fill the sampling fields a request
+    leaves unset.
 
     Raises ``ValueError`` for inconsistent sizes and, in :meth:`add_request`, for requests that
-    can never run (empty prompt, longer than the context or than the whole cache).
+    can never run (empty prompt, longer than the context or than the whole cache, bad ids).
     """
 
     def __init__(self, model="shakespeare", tokenizer=None, *, block_size: int = 16,
@@ -81,11 +114,18 @@ class LLMEngine:
                  enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
-                 on_step=None, quantization: str | None = None):
+                 on_step=None, quantization: str | None = None,
+                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1,
+                 swap_space_bytes: int = SWAP_SPACE_BYTES):
         self.device = _pick_device(device)
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
-        model, self.tokenizer, self.eos_token_ids = loader.load(model, tokenizer)
+        spec = model
+        model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
+        self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
+        if tensor_parallel_size != 1:
+            from llmlab.inference import tensor_parallel
+            tensor_parallel.validate(model.config, tensor_parallel_size, quantization)
         if quantization == "int8":
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
@@ -93,6 +133,9 @@ class LLMEngine:
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         if max_num_seqs < 1:
@@ -109,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
         preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
         if num_host_blocks is None:
-            num_host_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(cfg, block_size, dtype),
+                                                   swap_space_bytes) if preemption_mode == "swap" else 0)
         self.block_size = block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -118,14 +162,38 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype, num_host_blocks)
+        if tensor_parallel_size == 1:
+            self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype,
+                                      num_host_blocks)
+        else:
+            self.runner = tensor_parallel.TensorParallelRunner.launch(
+                model, spec, tensor_parallel_size, self.device,
+                dict(num_blocks=num_gpu_blocks, block_size=block_size, dtype=dtype,
+                     num_host_blocks=num_host_blocks))
+        self.tensor_parallel_size = tensor_parallel_size
         self.check_invariants = check_invariants
+        self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
         self.on_step = on_step
         self.step_metrics: list[StepMetrics] = []
         self.requests: dict[str, _Request] = {}
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._step = 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids (from the checkpoint's generation config or config)."""
+        return self.stopper.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.stopper.eos_token_ids = list(ids)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -150,8 +218,12 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served."""
-        params = params or SamplingParams()
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served.
+
+        ``params`` fields left unset take the engine's ``generation_defaults`` (recorded in the
+        request's outputs as ``sampling_defaults``)."""
+        params, used = (params or SamplingParams()).with_defaults(self.generation_defaults)
+        params.validate()
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("empty prompt: a request needs at least one prompt token")
@@ -161,21 +233,23 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
                              f"max_model_len={self.max_model_len}")
-        need = self.block_manager.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
-        if self.block_manager.blocks_for(len(ids)) > self.num_gpu_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens needs {self.block_manager.blocks_for(len(ids))} "
-                             f"KV blocks of {self.block_size} tokens but the whole cache has "
-                             f"num_gpu_blocks={self.num_gpu_blocks}")
+        # K/V is stored for every token but the last sampled one, which ends the sequence
+        kv_tokens = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        need = self.block_manager.blocks_for(kv_tokens)
         if need > self.num_gpu_blocks:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                             f"{need} KV blocks of {self.block_size} tokens but the whole cache has "
-                             f"num_gpu_blocks={self.num_gpu_blocks}; lower max_tokens or add blocks")
+                             f"{need} KV blocks of {self.block_size} tokens ({kv_tokens} tokens "
+                             f"with K/V) but the whole cache has num_gpu_blocks="
+                             f"{self.num_gpu_blocks}; lower max_tokens or add blocks")
         sc = self.scheduler_config
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens="
                              f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget")
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {V})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -184,7 +258,9 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
-        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now), [seq])
+        self.stopper.start(seq)
+        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now),
+                                             [seq], sampling_defaults=used)
         self.scheduler.add(seq)
         return request_id
 
@@ -202,46 +278,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # --- stopping --------------------------------------------------------------------------------
-    def _decode(self, ids) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _check_stop(self, seq: Sequence) -> str | None:
-        p: SamplingParams = seq.params
-        tok = seq.token_ids[-1]
-        out = seq.output_token_ids
-        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
-        text = self._decode(out[:-1] if stop_tok else out)
-        if text is not None:
-            seq.text = text
-            for s in p.stop:
-                i = text.find(s, max(0, seq.stop_text_offset - len(s)))
-                if i >= 0:
-                    seq.text = text[:i]
-                    return "stop"
-            seq.stop_text_offset = len(text)
-        if stop_tok:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _visible_text(self, seq: Sequence) -> str | None:
-        """Text to show; while running, a tail that could still become a stop string is held back."""
-        if self.tokenizer is None:
-            return None
-        text = seq.text
-        if seq.is_finished or not seq.params.stop:
-            return text
-        hold = 0
-        for s in seq.params.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return text[:len(text) - hold]
+    # --- finishing ------------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+        if reason != "abort":
+            self.stopper.finish(seq)
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -277,19 +319,37 @@ class LLMEngine:
                 children = sched.fork(seq, seq.pending_fork)
                 for child in children:
                     child.generator = make_generator(seq.seed + child.sample_index, "cpu")
+                    self.stopper.start(child)
                 req.seqs += children
                 group += children
+            row = logits[seq.seq_id]
+            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
+                bad = "nan" if bool(torch.isnan(row).any()) else "inf"
+                req.error = (f"non-finite logits ({bad}) at output position "
+                             f"{seq.num_output_tokens}; the request was stopped")
+                for s in group:
+                    self._finish(s, "error", now)
+                changed[req.request_id] = req
+                continue
             for s in group:
                 ts = time.perf_counter()
-                s.append_token(sample_token(logits[seq.seq_id], s.params, s.generator))
+                p = s.params
+                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
+                tok = sample_token(x, p, s.generator)
+                if p.logprobs is not None:
+                    lp = top_logprobs(row, tok, p.logprobs)
+                    s.logprobs.append(lp)
+                    s.cumulative_logprob += lp[tok][0]
+                s.append_token(tok)
                 sample_s += time.perf_counter() - ts
                 if s.first_token_time is None:
                     s.first_token_time = now
                     req.metrics.first_token_time = req.metrics.first_token_time or now
-                reason = self._check_stop(s)
+                reason = self.stopper.check(s)
                 if reason is not None:
-                    sched.finish(s, reason)
-                    s.finish_time = now
+                    self._finish(s, reason, now)
             changed[req.request_id] = req
         for req in changed.values():
             if req.finished:
@@ -328,10 +388,21 @@ class LLMEngine:
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
         m.num_output_tokens = max(s.num_output_tokens for s in seqs)
-        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids), self._visible_text(s),
-                                 s.finish_reason) for s in seqs]
+        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids),
+                                 self.stopper.visible_text(s),
+                                 s.finish_reason, self._logprobs(s),
+                                 s.cumulative_logprob if s.params.logprobs is not None else None)
+                for s in seqs]
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                             req.finished, m)
+                             req.finished, m, error=req.error,
+                             sampling_defaults=dict(req.sampling_defaults))
+
+    def _logprobs(self, seq: Sequence) -> list[dict] | None:
+        if seq.params.logprobs is None:
+            return None
+        dec = (lambda t: None) if self.tokenizer is None else (
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        return [{t: Logprob(v, r, dec(t)) for t, (v, r) in d.items()} for d in seq.logprobs]
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""

@@ -7,8 +7,10 @@
 """
 from __future__ import annotations
 
+import time
+
 from llmlab.inference.engine import LLMEngine
-from llmlab.inference.outputs import RequestOutput
+from llmlab.inference.outputs import RequestOutput, error_output
 from llmlab.inference.sampling import SamplingParams
 
 
@@ -22,7 +24,10 @@ class LLM:
     def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
         self.engine = LLMEngine(model, tokenizer, **engine_args)
 
-    def _add(self, prompts, sampling_params) -> list[str]:
+    def _add(self, prompts, sampling_params) -> list:
+        """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
+        long, bad ids or parameters) becomes a finished error output in its place, so one bad
+        request never fails the batch. Returns request ids and error outputs, in order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -33,44 +38,47 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:                         # refuse the whole batch, leak nothing
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
-            raise
-        return ids
+        entries = []
+        for p, sp in zip(prompts, params):
+            try:
+                entries.append(self.engine.add_request(p, sp))
+            except ValueError as e:
+                rid = f"error-{next(self.engine._ids)}"
+                entries.append(error_output(rid, p, str(e), time.perf_counter()))
+        return entries
 
-    def stream(self, prompts, sampling_params=None):
-        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming)."""
-        ids = self._add(prompts, sampling_params)
-        try:
-            while self.engine.has_unfinished_requests():
-                yield from self.engine.step()
-        finally:
-            for rid in ids:
+    def _release(self, entries) -> None:
+        for rid in entries:
+            if isinstance(rid, str):
                 self.engine.abort_request(rid)     # no-op when finished; frees on early exit
                 self.engine.release(rid)
 
+    def stream(self, prompts, sampling_params=None):
+        """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming); a
+        refused request is yielded once, first, with ``finish_reason="error"``."""
+        entries = self._add(prompts, sampling_params)
+        try:
+            yield from (e for e in entries if not isinstance(e, str))
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
+        finally:
+            self._release(entries)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts)."""
-        ids = self._add(prompts, sampling_params)
+        """Outputs in the order of ``prompts`` (text, token-id lists or request dicts), one for
+        every prompt: a refused or failed request has ``finish_reason="error"`` and ``error``."""
+        entries = self._add(prompts, sampling_params)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="generate")
+            bar = tqdm(total=len(entries), desc="generate")
         try:
             while self.engine.has_unfinished_requests():
                 for o in self.engine.step():
                     if bar is not None and o.finished:
                         bar.update(1)
-            return [self.engine.get_output(rid) for rid in ids]
+            return [self.engine.get_output(e) if isinstance(e, str) else e for e in entries]
         finally:
             if bar is not None:
                 bar.close()
-            for rid in ids:
-                self.engine.abort_request(rid)
-                self.engine.release(rid)
+            self._release(entries)

@@ -72,16 +72,36 @@ def eos_token_id(path: Path) -> list[int]:
     return []
 
 
+# generation_config.json key -> SamplingParams field (those vLLM's generation_config="auto" reads)
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                           "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, as ``SamplingParams``
+    fields (``{"repetition_penalty": 1.05, "temperature": 0.7, ...}``; only keys present in the
+    file, as vLLM's ``generation_config="auto"``); ``{}`` without the file."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return {}
+    cfg = json.loads(f.read_text())
+    return {field: cfg[key] for key, field in GENERATION_DEFAULT_KEYS.items()
+            if cfg.get(key) is not None}
+
+
 def load(model, tokenizer=None):
-    """Returns ``(LlamaForCausalLM, tokenizer or None, eos ids)`` for any accepted ``model``."""
+    """Returns ``(LlamaForCausalLM, tokenizer or None, eos ids, generation defaults)`` for any
+    accepted ``model`` (see :func:`generation_defaults`; ``{}`` for model objects)."""
     from llmlab.data import ByteTokenizer
     if isinstance(model, LlamaForCausalLM):
         tok = tokenizer or (ByteTokenizer() if model.config.vocab_size == 256 else None)
-        return model, tok, []
+        return model, tok, [], {}
     if isinstance(model, ModelConfig):
         tok = tokenizer or (ByteTokenizer() if model.vocab_size == 256 else None)
-        return LlamaForCausalLM(model, seed=0), tok, []
+        return LlamaForCausalLM(model, seed=0), tok, [], {}
     from llmlab.model.hf import load_hf_model
     path = resolve_model_path(str(model))
     m = load_hf_model(path)
-    return m, tokenizer or load_tokenizer(path, m.config.vocab_size), eos_token_id(path)
+    return (m, tokenizer or load_tokenizer(path, m.config.vocab_size), eos_token_id(path),
+            generation_defaults(path))

@@ -7,7 +7,7 @@ TPOT are those of :mod:`llmlab.inference.metrics`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmlab.inference import metrics
 
@@ -35,21 +35,53 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model's raw log-softmax, its rank (1 = most likely)
+    and its text (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
+    """One sample. ``text``: ``decode(prompt + token_ids) - decode(prompt)`` (None without a
+    tokenizer); while streaming, only text that can no longer change. ``logprobs`` (when
+    requested): per generated token ``{token_id: Logprob}`` of the top ``logprobs`` tokens and the
+    sampled one; ``cumulative_logprob`` their sum over the sampled tokens."""
+
     index: int
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None     # None while running, then "stop" | "length" | "abort"
+    finish_reason: str | None     # None while running, then "stop" | "length" | "abort" | "error"
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class RequestOutput:
+    """A request's state. ``error``: why it failed (``finish_reason == "error"``: a bad request,
+    or non-finite logits), else None. ``sampling_defaults``: the fields the checkpoint's
+    generation config filled because the request left them unset."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+
+
+def error_output(request_id: str, prompt, message: str, now: float) -> RequestOutput:
+    """The finished output of a request refused before it ran (``finish_reason="error"``)."""
+    text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict)
+                                                   else None)
+    text = text if isinstance(text, str) else None
+    return RequestOutput(str(request_id), text, [], [CompletionOutput(0, [], None, "error")], True,
+                         RequestMetrics(now, finish_time=now), error=message)
 
 
 @dataclass

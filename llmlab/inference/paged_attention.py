@@ -67,22 +67,25 @@ def use_triton(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                    query_lens: torch.Tensor, scale: float | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache: the Triton kernel
     (:func:`llmlab.kernels.paged_attention.paged_attention_triton`) where :func:`use_triton`
-    says so, else :func:`paged_attention_reference`. Same arguments, shapes and result as
+    says so, else :func:`paged_attention_reference` (always for a ``sliding_window``, which the
+    kernel does not take). Same arguments, shapes and result as
     :func:`paged_attention_reference`; errors are those of the implementation chosen."""
-    if use_triton(q, k_cache):
+    if sliding_window is None and use_triton(q, k_cache):
         from llmlab.kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                       query_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
-                                     query_lens, scale)
+                                     query_lens, scale, sliding_window)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              query_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                              query_lens: torch.Tensor, scale: float | None = None,
+                              sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache, in PyTorch (gathers the
     blocks into a padded ``[S, H, max_context, D]`` copy).
 
@@ -92,7 +95,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     entries may hold any valid block id); ``context_lens [S]`` tokens in the cache for each
     sequence *including* its new ones; ``query_lens [S]``. Query ``j`` of sequence ``s`` sits at
     position ``context_lens[s] - query_lens[s] + j`` and sees keys at positions ``<=`` that.
-    Returns ``[N, H, D]``. ``scale`` defaults to ``1/sqrt(D)``.
+    Returns ``[N, H, D]``. ``scale`` defaults to ``1/sqrt(D)``. ``sliding_window`` (Mistral /
+    Qwen2 sliding layers, Beltagy et al. 2020): the query at position ``p`` sees only keys at
+    ``p - sliding_window < t <= p`` (the cache still holds every block).
     """
     N, H, D = q.shape
     S = block_tables.shape[0]
@@ -115,6 +120,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         qp[valid] = q
         pos = (context_lens - query_lens)[:, None] + j[None, :]                # [S, max_q]
     mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
+    if sliding_window is not None:
+        mask &= t[None, None, :] > pos[:, :, None] - sliding_window
     # grouped-query attention: SDPA maps H/Hkv query heads to each kv head (no copies of K/V)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
                                          attn_mask=mask[:, None], scale=scale,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from dataclasses import dataclass, field
 
 
@@ -47,7 +46,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)   # while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None     # "stop" | "length" | "abort"
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     pending_fork: int = 1                # > 1: fork into this many samples after the prompt
     num_preemptions: int = 0
     num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
@@ -55,11 +54,14 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Opaque slots for the engine: a torch.Generator, the detokenised text, ...
+    # Opaque slots for the engine: a torch.Generator, the incremental detokenizer and the text
+    # shown, the log-probabilities of each generated position.
     generator: object = None
     seed: int = 0
+    detokenizer: object = None
     text: str = ""
-    stop_text_offset: int = 0
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -89,9 +91,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return math.ceil(num_tokens / block_size)
 
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:

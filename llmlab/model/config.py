@@ -39,16 +39,21 @@ class ModelConfig:
     capacity_factor: float | None = None   # None = dropless
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
+    # Attention details of some checkpoints (Hugging Face names and meaning).
+    explicit_head_dim: int | None = None    # HF ``head_dim`` when it is not hidden / heads
+    rope_scaling: dict | None = None        # {"rope_type": "linear" | "llama3", "factor": ...}
+    sliding_window: int | None = None       # keys per query (itself included) on sliding layers
+    sliding_window_layers: tuple = ()       # indices of the layers that slide
     name: str = "custom"
     extra: dict = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
 
     def validate(self) -> "ModelConfig":
         """Raise ``ValueError`` naming the broken constraint."""
-        if self.hidden_size % self.num_attention_heads:
+        if self.explicit_head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must divide "
                              f"hidden_size={self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -56,6 +61,11 @@ class ModelConfig:
                              f"num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        rt = (self.rope_scaling or {}).get("rope_type", "default")
+        if rt not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_scaling rope_type={rt!r} is not supported (default, linear, llama3)")
+        if self.sliding_window_layers and not (self.sliding_window or 0) >= 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 on sliding layers")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"top-k={self.num_experts_per_tok} must be in 1..num_experts="
                              f"{self.num_experts}")
@@ -67,10 +77,11 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Exact parameter count of :class:`~llmlab.model.llama.LlamaForCausalLM` (elements)."""
         h, v, L = self.hidden_size, self.vocab_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2
+        attn = h * q * 2 + h * kv * 2
         if self.attention_bias:
-            attn += h + 2 * kv
+            attn += q + 2 * kv
         if self.o_proj_bias:
             attn += h
         if self.num_experts:

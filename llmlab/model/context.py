@@ -14,21 +14,24 @@ The model never imports the engine: the dependency points from ``inference`` to 
 from __future__ import annotations
 
 import contextlib
+import threading
 
-_CONTEXT = None
+# Per thread: a server steps its engine (or several replicas) in threads of their own while the
+# notebook's or test's main thread may run a plain forward of another model at the same time.
+_LOCAL = threading.local()
 
 
 def get_context():
-    """The context of the forward in progress, or None (plain causal attention)."""
-    return _CONTEXT
+    """The context of the forward in progress on this thread, or None (plain causal attention)."""
+    return getattr(_LOCAL, "ctx", None)
 
 
 @contextlib.contextmanager
 def forward_context(ctx):
     """``with forward_context(ctx): model(...)``: the attention layers use ``ctx`` inside."""
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ctx
+    prev = get_context()
+    _LOCAL.ctx = ctx
     try:
         yield ctx
     finally:
-        _CONTEXT = prev
+        _LOCAL.ctx = prev

@@ -19,20 +19,45 @@ SUPPORTED = ("llama", "qwen2")
 
 
 def config_from_hf(hf_config) -> ModelConfig:
-    """Map a ``transformers`` config to :class:`ModelConfig`.
+    """Map a ``transformers`` config to :class:`ModelConfig`, every field that changes the maths
+    either carried over or refused by name.
 
-    Raises ``ValueError`` for architectures or options llmlab does not implement
-    (only ``llama``/``qwen2`` with default RoPE are supported).
+    Carried over: explicit ``head_dim``; RoPE ``rope_theta`` and scaling types ``linear`` and
+    ``llama3`` (from ``rope_parameters``, or ``rope_scaling`` in older configs); sliding-window
+    attention on the layers transformers itself makes slide (its ``layer_types``: for Qwen2 the
+    layers from ``max_window_layers`` on when ``use_sliding_window``), so a config that merely
+    carries an unused ``sliding_window`` loads as full attention.
+    Raises ``ValueError`` naming the field for architectures or options llmlab does not implement
+    (model types other than ``llama``/``qwen2``, other RoPE types, activations other than silu,
+    ``layer_types`` other than full and sliding attention).
     """
     mt = getattr(hf_config, "model_type", None)
     if mt not in SUPPORTED:
         raise ValueError(f"model_type={mt!r} is not supported; llmlab loads {', '.join(SUPPORTED)}")
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"rope_scaling={scaling} is not supported (only default RoPE)")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+                or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported "
+                         f"(default, linear, llama3): {rope}")
+    theta = float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
+    scaling = None if rope_type == "default" else {
+        k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (SwiGLU uses silu)")
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    if not layer_types and getattr(hf_config, "use_sliding_window", False) and \
+            getattr(hf_config, "sliding_window", None):          # transformers before layer_types
+        first = getattr(hf_config, "max_window_layers", 0)
+        sliding = tuple(range(first, hf_config.num_hidden_layers))
+    other = {t for t in layer_types} - {"full_attention", "sliding_attention"}
+    if other:
+        raise ValueError(f"layer_types {sorted(other)} are not supported")
+    window = getattr(hf_config, "sliding_window", None) if sliding else None
+    H = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None)
     qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return ModelConfig(
         name=str(getattr(hf_config, "_name_or_path", mt)) or mt,
@@ -40,17 +65,18 @@ def config_from_hf(hf_config) -> ModelConfig:
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
         num_hidden_layers=hf_config.num_hidden_layers,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None)
-        or hf_config.num_attention_heads,
+        num_attention_heads=H,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or H,
         max_position_embeddings=hf_config.max_position_embeddings,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=float(getattr(hf_config, "rope_theta", None)
-                         or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        rope_theta=theta,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=qkv_bias,
         o_proj_bias=mt == "llama" and bool(getattr(hf_config, "attention_bias", False)),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        explicit_head_dim=(int(head_dim) if head_dim and head_dim * H != hf_config.hidden_size
+                           else None),
+        rope_scaling=scaling, sliding_window=window, sliding_window_layers=sliding,
     ).validate()
 
 
@@ -103,6 +129,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
     """``config.json`` contents (Hugging Face ``LlamaConfig`` fields) for an llmlab model."""
     if config.num_experts:
         raise ValueError("mixture-of-experts models cannot be written as a Llama checkpoint")
+    if config.sliding_window_layers:
+        raise ValueError("sliding-window models cannot be written as a Llama checkpoint")
     if config.o_proj_bias != config.attention_bias:
         model_type, bias = "qwen2", {}
         if config.o_proj_bias or not config.attention_bias:
@@ -120,6 +148,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
         "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
         "mlp_bias": config.mlp_bias, "torch_dtype": "float32", **bias,
+        **({"head_dim": config.explicit_head_dim} if config.explicit_head_dim else {}),
+        **({"rope_scaling": dict(config.rope_scaling)} if config.rope_scaling else {}),
     }
 
 

@@ -42,11 +42,40 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  device=None) -> torch.Tensor:
+    """RoPE frequencies ``theta^(-2i/D)``, ``[D/2]`` fp32, with Hugging Face's scalings:
+    ``{"rope_type": "linear", "factor": f}`` divides every frequency by ``f`` (position
+    interpolation, Chen et al. 2023); ``"llama3"`` (Llama 3.1) divides only the low frequencies
+    (wavelength above ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps
+    the high ones (below ``... / high_freq_factor``) and blends linearly in between. Raises
+    ``ValueError`` for another ``rope_type``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                                / head_dim))
+    rt = (scaling or {}).get("rope_type", "default")
+    if rt == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if rt == "linear":
+        return inv_freq / factor
+    if rt == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling rope_type={rt!r} is not supported (default, linear, llama3)")
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for RoPE (Su et al. 2021), shape ``positions.shape + (head_dim,)``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+                   dtype: torch.dtype = torch.float32,
+                   scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for RoPE (Su et al. 2021), shape ``positions.shape + (head_dim,)``;
+    ``scaling``: see :func:`rope_inv_freq`."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -69,14 +98,22 @@ def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
 
     ``module.core_attention``, when set, replaces it (context parallelism installs ring or
     Ulysses attention there, :mod:`llmlab.parallel.context_parallel`); otherwise K/V heads are
-    repeated for GQA and the opt-in fused kernel or PyTorch's SDPA runs.
+    repeated for GQA and the opt-in fused kernel or PyTorch's SDPA runs. A layer with
+    ``module.sliding_window = W`` lets query ``i`` see keys ``i - W < j <= i`` only.
     """
     core = getattr(module, "core_attention", None)
+    window = getattr(module, "sliding_window", None)
     if core is not None:
+        if window is not None:
+            raise NotImplementedError("context parallelism does not support sliding-window layers")
         return core(q, k, v)
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if window is not None:
+        i = torch.arange(q.shape[2], device=q.device)
+        d = i[:, None] - i[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window))
     if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
         return kernels.attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -118,6 +155,8 @@ class Attention(nn.Module):
         h, D = config.hidden_size, config.head_dim
         self.head_dim = D
         self.layer_idx = layer_idx
+        slides = layer_idx in config.sliding_window_layers
+        self.sliding_window = config.sliding_window if slides else None   # keys per query
         self.fused_qkv = None        # (weight, bias, split) after fuse(): one q/k/v matmul
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -146,7 +185,7 @@ class Attention(nn.Module):
         if ctx is not None:      # serving: the engine's attention over its paged cache
             o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, H, D),
                               k.transpose(1, 2).reshape(B * T, Hkv, D),
-                              v.transpose(1, 2).reshape(B * T, Hkv, D))
+                              v.transpose(1, 2).reshape(B * T, Hkv, D), self.sliding_window)
             return self.o_proj(o.reshape(B, T, H * D))
         out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -247,7 +286,12 @@ class LlamaForCausalLM(nn.Module):
             pos = self.position_ids.to(device) + offset
         else:
             pos = torch.arange(offset, offset + T, device=device)
-        return rotary_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+        return self.rotary_at(pos, dtype)
+
+    def rotary_at(self, positions: torch.Tensor, dtype):
+        """cos, sin ``positions.shape + (head_dim,)`` with this model's RoPE (and scaling)."""
+        c = self.config
+        return rotary_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
 
     def run_layers(self, hidden: torch.Tensor, layers=None, seq_len: int | None = None,
                    positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,8 +299,7 @@ class LlamaForCausalLM(nn.Module):
         when the hidden state is sharded along the sequence; ``positions [T]`` gives each token's
         position instead of ``0..T-1`` (a serving step: the new tokens of many sequences)."""
         if positions is not None:
-            cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta,
-                                      hidden.dtype)
+            cos, sin = self.rotary_at(positions, hidden.dtype)
         else:
             T = seq_len if seq_len is not None else hidden.shape[1]
             cos, sin = self.rotary(T, hidden.device, hidden.dtype)
@@ -268,7 +311,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+        """Mean next-token cross-entropy over labels ``!= -100`` (0, not nan, if every label is
+        ignored: a micro-batch of padding only adds nothing)."""
+        labels = labels.flatten()
+        total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100,
+                                reduction="sum")
+        return total / (labels != -100).sum().clamp(min=1)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the auxiliary losses the layers stored during the last forward."""

@@ -16,7 +16,8 @@ synchronous rounds, so :func:`~llmlab.parallel.pipeline_schedules.simulate` prov
 schedule that no wait is circular even when sends block (NCCL, large messages).
 
 Per step the runner records a timeline (forward, backward, send, recv per rank, in seconds from
-the start of the flush) and the measured bubble: ``1 - (forward+backward time) / flush time``,
+the start of the flush; on a GPU each timestamp is taken after ``torch.cuda.synchronize``, so a
+bar is the work, not its launch) and the measured bubble: ``1 - (forward+backward time) / flush time``,
 where the flush time runs from a barrier of the pipeline group to the end of the slowest rank.
 
 Each micro-batch's loss is divided by ``M`` (as in the trainer without pipelining), so the last
@@ -25,12 +26,12 @@ stage's returned loss, the sum over micro-batches, equals the one-rank loss of t
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.metrics.timing import device_clock
 from llmlab.parallel.pipeline_schedules import (
     B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
     build_schedule, check_schedule_args, message_key)
@@ -173,18 +174,25 @@ class PipelineRunner:
         return ((0 if kind == "act" else 1) * self.p * self.v + s) * m + mb
 
     # --- one flush --------------------------------------------------------------------------
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+            loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> float | None:
+        """One flush. ``loss_weights[i]`` multiplies micro-batch ``i``'s cross-entropy (default
+        ``1/M``; the trainer passes its labelled-token weights); the scalars that start backward
+        (loss on the last stage, MoE auxiliary losses everywhere) are multiplied by ``loss_scale``
+        (the fp16 loss scale), so every stage's gradients carry it, as without pipelining."""
         m = len(microbatches)
+        weights = loss_weights or [1.0 / m] * m
         self.num_microbatches = m
         acts = self.actions(m)
         last_b = max(i for i, a in enumerate(acts) if a.op == B)
         device = microbatches[0][0].device
         dtype = next(self.module.parameters()).dtype
+        now = device_clock(device)  # on a GPU: after the queued work is done, not when queued
         inputs, outputs, grads, to_send = {}, {}, {}, {}
         pending_sends, events = [], []
         loss_total, aux_total, inflight = 0.0, 0.0, 0
         dist.barrier(group=self.group)  # bookkeeping: a common start for the flush
-        t_start = time.perf_counter()
+        t_start = now()
         i = 0
         while i < len(acts):
             a = acts[i]
@@ -193,7 +201,7 @@ class PipelineRunner:
                 while j < len(acts) and acts[j].op in COMM:
                     j += 1
                 batch = acts[i:j]
-                t0 = time.perf_counter()
+                t0 = now()
                 ops, recvs = [], []
                 for b in batch:
                     peer = self.stage_ranks[b.peer]
@@ -210,9 +218,15 @@ class PipelineRunner:
                         ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
                         recvs.append((b, t))
                 works = comm.batch_isend_irecv(ops)
+                t1 = now()
+                sends = [b for b in batch if b.op in (SEND_ACT, SEND_GRAD)]
+                if sends:  # "send": posting the batch
+                    events.append(["send", sends[0].chunk, sends[0].mb, t0 - t_start, t1 - t_start])
                 if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
                     for w in works:  # wait on all of them before any received tensor is read
                         w.wait()
+                    events.append(["recv", recvs[0][0].chunk, recvs[0][0].mb, t1 - t_start,
+                                   now() - t_start])  # "recv": waiting for the batch
                 else:  # sends only: go on computing; the tensors live until the end-of-flush wait
                     pending_sends.append((works, [op.tensor for op in ops]))
                 for b, t in recvs:
@@ -220,12 +234,9 @@ class PipelineRunner:
                         inputs[(b.chunk, b.mb)] = t.requires_grad_()
                     else:
                         grads[(b.chunk, b.mb)] = t
-                kind = "recv" if recvs else "send"
-                events.append([kind, batch[0].chunk, batch[0].mb, t0 - t_start,
-                               time.perf_counter() - t_start])
                 i = j
                 continue
-            t0 = time.perf_counter()
+            t0 = now()
             chunk = self.module.chunks[a.chunk]
             key = (a.chunk, a.mb)
             if a.op == F:
@@ -233,14 +244,14 @@ class PipelineRunner:
                 out = chunk(x)
                 aux = chunk.aux_loss() if self.has_aux else 0.0
                 if chunk.is_last:
-                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) / m
+                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) * weights[a.mb]
                     loss_total += loss.item()
-                    out = loss
+                    out = loss * loss_scale
                 else:
                     to_send[key] = out.detach()
                 if torch.is_tensor(aux):
                     aux_total += float(aux.detach()) / m
-                    out = (out, aux / m)
+                    out = (out, aux * (loss_scale / m))
                 outputs[key] = out
                 inflight += 1
                 self.peak_inflight = max(self.peak_inflight, inflight)
@@ -256,15 +267,15 @@ class PipelineRunner:
                 if not chunk.is_first:
                     grads[key] = inputs.pop(key).grad
                 inflight -= 1
-            events.append([a.op, a.chunk, a.mb, t0 - t_start, time.perf_counter() - t_start])
+            events.append([a.op, a.chunk, a.mb, t0 - t_start, now() - t_start])
             i += 1
-        t0 = time.perf_counter()
+        t0 = now()
         for works, _ in pending_sends:
             for w in works:
                 w.wait()
         if pending_sends:
-            events.append(["send", 0, -1, t0 - t_start, time.perf_counter() - t_start])
-        self._record(events, time.perf_counter() - t_start, device)
+            events.append(["send", 0, -1, t0 - t_start, now() - t_start])
+        self._record(events, now() - t_start, device)
         if self.has_aux:  # bookkeeping: every stage's aux loss into the reported loss
             t = torch.tensor([aux_total], dtype=torch.float64, device=device)
             dist.all_reduce(t, group=self.group)

@@ -44,8 +44,9 @@ from llmlab.kernels.online_softmax import merge_softmax_partials, softmax_partia
 from llmlab.runtime import comm
 
 # When a list, each ring step appends ``(phase, step, what, t_start, t_end)`` (``what`` is
-# ``"attention"`` for the block computation, ``"comm"`` from posting the transfers to their
-# completion being seen); the lab draws the timeline of communication against block attention.
+# ``"attention"`` for the block computation, ``"comm"`` from posting the step's transfers to
+# seeing them complete: after the attention when overlapped, before it when not); the lab draws
+# the timeline of communication against block attention.
 TIMELINE: list | None = None
 
 _KV_TAG, _DKV_TAG = 11, 12
@@ -168,8 +169,9 @@ class RingAttention(torch.autograd.Function):
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring.post(send=kv, recv=nxt)
-                if not overlap:
+                if not overlap:                     # the baseline: transfer, then compute
                     works = _wait(works)
+                    _record("forward", s, "comm", t0)
             t1 = time.perf_counter()
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
             o_b, l_b = block_attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
@@ -177,8 +179,8 @@ class RingAttention(torch.autograd.Function):
             out[:, :, rows], lse[:, :, rows] = merge_softmax_partials(out[:, :, rows], lse[:, :, rows],
                                                                       o_b, l_b)
             _record("forward", s, "attention", t1)
-            _wait(works)
-            if nxt is not None:
+            if works:
+                _wait(works)
                 _record("forward", s, "comm", t0)
             kv = nxt
         out = out.to(q.dtype)
@@ -203,8 +205,9 @@ class RingAttention(torch.autograd.Function):
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
             works = ring.post(send=kv if nxt is not None else None, recv=nxt, extra_recv=dkv_in)
-            if not ctx.overlap:
+            if not ctx.overlap and works:
                 works = _wait(works)
+                _record("backward", s, "comm", t0)
             t1 = time.perf_counter()
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
             dq_b, dk_b, dv_b = block_attention_backward(
@@ -214,9 +217,10 @@ class RingAttention(torch.autograd.Function):
             contrib = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
             contrib[0][:, :, cols], contrib[1][:, :, cols] = dk_b, dv_b
             _record("backward", s, "attention", t1)
-            _wait(works + sending)
-            if s > 0 or nxt is not None:
+            if works:
+                _wait(works)
                 _record("backward", s, "comm", t0)
+            _wait(sending)
             dkv = contrib if dkv_in is None else contrib + dkv_in       # the block's accumulator
             if ring.n > 1:
                 sending = ring.post(send=dkv, tag=_DKV_TAG)             # on to the next rank

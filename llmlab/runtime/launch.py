@@ -176,7 +176,10 @@ def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env
         print(tb, flush=True)
         if store is not None:
             try:
-                store.set(f"err/{rank}", _sign(secret, f"err/{rank}", tb.encode()))
+                # "<order>\n<traceback>": order 1 is the first rank to fail (its peers fail later,
+                # when its sockets close), whichever the caller sees dead first
+                order = store.add("errors", 1)
+                store.set(f"err/{rank}", _sign(secret, f"err/{rank}", f"{order}\n{tb}".encode()))
             except Exception:  # noqa: BLE001
                 pass
         log.flush()
@@ -416,16 +419,22 @@ def _drain(store, secret, seen, on_metric):
 def _failure(store, secret, procs, failed, log_dir) -> RankError:
     """The error of the rank that failed first (``failed``: those seen dead at the first poll).
 
-    Peers of a crashed rank fail afterwards with connection errors; those are not the cause. A
-    rank killed by a signal leaves no error record, while its peers record their connection
+    Peers of a crashed rank fail afterwards with connection errors; those are not the cause: when
+    several error records are seen at once, the first one written is. A rank killed by a signal leaves no error record, while its peers record their connection
     errors: when both are seen at the same poll, the killed rank is the cause.
     """
     killed = [r for r in failed if (procs[r].exitcode or 0) < 0 and not store.check([f"err/{r}"])]
+    errors = {}  # rank -> (order of failure, traceback text)
     for r in [] if killed else failed:
         if store.check([f"err/{r}"]):
-            tb = _verified(secret, r, f"err/{r}", store.get(f"err/{r}")).decode("utf-8", "replace")
-            last = tb.strip().splitlines()[-1] if tb.strip() else "error"
-            return RankError(r, last, tb, str(log_dir))
+            body = _verified(secret, r, f"err/{r}", store.get(f"err/{r}")).decode("utf-8", "replace")
+            order, _, tb = body.partition("\n")
+            errors[r] = (int(order) if order.isdigit() else sys.maxsize, tb)
+    if errors:
+        r = min(errors, key=lambda k: errors[k][0])
+        tb = errors[r][1]
+        last = tb.strip().splitlines()[-1] if tb.strip() else "error"
+        return RankError(r, last, tb, str(log_dir))
     r = (killed or failed)[0]
     code = procs[r].exitcode
     how = (f"killed by signal {signal.Signals(-code).name}" if code < 0

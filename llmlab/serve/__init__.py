@@ -40,6 +40,9 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
     from llmlab.serve.async_engine import AsyncEngine
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
+    if data_parallel_size > 1 and engine_args.get("tensor_parallel_size", 1) > 1:
+        raise NotImplementedError("tensor_parallel_size > 1 with data_parallel_size > 1 is not "
+                                  "supported (one tensor-parallel engine per server process)")
     engines = []
     devices = _replica_devices(engine_args.get("device", "auto"), data_parallel_size)
     for r in range(data_parallel_size):

@@ -188,6 +188,9 @@ class AsyncEngine:
         self._abort_all(EngineStoppedError("the server shut down"))
         if self.metrics is not None:
             self.metrics.on_state(engine)
+        stop = getattr(engine, "shutdown", None)      # tensor-parallel ranks, if any
+        if stop is not None:
+            stop()
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False when told to stop."""

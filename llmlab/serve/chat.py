@@ -58,6 +58,7 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; an HF template already holds its special tokens."""
-        if type(self.tokenizer).__name__ == "ByteTokenizer":
+        from llmlab.data import ByteTokenizer
+        if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, requests routed to the least-loaded (default 1)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks each replica's model is sharded over (default 1)")
+                   help="ranks the model is sharded over (default 1; not with --data-parallel-size > 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -59,7 +59,8 @@ def engine_args(args) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
             "enable_chunked_prefill": args.enable_chunked_prefill, "quantization": args.quantization,
-            "seed": args.seed, "device": args.device}
+            "seed": args.seed, "device": args.device,
+            "tensor_parallel_size": args.tensor_parallel_size}
 
 
 def validate(args) -> None:
@@ -68,8 +69,11 @@ def validate(args) -> None:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")
-    if args.tensor_parallel_size != 1:
-        raise NotImplementedError("--tensor-parallel-size > 1 is not supported by llmlab serve yet")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
+    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
+        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 is not "
+                                  "supported (one tensor-parallel engine per server process)")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests {args.max_waiting_requests} must be >= 1")
     if args.shutdown_timeout < 0:

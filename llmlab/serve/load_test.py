@@ -1,7 +1,7 @@
 """``llmlab bench serve --endpoint URL``: load an OpenAI-compatible server over HTTP.
 
 As vLLM's ``benchmark_serving``: the seeded ShareGPT-like workload of
-:func:`llmlab.inference.bench.sharegpt_workload` (heavy-tailed prompt and output lengths; prompts
+:func:`llmlab.inference.workload.sharegpt_workload` (heavy-tailed prompt and output lengths; prompts
 as token ids < 256, valid for any vocabulary of at least 256) is sent to ``/v1/completions`` with
 Poisson arrivals at each ``request_rate`` (``inf``: all at once), streamed, greedy, with
 ``ignore_eos`` so every request produces exactly its output length. Each request's times are
@@ -27,7 +27,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
-from llmlab.inference.bench import poisson_arrivals, sharegpt_workload
+from llmlab.inference.workload import poisson_arrivals, sharegpt_workload
 from llmlab.inference.metrics import RequestTiming, summarize
 
 

@@ -1,0 +1,351 @@
+"""Tensor-parallel inference: the model sharded over ``tp`` ranks, rank 0 scheduling.
+
+The layers are training's Megatron layers (:mod:`llmlab.parallel.tensor_parallel`; Shoeybi et al.
+2019 §3): q/k/v and gate/up column-parallel, o and down row-parallel (one all-reduce each), the
+embedding vocab-parallel (one all-reduce) and ``lm_head`` column-parallel with its logits gathered.
+Each rank keeps its query heads and their key/value heads, so each holds its heads' slice of the
+paged KV cache, ``[layers, 2, blocks, block_size, kv_heads/tp, D]``: the same block ids on every
+rank, 1/tp of the bytes (with fewer kv heads than ranks a kv head is replicated on the ranks whose
+query heads use it, as in training).
+
+Rank 0 runs the whole engine (scheduler, block manager, sampling); each step it builds the step's
+attention batches (token ids, positions, slot mapping, block tables) and broadcasts them, block
+copies and swaps too, to the other ranks, which run the same forward on their shard
+(:func:`run_worker`); vLLM's driver worker broadcasts its step inputs the same way. Greedy tokens
+equal single-device ones (the same maths; only the order of the row-parallel sums changes).
+
+Ranks: :meth:`TensorParallelRunner.launch` spawns ``tp - 1`` worker processes and makes the
+calling process rank 0 (gloo on CPU, NCCL on GPUs, rank ``r`` on ``cuda:r``), or, when
+``torch.distributed`` is already initialised (``torchrun``, several nodes), uses the ranks it
+finds: there every rank other than 0 calls :func:`run_worker` instead of building an engine.
+One tensor-parallel engine per process (it owns the default process group).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
+from llmlab.inference.model_runner import ModelRunner
+from llmlab.model.context import forward_context
+from llmlab.runtime.messages import broadcast_message
+from llmlab.model.llama import MLP, LlamaForCausalLM
+
+TIMEOUT_S = 300
+
+
+def validate(config, tp: int, quantization=None) -> None:
+    """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard ``config``."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
+    if tp == 1:
+        return
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    if H % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={H}")
+    if KV >= tp and KV % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={KV}")
+    if KV < tp and tp % KV:
+        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of num_key_value_heads={KV}")
+    if config.num_experts:
+        raise ValueError("tensor-parallel inference of a mixture-of-experts model is not supported")
+    if config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={config.intermediate_size}")
+    if config.vocab_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size={config.vocab_size}")
+    if quantization is not None:
+        raise ValueError("quantization with tensor_parallel_size > 1 is not supported")
+
+
+@torch.no_grad()
+def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
+    """Replace ``model``'s layers by this rank's tensor-parallel shards, in place (see module
+    docstring); each attention module's ``num_heads``/``num_kv_heads`` become this rank's."""
+    from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                 VocabParallelEmbedding)
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    validate(model.config, tp)
+    inner = model.model
+    for layer in inner.layers:
+        a = layer.self_attn
+        H, KV = a.num_heads, a.num_kv_heads
+        kv_shard, kv_n = (r // (tp // KV), KV) if KV < tp else (r, tp)
+        a.q_proj = ColumnParallelLinear.from_linear(a.q_proj, group)
+        a.k_proj = ColumnParallelLinear.from_linear(a.k_proj, group, shard=kv_shard, num_shards=kv_n)
+        a.v_proj = ColumnParallelLinear.from_linear(a.v_proj, group, shard=kv_shard, num_shards=kv_n)
+        a.o_proj = RowParallelLinear.from_linear(a.o_proj, group)
+        a.num_heads, a.num_kv_heads, a.fused_qkv = H // tp, max(1, KV // tp), None
+        if type(layer.mlp) is not MLP:
+            raise ValueError("tensor-parallel inference needs dense MLPs")
+        m = layer.mlp
+        m.gate_proj = ColumnParallelLinear.from_linear(m.gate_proj, group)
+        m.up_proj = ColumnParallelLinear.from_linear(m.up_proj, group)
+        m.down_proj = RowParallelLinear.from_linear(m.down_proj, group)
+        m.fused_gate_up = None
+    inner.embed_tokens = VocabParallelEmbedding.from_embedding(inner.embed_tokens, group)
+    lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, gather_output=True)
+    if model.config.tie_word_embeddings:
+        lm_head.weight = inner.embed_tokens.weight
+    model.lm_head = lm_head
+    return model
+
+
+def _as_dict(b: AttentionBatch) -> dict:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+
+
+def _from_dict(d: dict, device) -> AttentionBatch:
+    return AttentionBatch(**{k: (v if k == "is_prefill" else v.to(device)) for k, v in d.items()})
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    """Where broadcast tensors live: the rank's GPU under NCCL, the CPU under gloo."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+class TensorParallelRunner(ModelRunner):
+    """A :class:`ModelRunner` over this rank's shard and KV slice. On rank 0 every operation is
+    first broadcast to the other ranks (which run :meth:`serve`); ``shutdown`` stops them."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
+                 padding_buckets: bool = True, group=None):
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.tp = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.config = model.config
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.padding_buckets = padding_buckets
+        c, attn = self.config, model.model.layers[0].self_attn
+        shape = (c.num_hidden_layers, 2, num_blocks, block_size, attn.num_kv_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
+        host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
+        pin = device.type == "cuda"
+        self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+        self.procs: list = []
+        self._owns_group = False
+        self._stopped = False
+
+    # --- rank 0: broadcast, then do -----------------------------------------------------------
+    def _send(self, msg) -> None:
+        if self.rank == 0 and self.tp > 1:
+            try:
+                broadcast_message(msg, src=0, group=self.group,
+                                  device=_comm_device(self.group, self.device))
+            except RuntimeError as e:
+                raise self._rank_error(e) from e
+
+    def _rank_error(self, err: Exception) -> Exception:
+        """A collective failed: name the worker rank that died, if one did."""
+        for r, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                return RuntimeError(f"tensor-parallel rank {r} exited with code {code} (its "
+                                    f"traceback, if any, is on stderr); the engine cannot step")
+        return err
+
+    def copy_blocks(self, pairs):
+        if pairs:
+            self._send(("copy", pairs))
+        super().copy_blocks(pairs)
+
+    def swap_out(self, pairs):
+        if pairs:
+            self._send(("swap_out", pairs))
+        super().swap_out(pairs)
+
+    def swap_in(self, pairs):
+        if pairs:
+            self._send(("swap_in", pairs))
+        super().swap_in(pairs)
+
+    @torch.no_grad()
+    def execute(self, out) -> dict[int, torch.Tensor]:
+        groups = self.attention_groups(out.scheduled)
+        batches = [self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g)
+                   for g in groups]
+        rows, seqs, row = [], [], 0
+        for seq, n in (x for g in groups for x in g):
+            row += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(row - 1)
+                seqs.append(seq.seq_id)
+        self._send(("step", [_as_dict(b) for b in batches], rows))
+        try:
+            logits = self._forward(batches, rows)
+        except RuntimeError as e:
+            raise self._rank_error(e) from e
+        return {} if not rows else dict(zip(seqs, logits.float().cpu()))
+
+    def _forward(self, batches: list[AttentionBatch], rows: list[int]) -> torch.Tensor:
+        ids = torch.cat([b.input_ids for b in batches])
+        positions = torch.cat([b.positions for b in batches])
+        idx = torch.tensor(rows, device=self.device, dtype=torch.long)
+        with forward_context(PagedAttentionContext(self.kv_cache, batches)):
+            return self.model(ids[None], positions=positions, logits_indices=idx)
+
+    # --- ranks > 0 ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def serve(self) -> None:
+        """Run rank 0's operations until it says stop (ranks other than 0)."""
+        while True:
+            op, *args = broadcast_message(None, src=0, group=self.group,
+                                          device=_comm_device(self.group, self.device))
+            if op == "step":
+                self._forward([_from_dict(b, self.device) for b in args[0]], args[1])
+            elif op == "copy":
+                ModelRunner.copy_blocks(self, args[0])
+            elif op == "swap_out":
+                ModelRunner.swap_out(self, args[0])
+            elif op == "swap_in":
+                ModelRunner.swap_in(self, args[0])
+            elif op == "stop":
+                return
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Rank 0: stop the other ranks, join the processes it started, free the process group."""
+        if self._stopped or self.rank != 0:
+            return
+        self._stopped = True
+        atexit.unregister(self.shutdown)
+        try:
+            self._send(("stop",))
+        except Exception:                      # a rank is gone already: nothing to stop there
+            pass
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @classmethod
+    def launch(cls, model: LlamaForCausalLM, spec, tp: int, device: torch.device,
+               runner_args: dict) -> "TensorParallelRunner":
+        """Rank 0's runner over ``tp`` ranks: spawn ``tp - 1`` workers (each loads ``spec``, the
+        engine's ``model`` argument, itself when it is a path or preset name) unless
+        ``torch.distributed`` is initialised already with ``tp`` ranks (``torchrun``)."""
+        validate(model.config, tp)
+        procs, owns = [], False
+        if dist.is_initialized():
+            if dist.get_world_size() != tp or dist.get_rank() != 0:
+                raise ValueError(f"tensor_parallel_size={tp} under an initialised process group of "
+                                 f"{dist.get_world_size()} ranks: build the engine on rank 0 and "
+                                 "call run_worker on the others, with as many ranks as tp")
+            broadcast_message(runner_args, src=0,                   # the cache sizes rank 0 chose
+                              device=_comm_device(None, _rank_device(device, 0)))
+        else:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            port = _free_port()
+            payload = spec if isinstance(spec, str) else model.state_dict()
+            for r in range(1, tp):          # fresh interpreters: the caller's __main__ is not re-run
+                p = subprocess.Popen([sys.executable, "-c", _WORKER_CMD], stdin=subprocess.PIPE)
+                p.stdin.write(pickle.dumps((r, tp, port, backend, payload, model.config,
+                                            str(device), runner_args,
+                                            max(1, (os.cpu_count() or 1) // tp))))
+                p.stdin.close()
+                procs.append(p)
+            try:
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                        world_size=tp, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            except Exception:
+                for p in procs:
+                    p.kill()
+                raise
+            owns = True
+        runner = cls(shard_model(model, dist.group.WORLD), device=_rank_device(device, 0), **runner_args)
+        runner.procs, runner._owns_group = procs, owns
+        atexit.register(runner.shutdown)
+        return runner
+
+
+def join_torchrun(tp: int) -> int:
+    """Under ``torchrun`` with ``tp > 1``: initialise the process group from the environment
+    (``WORLD_SIZE`` must equal ``tp``) and return this rank; otherwise 0 (rank 0 spawns its own
+    workers). Raises ``ValueError`` for a world size other than ``tp``."""
+    from llmlab.runtime.launch import under_torchrun
+    if tp == 1 or not under_torchrun():
+        return 0
+    world = int(os.environ["WORLD_SIZE"])
+    if world != tp:
+        raise ValueError(f"--tensor-parallel-size {tp} but torchrun started {world} ranks")
+    if not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return dist.get_rank()
+
+
+def run_worker(spec, device="auto") -> None:
+    """A rank other than 0 of an initialised process group (``torchrun``): load ``spec`` (path or
+    preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
+    ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
+    from llmlab.inference import loader
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    runner_args = broadcast_message(None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank())))
+    model, _, _, _ = loader.load(spec)
+    runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
+                                  device=_rank_device(dev, dist.get_rank()), **runner_args)
+    runner.serve()
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_WORKER_CMD = "from llmlab.inference.tensor_parallel import _worker_entry; _worker_entry()"
+
+
+def _worker_entry() -> None:
+    """A spawned rank > 0: its arguments arrive pickled on stdin; it dies with its parent."""
+    from llmlab.runtime.launch import _die_with_parent
+    _die_with_parent()
+    _worker_main(*pickle.loads(sys.stdin.buffer.read()))
+
+
+def _worker_main(rank, tp, port, backend, payload, config, device, runner_args, threads=1) -> None:
+    try:
+        if backend == "gloo":
+            torch.set_num_threads(threads)     # CPU ranks share the cores: no OpenMP spin-waiting
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=tp, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        if isinstance(payload, str):
+            from llmlab.inference import loader
+            model, _, _, _ = loader.load(payload)
+        else:
+            model = LlamaForCausalLM(config, seed=None)
+            model.load_state_dict(payload)
+        runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
+                                      device=_rank_device(torch.device(device), rank), **runner_args)
+        runner.serve()
+        dist.destroy_process_group()
+    except BaseException:                              # noqa: BLE001 - rank 0 must hear of it
+        print(f"llmlab tensor-parallel rank {rank} failed:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        os._exit(1)

@@ -1,0 +1,67 @@
+"""`llmlab doctor --selftest --quick`: every named check runs in its own process on this machine,
+none fails, and the JSON report has the documented shape; a hung check is a FAIL."""
+import json
+import os
+import time
+
+import torch
+
+from llmlab.cli import main
+from llmlab.selftest import CHECKS, FAIL, PASS, SKIP, run_check
+
+NAMED = ["flash_attention_fwd", "flash_attention_bwd", "fused_rmsnorm", "fused_swiglu",
+         "paged_attention_decode", "paged_attention_prefill", "engine_greedy_vs_hf",
+         "engine_device_vs_cpu", "train_one_device", "train_layouts", "collectives", "mfu",
+         "paged_attention_bandwidth"]
+
+
+def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
+    out = tmp_path / "selftest.json"
+    t0 = time.monotonic()
+    rc = main(["doctor", "--selftest", "--quick", "--json", str(out)])
+    elapsed = time.monotonic() - t0
+    report = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert list(CHECKS) == NAMED and list(report["checks"]) == NAMED
+    assert report["hardware"]["cpu_cores"] >= 1 and report["quick"] is True
+    for name, r in report["checks"].items():
+        assert r["status"] in (PASS, SKIP), (name, r.get("reason"), r.get("traceback"))
+        assert r["seconds"] > 0
+        assert any(line.startswith(f"{r['status']:<4}  {name} ") for line in text.splitlines()), name
+    gpu = torch.cuda.is_available()
+    skipped = {n for n, r in report["checks"].items() if r["status"] == SKIP}
+    assert skipped == (set() if gpu else {"engine_device_vs_cpu"})
+    assert report["checks"]["engine_device_vs_cpu"].get("reason") == (None if gpu else "no CUDA GPU")
+    c = report["checks"]
+    # measured numbers, not just verdicts
+    assert c["flash_attention_fwd"]["errors"]["fp32"]["err"] < 1e-4
+    assert c["train_layouts"]["max_rel_loss_diff"] < 1e-4 and len(c["train_layouts"]["layouts"]) >= 7
+    assert c["collectives"]["results"]["all_reduce"]["busbw_GBps"] > 0
+    assert c["mfu"]["achieved_flops"] > 0 and (c["mfu"]["peak_flops"] is None) == (not gpu)
+    assert c["paged_attention_bandwidth"]["bandwidth_GBps"] > 0
+    assert rc == 0 and report["ok"] is True
+    assert f"{len(NAMED) - len(skipped)} passed, 0 failed" in text
+    assert elapsed < 240  # the budget is 2 minutes on an idle 2-core CPU; CI machines are shared
+
+
+def test_a_hung_check_is_a_fail_and_leaves_nothing_running():
+    before = _children()
+    r = run_check("train_layouts", quick=True, timeout=3)
+    assert r["status"] == FAIL and r["reason"].startswith("hang: no result after 3 s")
+    time.sleep(1)
+    assert _children() <= before
+
+
+def _children() -> set:
+    """Processes whose parent is this one (fork servers excluded: they are reused)."""
+    me, out = os.getpid(), set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                cmd = open(f"/proc/{pid}/cmdline").read()
+            except OSError:
+                continue
+            if int(stat[1]) == me and "forkserver" not in cmd and stat[0] != "Z":
+                out.add(int(pid))
+    return out
