@@ -144,7 +144,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, t_sorted, y * w_sorted[:, None].to(y.dtype))
 
         self._losses(logits, probs, topi, seq_len)
-        self._record(expert_of, keep, capacity)
+        self._record(expert_of, keep, capacity, probs)
         return out.reshape(shape)
 
     def _losses(self, logits, probs, topi, seq_len: int) -> None:
@@ -159,8 +159,11 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_coef * lb + self.z_coef * z
 
     @torch.no_grad()
-    def _record(self, expert_of, keep, capacity) -> None:
-        E = self.num_experts
+    def _record(self, expert_of, keep, capacity, probs) -> None:
+        E, K = self.num_experts, self.top_k
+        if K < E:  # tokens whose k-th and (k+1)-th router probabilities nearly tie
+            top = probs.float().topk(K + 1, dim=-1).values
+            self._acc_near_ties += int((top[:, K - 1] - top[:, K] < NEAR_TIE).sum())
         self.tokens_per_expert = torch.bincount(expert_of, minlength=E).cpu()
         self.dropped_per_expert = torch.bincount(expert_of[~keep], minlength=E).cpu()
         self.dropped_tokens = int(self.dropped_per_expert.sum())
@@ -179,6 +182,12 @@ class MoE(nn.Module):
         self._acc_tokens = torch.zeros(E, dtype=torch.long)
         self._acc_dropped = torch.zeros(E, dtype=torch.long)
         self._acc_lb, self._acc_calls = 0.0, 0
+        self._acc_near_ties = 0
+
+
+#: Router probabilities closer than this are a near tie: fp32 GEMMs of other shapes (another
+#: rank count, a GPU) round differently by ~1e-6, enough to flip such a top-k choice.
+NEAR_TIE = 1e-4
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -198,7 +207,9 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
     data-parallel group: every rank counts the tokens of its own slice) and, under pipeline
     parallelism, gathered over ``pp_group`` (each stage holds different layers), then reset.
 
-    Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "lb_loss": float,
+    Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "near_tie_tokens": int
+    (token-layers whose k-th and (k+1)-th router probabilities differ by < :data:`NEAR_TIE`: the
+    decisions another GEMM order, e.g. a GPU with other batch shapes, may flip), "lb_loss": float,
     "imbalance": float, "imbalance_max": float}`` over all ``L = num_layers`` MoE layers of the
     model (default: the layers this rank holds): imbalance = max/mean tokens per expert,
     averaged over layers (``imbalance_max``: the worst layer, which sets an EP step's time);
@@ -216,12 +227,14 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
         else {idx: idx for idx, _ in held}
     counts = torch.zeros(L, E, dtype=torch.float64)
     dropped = torch.zeros(1, dtype=torch.float64)
+    near = torch.zeros(1, dtype=torch.float64)
     lb = torch.zeros(1, dtype=torch.float64)
     for idx, m in held:
         counts[index[idx]] = m._acc_tokens.double()
         dropped += m._acc_dropped.double().sum()
+        near += float(m._acc_near_ties)
         lb += m._acc_lb / max(1, m._acc_calls)
-    packed = torch.cat([counts.flatten(), dropped, lb])
+    packed = torch.cat([counts.flatten(), dropped, near, lb])
     dp = 1
     for g in (group, pp_group):
         if dist.is_initialized() and g is not None and dist.get_world_size(g) > 1:
@@ -232,10 +245,11 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
             if g is group:
                 dp = dist.get_world_size(g)
     n = counts.numel()
-    counts, dropped, lb = packed[:n].view(L, E), packed[n], packed[n + 1] / dp / L
+    counts, dropped, near, lb = packed[:n].view(L, E), packed[n], packed[n + 1], packed[n + 2] / dp / L
     for _, m in held:
         m.reset_stats()
     per_layer = [imbalance(c) for c in counts]
     return {"tokens_per_expert": counts.long().tolist(), "dropped_tokens": int(dropped),
+            "near_tie_tokens": int(near),
             "lb_loss": float(lb), "imbalance": sum(per_layer) / len(per_layer),
             "imbalance_max": max(per_layer)}

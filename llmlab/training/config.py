@@ -33,8 +33,8 @@ class TrainConfig:
     ``llmlab train --seq-len 128`` == ``{"seq-len": 128}`` in a ``--config`` file ==
     ``TrainConfig(seq_len=128)``. The command line is generated from these fields
     (:func:`llmlab.cli.add_train_arguments`): a field ``grad_clip`` becomes ``--grad-clip``, its type
-    (``int``, ``float``, ``str``, ``bool``, or ``X | None``) the flag's type, and a ``bool`` field a
-    ``--flag/--no-flag`` switch.
+    (``int``, ``float``, ``str``, ``bool``, or ``X | None``) the flag's type; a ``bool`` field off by
+    default is a ``--flag`` switch, one on by default a ``--flag/--no-flag`` pair.
 
     To add an option, add ONE field here and nothing in ``cli.py``::
 
@@ -44,7 +44,9 @@ class TrainConfig:
     then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
     :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout``, and list
     the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
-    does and its unit; ``tests/test_train.py`` fails for a field without one.
+    does and its unit; ``tests/test_train.py`` fails for a field without one. A new value the
+    run reports (a per-step ``grad_norm``, a mesh coordinate) goes into
+    ``llmlab/metrics/train_metrics.schema.json`` too.
     """
     model: str = option("tiny", "model preset (llmlab.model.config.PRESETS)", choices=sorted(PRESETS))
     dp: int = option(1, "data-parallel degree (model replicas)")
