@@ -370,3 +370,15 @@ def test_zero3_x_tp_equals_fsdp2_x_dtensor_tp():
         for n, (diff, scale, moved) in diffs.items():
             assert diff <= 1e-5 + 1e-4 * scale, f"{n} differs from FSDP2 x DTensor by {diff}"
             assert moved > 1e-4, f"{n} did not train"
+
+
+def test_capacity_is_per_rank_micro_batch_as_the_contract_says():
+    """docs/CONTRACT.md: capacity applies to the tokens of one micro-batch on one rank. So dp2 x ep2
+    with capacity equals one rank with 2 micro-batches (same drops, same losses), and tp2 equals
+    one rank with the whole batch in one call."""
+    moe = dict(model="tiny-moe", capacity_factor=1.0)
+    split = _ref(num_microbatches=2, **moe)
+    whole = _ref(**moe)
+    assert all(s["dropped_tokens"] > 0 for s in split)           # capacity really drops tokens
+    _assert_tracks(_steps(dp=2, ep=2, **moe), split, 1e-4, keys=("loss", "grad_norm", "dropped_tokens"))
+    _assert_tracks(_steps(tp=2, **moe), whole, 1e-4, keys=("loss", "grad_norm", "dropped_tokens"))
