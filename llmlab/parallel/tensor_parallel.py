@@ -372,9 +372,11 @@ def validate_layout(cfg, model_config) -> None:
                     getattr(cfg, "seq_len", None))
 
 
-def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
+                    name: str = "tp") -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard model config
-    ``mc`` (heads, kv heads, FFN width, vocabulary; ``seq_len`` under sequence parallelism)."""
+    ``mc`` (heads, kv heads, FFN width, vocabulary; ``seq_len`` under sequence parallelism);
+    ``name`` is the degree's name in the message (``tensor_parallel_size`` for inference)."""
     if sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1 (it shards the sequence over the "
                          "tensor-parallel ranks)")
@@ -382,17 +384,17 @@ def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int |
         return
     H, KV = mc.num_attention_heads, mc.num_key_value_heads
     if H % tp:
-        raise ValueError(f"tp={tp} must divide num_attention_heads={H}")
+        raise ValueError(f"{name}={tp} must divide num_attention_heads={H}")
     if KV >= tp and KV % tp:
-        raise ValueError(f"tp={tp} must divide num_key_value_heads={KV}")
+        raise ValueError(f"{name}={tp} must divide num_key_value_heads={KV}")
     if KV < tp and tp % KV:
-        raise ValueError(f"tp={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
+        raise ValueError(f"{name}={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
                          f"it (each kv head is replicated on tp/num_key_value_heads ranks)")
     if not mc.num_experts and mc.intermediate_size % tp:
-        raise ValueError(f"tp={tp} must divide intermediate_size={mc.intermediate_size}")
+        raise ValueError(f"{name}={tp} must divide intermediate_size={mc.intermediate_size}")
     if mc.vocab_size % tp:
-        raise ValueError(f"tp={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
-                         f"split over tp ranks and not padded)")
+        raise ValueError(f"{name}={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
+                         f"split over {name} ranks and not padded)")
     if sequence_parallel:
         if seq_len is not None and seq_len % tp:
             raise ValueError(f"tp={tp} must divide --seq-len {seq_len} (sequence "
