@@ -10,7 +10,7 @@ O(T)), measured with saved-tensor hooks next to the formulas; on GPU also the al
 Speed (GPU only; prints "no GPU: skipped" on CPU): causal attention eager vs SDPA vs Triton
 (TFLOP/s and fraction of the device's peak), RMSNorm eager vs F.rms_norm vs Triton and SwiGLU
 eager vs Triton (GB/s and fraction of peak bandwidth), forward and forward + backward, printed
-side by side with the speed-up over eager. The seed article credits FlashAttention with 3-5x.
+side by side with the speed-up over eager. The source articles credit FlashAttention with 3-5x.
 """
 from __future__ import annotations
 

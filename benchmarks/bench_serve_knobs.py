@@ -1,4 +1,4 @@
-"""The serving tuning knobs of the seed, each swept side by side in one run (shipped model, CPU).
+"""The serving tuning knobs of the source articles, each swept side by side in one run (shipped model, CPU).
 
     PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py                # every knob, ~2-3 min
     PYTHONPATH=$PWD python benchmarks/bench_serve_knobs.py --knobs max_num_seqs chunked_prefill

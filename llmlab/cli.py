@@ -87,15 +87,19 @@ def run_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from llmlab import __version__
-    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="llmlab", description="llmlab: train and serve large language models at scale on "
+        "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
     parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a model on dp*tp*pp ranks"))
+    add_train_arguments(sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks"))
     bench = sub.add_parser("bench", help="benchmarks: serve, comm")
     bench_sub = bench.add_subparsers(dest="bench_what", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
         parent = bench_sub if name.startswith("bench ") else sub
-        p = parent.add_parser(name.split()[-1], help=help_)
+        # Other commands' flags show their defaults; train's help texts carry them already.
+        p = parent.add_parser(name.split()[-1], help=help_,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.set_defaults(module=module)
         importlib.import_module(module).add_arguments(p)
     return parser

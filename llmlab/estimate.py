@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adam", help="adam, adamw, momentum or sgd")
     p.add_argument("--tokens", type=float, default=None, help="training tokens (e.g. 2.5e11)")
     p.add_argument("--gpu-tflops", type=float, default=None, help="peak TFLOP/s of one GPU")
-    p.add_argument("--num-gpus", type=int, default=1)
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs sharing the compute")
     p.add_argument("--mfu", type=float, default=1.0, help="fraction of peak reached (1 = ideal)")
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage 0-3 (needs --dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks: per-rank bytes for "
@@ -72,14 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation bytes communicated per step (the source articles: 80e9)")
     p.add_argument("--seq-len", type=int, default=None, help="for activation memory (with "
                    "--micro-batch-size and --model, or --num-layers/--hidden-size/--num-heads)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--hidden-size", type=int, default=None)
-    p.add_argument("--num-heads", type=int, default=None)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch "
+                   "(activation memory)")
+    p.add_argument("--num-layers", type=int, default=None, help="layers (instead of --model)")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size (instead of --model)")
+    p.add_argument("--num-heads", type=int, default=None, help="attention heads (instead of --model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (activation memory)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: activations per rank "
                    "(each holds seq-len/cp tokens)")
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: activations split along the sequence too")
     p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--json", default=None, help="also write the estimate here")
 

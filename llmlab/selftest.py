@@ -462,7 +462,7 @@ def _collective_rank(nbytes: int, iters: int) -> dict:
     import torch.distributed as dist
     n, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    numel = nbytes // 4
+    numel = nbytes // 4 // n * n  # reduce-scatter needs a multiple of the rank count
     sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
     res = {}
     x = torch.full((numel,), float(r + 1), device=dev)
@@ -481,9 +481,9 @@ def _collective_rank(nbytes: int, iters: int) -> dict:
             return shard
         y = run()
         sync()
-        if op == "all_gather":
-            expect = torch.arange(1, n + 1, device=dev, dtype=torch.float32).repeat_interleave(numel)
-            ok = bool(torch.equal(y, expect))
+        if op == "all_gather":  # block i holds rank i's value i+1
+            ranks = torch.arange(1, n + 1, device=dev, dtype=torch.float32)[:, None]
+            ok = bool((y.view(n, numel) == ranks).all())
         else:
             ok = bool((y == n * (n + 1) / 2).all())
         t0 = time.perf_counter()

@@ -253,3 +253,16 @@ def test_mesh_puts_cp_between_tp_and_dp_and_reduces_gradients_over_dp_x_cp():
         assert ranks["cp"] == [rank - coords["cp"], rank - coords["cp"] + 1]
         assert ranks["dp"] == [coords["cp"], coords["cp"] + 2]
         assert ranks["dp_cp"] == vranks == [0, 1, 2, 3] and vdp == 4 and vidx == rank
+
+
+def test_checkpoint_saved_at_cp2_resumes_on_one_device(tmp_path):
+    kw = dict(KW, seq_len=64)
+    whole = llmlab.train(TrainConfig(steps=4, **kw), progress=False)["steps"]
+    llmlab.train(TrainConfig(steps=2, cp=2, checkpoint_dir=str(tmp_path), **kw), progress=False)
+    files = sorted(p.name for p in (tmp_path / "step_00000002").glob("rank*.safetensors"))
+    assert files == ["rank00000.safetensors"]          # the cp replica does not write a copy
+    resumed = llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **kw),
+                           progress=False)["steps"]
+    assert [s["step"] for s in resumed] == [3, 4]
+    for a, b in zip(resumed, whole[2:]):
+        assert _rel(a["loss"], b["loss"]) < 1e-4

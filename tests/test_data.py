@@ -38,3 +38,14 @@ def test_indivisible_batches_are_refused():
         loader.local_batch(0, 0, 4)
     with pytest.raises(ValueError, match="num_microbatches=3 must divide the per-rank batch 5"):
         loader.microbatches(0, 0, 2, 3)
+
+
+def test_loader_never_samples_the_heldout_tenth():
+    from llmlab.data import corpus_tokens
+    train, held, full = corpus_tokens("train"), corpus_tokens("heldout"), corpus_tokens("all")
+    assert torch.equal(torch.cat([train, held]), full)
+    assert held.numel() == full.numel() // 10
+    loader = BatchLoader(global_batch_size=64, seq_len=256, seed=0)
+    assert torch.equal(loader.tokens, train)
+    with pytest.raises(ValueError, match="expected 'train', 'heldout' or 'all'"):
+        corpus_tokens("test")

@@ -199,3 +199,22 @@ def test_cli_generate_prompt_and_jsonl(tmp_path, capsys):
     assert "top_p" in rows[3]["error"] and rows[0]["error"] is None and len(rows[4]["token_ids"]) == 2
     lp = rows[4]["logprobs"]
     assert len(lp) == 2 and all(d[0]["rank"] == 1 and len(d) == 2 for d in lp)   # greedy: rank 1
+
+
+def test_swap_space_defaults_to_4_gib_not_the_whole_device_cache():
+    """The host mirror for swap preemption is pinned memory on CUDA: mirroring a 40 GB device
+    cache pinned 40 GB of host RAM. Default: 4 GiB of blocks (vLLM's swap_space), at most the
+    device blocks."""
+    from llmlab.inference.engine import LLMEngine, default_host_blocks
+    from llmlab.inference.model_runner import kv_bytes_per_block
+    per_block = 2 * 2**20
+    assert default_host_blocks(20_000, per_block) == 2048               # 4 GiB, not 20,000 blocks
+    assert default_host_blocks(100, per_block) == 100                   # a small cache: mirrored
+    assert default_host_blocks(100, per_block, swap_space_bytes=0) == 0
+    with pytest.raises(ValueError, match="swap_space_bytes=-1"):
+        default_host_blocks(1, per_block, swap_space_bytes=-1)
+    eng = LLMEngine(preemption_mode="swap", num_gpu_blocks=64, block_size=4)
+    assert eng.block_manager.num_host_blocks == 64
+    b = kv_bytes_per_block(eng.model_config, 4, torch.float32)
+    eng = LLMEngine(preemption_mode="swap", num_gpu_blocks=64, block_size=4, swap_space_bytes=10 * b)
+    assert eng.block_manager.num_host_blocks == 10 and eng.runner.host_cache.shape[2] == 10

@@ -254,3 +254,28 @@ def test_runner_buckets_split_only_when_padding_costs_more_than_a_call():
     # sorted by context, the 60 short ones apart from the 4 long ones
     assert [len(b) for b in parts] == [60, 4]
     assert sorted(s.num_computed_tokens + 1 for s, _ in parts[0]) == [20] * 60
+
+
+def test_warm_up_uses_the_timed_engine_settings(monkeypatch, tmp_path):
+    """Triton compiles a kernel per specialisation (block size, query tile): a warm-up with other
+    settings left the compilation inside the timed run."""
+    calls = []
+    real = bench.run_llmlab
+    monkeypatch.setattr(bench, "run_llmlab", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    rc = main(["bench", "serve", "--num-requests", "3", "--prompt-len-median", "8",
+               "--output-len-median", "4", "--block-size", "4", "--json", str(tmp_path / "b.json")])
+    assert rc == 0 and len(calls) == 2
+    warm, timed = calls
+    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "quantization", "device"):
+        assert warm[key] == timed[key], key
+
+
+def test_paged_attention_variants_compile_ahead():
+    pytest.importorskip("triton")
+    import os
+    from llmlab.kernels import paged_attention as kpa
+    if not torch.cuda.is_available() and not kpa.INTERPRETED:
+        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (root conftest)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert os.environ.get("TRITON_INTERPRET") or dev == "cuda"
+    assert kpa.compile_variants(4, 2, 16, 4, torch.float32, dev, block_n=16) == 4

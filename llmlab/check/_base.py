@@ -2,12 +2,22 @@
 
 Each ``check.<exercise>(fn)`` runs the learner's ``fn`` (on real ranks when the exercise is about
 communication) and llmlab's reference on the same seed and data. On success it prints what was
-checked and returns ``True``; otherwise it raises :class:`ExerciseFailed` saying in plain words
-which rank and which value differ, what was expected and what came back, and a hint.
+checked and returns ``True``. Otherwise it says in plain words which rank and which value differ,
+what was expected and what came back, and a hint; then
+
+* with ``LLMLAB_SOLUTIONS=1`` (CI) or ``LLMLAB_STRICT=1`` it raises :class:`ExerciseFailed`;
+* otherwise (a learner's Run All) it prints the message after a ✗ and returns ``False``, so the
+  notebook goes on: :func:`llmlab.exercises.use` then hands the cells below llmlab's reference.
+
+A function that is still the stub (raises ``NotImplementedError``), in the notebook or on a rank,
+gets one message: :func:`stub_failure`.
 """
 from __future__ import annotations
 
+import functools
+import os
 import shutil
+import traceback
 from pathlib import Path
 
 import torch
@@ -17,6 +27,46 @@ from llmlab.runtime.launch import RankError, launch
 
 class ExerciseFailed(Exception):
     """The learner's function disagrees with the reference; the message says where and how."""
+
+
+def strict() -> bool:
+    """Whether a failed check raises (``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``)."""
+    from llmlab.exercises import solutions_on
+    return solutions_on() or os.environ.get("LLMLAB_STRICT", "0") not in ("", "0", "false", "False")
+
+
+def stub_failure(name: str) -> ExerciseFailed:
+    """The one message for a function that still raises ``NotImplementedError``."""
+    return ExerciseFailed(f"{name}: the function is still the stub (it raises NotImplementedError)\n"
+                          f"  hint: write it in the exercise cell and run the cell again, or run "
+                          f"exercises.reveal({name!r}) to use llmlab's solution.")
+
+
+def reported(name: str, check_fn):
+    """Wrap ``check_fn(fn, ...)`` so that a failure is reported as described in this module."""
+    @functools.wraps(check_fn)
+    def run(fn, *args, **kwargs) -> bool:
+        try:
+            return check_fn(fn, *args, **kwargs)
+        except NotImplementedError:
+            err = stub_failure(name)
+        except ExerciseFailed as e:
+            err = e
+        except Exception as e:  # the learner's function crashed in this process
+            if strict():
+                raise
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
+            err = ExerciseFailed(f"{name}: the function raised {type(e).__name__}: {e}\n{tb[-1500:]}"
+                                 f"  hint: run it by hand on a small input to see where it fails.")
+        if strict():
+            raise err from None
+        msg = str(err)
+        if "exercises.reveal(" not in msg:
+            msg += (f"\n  Fix the function and run this cell again, or run exercises.reveal({name!r}) to "
+                    f"switch this exercise to the solution.")
+        print(f"✗ {msg}\n  The cells below use llmlab's reference solution, so the lab runs on.")
+        return False
+    return run
 
 
 def _fail(name: str, what: str, expected, got, hint: str):
@@ -54,11 +104,9 @@ def _run_on_ranks(name: str, fn, world: int, *args):
     except RankError as e:
         _remove_logs(e)  # the traceback is in the message below
         if "NotImplementedError" in e.rank_traceback:
-            hint = (f"the function is still the stub: write it in the cell above, or run "
-                    f"exercises.reveal({name!r}) to use the solution and move on.")
-        else:
-            hint = ("every rank must take part in each send/recv/collective, in an order that "
-                    "cannot leave two ranks waiting on each other.")
+            raise stub_failure(name) from None
+        hint = ("every rank must take part in each send/recv/collective, in an order that "
+                "cannot leave two ranks waiting on each other.")
         raise ExerciseFailed(f"{name}: rank {e.rank} raised an error:\n{e.rank_traceback[-1500:]}\n"
                              f"  hint: {hint}") from None
     except TimeoutError as e:

@@ -17,7 +17,7 @@ def training_memory_bytes(fn) -> bool:
             if not isinstance(got, dict) or got.get(k) != want[k]:
                 _fail(name, f"{k} for {n:,} parameters", want, got,
                       "fp32 is 4 bytes; Adam keeps two states (m and v) per parameter.")
-    return _ok(name, "bytes for 3 model sizes match 4Ψ / 4Ψ / 8Ψ (the seed's 32 / 32 / 64 GB for 8B)")
+    return _ok(name, "bytes for 3 model sizes match 4Ψ / 4Ψ / 8Ψ (the source articles' 32 / 32 / 64 GB for 8B)")
 
 
 def _rel_close(a, b) -> bool:
@@ -41,7 +41,7 @@ def training_flops_and_time(fn) -> bool:
             _fail(name, f"seconds for {what}", want["seconds"], got.get("seconds"),
                   "time = FLOPs / (num_gpus x peak FLOP/s x MFU): MFU < 1 makes it longer.")
     days = ex.training_flops_and_time(*cases[0])["seconds"] / 86400
-    return _ok(name, f"6·N·T and the time at a given MFU match for 4 cases (the seed's 8B: {days:.0f} days)")
+    return _ok(name, f"6·N·T and the time at a given MFU match for 4 cases (the source articles' 8B: {days:.0f} days)")
 
 
 def _ring_bytes_job(numel):

@@ -3,6 +3,10 @@
 The loader is what makes every parallel layout see the same data: the *global* batch of step
 ``s`` depends only on ``(seed, s)``; a data-parallel rank takes rows ``[r*B/dp, (r+1)*B/dp)`` of it
 and splits them into micro-batches. So dp=1 and dp=4 train on exactly the same tokens.
+
+The corpus is split once, by position: the last tenth of its bytes is held out
+(:func:`corpus_tokens` ``("heldout")``) and the loader draws training windows only from the first
+nine tenths, so a model trained with ``llmlab train`` can be evaluated on text it never saw.
 """
 from __future__ import annotations
 
@@ -16,6 +20,27 @@ CORPUS_FILE = "shakespeare.txt"
 def load_corpus() -> str:
     """The bundled public-domain corpus (Romeo and Juliet + Macbeth; see PROVENANCE.md)."""
     return resources.files(__package__).joinpath(CORPUS_FILE).read_text(encoding="ascii")
+
+
+HELDOUT_FRACTION = 0.1   # the last tenth of the corpus is never trained on
+
+
+def corpus_tokens(split: str = "train") -> torch.Tensor:
+    """The bundled corpus as byte tokens ``[N]`` (int64).
+
+    ``split``: ``"train"`` (the first nine tenths, what :class:`BatchLoader` samples by default),
+    ``"heldout"`` (the last tenth, for evaluation only) or ``"all"``. Raises ``ValueError`` for
+    another name.
+    """
+    ids = torch.tensor(ByteTokenizer().encode(load_corpus()), dtype=torch.long)
+    cut = ids.numel() - int(ids.numel() * HELDOUT_FRACTION)
+    if split == "train":
+        return ids[:cut]
+    if split == "heldout":
+        return ids[cut:]
+    if split == "all":
+        return ids
+    raise ValueError(f"split {split!r}: expected 'train', 'heldout' or 'all'")
 
 
 class ByteTokenizer:
@@ -35,7 +60,9 @@ class ByteTokenizer:
 class BatchLoader:
     """Seeded random windows of ``seq_len + 1`` tokens from a token stream.
 
-    ``global_batch(step) -> (inputs [B, L], labels [B, L])`` (int64); ``local_batch(step,
+    ``tokens`` defaults to the training split of the bundled corpus (:func:`corpus_tokens`); the
+    held-out tenth is never sampled. ``global_batch(step) -> (inputs [B, L], labels [B, L])``
+    (int64); ``local_batch(step,
     dp_rank, dp_size)`` its rows for one data-parallel rank; ``microbatches(...)`` those rows
     split into ``num_microbatches`` equal chunks.
 
@@ -46,7 +73,7 @@ class BatchLoader:
     def __init__(self, tokens: torch.Tensor | None = None, *, global_batch_size: int = 16,
                  seq_len: int = 64, seed: int = 0):
         if tokens is None:
-            tokens = torch.tensor(ByteTokenizer().encode(load_corpus()), dtype=torch.long)
+            tokens = corpus_tokens("train")
         if tokens.numel() <= seq_len + 1:
             raise ValueError(f"corpus of {tokens.numel()} tokens is shorter than seq_len+1={seq_len + 1}")
         self.tokens, self.B, self.L, self.seed = tokens, global_batch_size, seq_len, seed

@@ -17,8 +17,12 @@ In a notebook::
 
     def ring_reduce_scatter(chunks, rank, world):
         ...  # your code
-    ring_reduce_scatter = exercises.pick("ring_reduce_scatter", ring_reduce_scatter)
-    check.ring_reduce_scatter(ring_reduce_scatter)
+    ring_reduce_scatter = exercises.use("ring_reduce_scatter", ring_reduce_scatter)
+
+:func:`use` picks, runs the check, and returns what the cells below should call: the picked
+function if the check passed, llmlab's reference if it failed (the check printed ✗ and why), so
+Run All never stops at an unsolved exercise. With ``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1`` a
+failed check raises instead.
 """
 from __future__ import annotations
 
@@ -62,3 +66,14 @@ def pick(name: str, learner_fn):
     Raises ``KeyError`` naming the known exercises if ``name`` is not one."""
     _known(name)
     return SOLUTIONS[name] if (solutions_on() or name in _revealed) else learner_fn
+
+
+def use(name: str, learner_fn):
+    """Pick (see :func:`pick`), check with ``llmlab.check.<name>``, and return the function to use
+    from here on: the picked one if its check passed, else the reference solution.
+
+    Raises ``KeyError`` for an unknown ``name``; :class:`llmlab.check.ExerciseFailed` when the
+    check fails under ``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``."""
+    from llmlab import check  # check imports this module
+    fn = pick(name, learner_fn)
+    return fn if getattr(check, name)(fn) else SOLUTIONS[name]

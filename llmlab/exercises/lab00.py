@@ -17,7 +17,7 @@ def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per
     ``num_params`` parameters on ``num_tokens`` tokens, where ``F = 6·N·T`` FLOPs (2 per parameter
     per token forward, 4 backward; Kaplan et al. 2020, §2.1) and ``t = F / (num_gpus ·
     peak_flops_per_s · mfu)`` seconds (MFU, the model FLOPs utilisation in (0, 1]: PaLM, Chowdhery
-    et al. 2022, App. B). The seed's 8B model on 2.5e11 tokens at 312 TFLOP/s, MFU 1: 1.2e22 FLOPs,
+    et al. 2022, App. B). The source articles' 8B model on 2.5e11 tokens at 312 TFLOP/s, MFU 1: 1.2e22 FLOPs,
     about 445 days."""
     flops = 6.0 * num_params * num_tokens
     return {"flops": flops, "seconds": flops / (num_gpus * peak_flops_per_s * mfu)}

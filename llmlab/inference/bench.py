@@ -91,6 +91,27 @@ def run_llmlab(model, workload: dict, arrivals: list[float], *, num_gpu_blocks: 
     return res
 
 
+def warmup_llmlab(path: str, wl: dict, num_gpu_blocks, block_size: int, max_num_seqs: int,
+                  device: str, quantization: str | None, k: int = 4) -> dict:
+    """Run the first ``k`` requests with the *timed* run's engine settings (block size, cache
+    blocks, quantization), so that the Triton kernels are compiled for the specialisations the
+    timed steps use; on CUDA also compile every PagedAttention ``BLOCK_M`` variant
+    (:func:`~llmlab.kernels.paged_attention.compile_variants`). Returns the warm-up run."""
+    sub = {key: v[:k] for key, v in wl.items()}
+    res = run_llmlab(path, sub, [0.0] * len(sub["prompts"]), num_gpu_blocks=num_gpu_blocks,
+                     block_size=block_size, max_num_seqs=max_num_seqs, device=device,
+                     quantization=quantization)
+    if str(device).startswith("cuda"):
+        from llmlab.inference import loader
+        from llmlab.inference.paged_attention import _triton_installed
+        if _triton_installed():
+            from llmlab.kernels.paged_attention import compile_variants
+            mc = loader.load(path)[0].config  # the engine runs fp32 here (run_llmlab)
+            compile_variants(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                             block_size, torch.float32, device)
+    return res
+
+
 # --- comparisons ---------------------------------------------------------------------------------
 def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """How many requests and output tokens of ``theirs`` equal ``ours`` position by position:
@@ -180,8 +201,7 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
         cb_skip = "hf_continuous=False" if not hf_continuous else hf_continuous_available(hf_model)
     if hf_model is not None and check:
         check_equal_outputs(str(path), hf_model, wl, device=device)     # also warms both up
-    else:
-        run_llmlab(str(path), {k: v[:1] for k, v in wl.items()}, [0.0], device=device)  # warm-up
+    warmup_llmlab(str(path), wl, blocks, block_size, max_num_seqs, device, quantization)
     cb_check = None
     if hf_model is not None and cb_skip is None:
         # the gate for HF's continuous batching (and its warm-up): its greedy tokens vs ours on

@@ -7,8 +7,8 @@ finished sequences give their blocks back.
 
 Per token: the logits are checked finite (a NaN or inf fails that request only,
 ``finish_reason="error"``), processed (``min_tokens``, penalties) and sampled
-(:mod:`~llmlab.inference.sampling`), the token is detokenised incrementally
-(:mod:`~llmlab.inference.detokenizer`) and the stop conditions are checked on that text.
+(:mod:`~llmlab.inference.sampling`), then detokenised and checked for the stop conditions
+(:mod:`~llmlab.inference.stop_checker`).
 A checkpoint's ``generation_config.json`` fills the sampling fields a request leaves unset.
 
 Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
@@ -28,7 +28,6 @@ import torch
 
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
-from llmlab.inference.detokenizer import IncrementalDetokenizer
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput, StepMetrics)
@@ -36,6 +35,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
                                        sample_token, top_logprobs)
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
+from llmlab.inference.stop_checker import StopChecker
 
 
 @dataclass
@@ -64,14 +64,29 @@ def _pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
+
+
+def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
+                        swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
+    """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
+    Raises ``ValueError`` for a negative ``swap_space_bytes`` or a non-positive block size."""
+    if swap_space_bytes < 0 or bytes_per_block <= 0:
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block="
+                         f"{bytes_per_block} > 0")
+    return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
     device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
     ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
-    host blocks for swap preemption (default: as many as device blocks when
-    ``preemption_mode == "swap"``); ``max_num_seqs``,
+    host blocks for swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
+    ``swap_space_bytes``, 4 GiB like vLLM's ``swap_space``, and no more than the device blocks; the
+    host cache is pinned memory on CUDA, so mirroring a 40 GB device cache would pin 40 GB of
+    host RAM); ``max_num_seqs``,
     ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
     CUDA); ``max_model_len`` (default, and at most: the model's ``max_position_embeddings``);
@@ -100,12 +115,13 @@ class LLMEngine:
                  device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
                  on_step=None, quantization: str | None = None,
-                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1):
+                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1,
+                 swap_space_bytes: int = SWAP_SPACE_BYTES):
         self.device = _pick_device(device)
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
         spec = model
-        model, self.tokenizer, self.eos_token_ids, defaults = loader.load(model, tokenizer)
+        model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
         if tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
@@ -136,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
         preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
         if num_host_blocks is None:
-            num_host_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(cfg, block_size, dtype),
+                                                   swap_space_bytes) if preemption_mode == "swap" else 0)
         self.block_size = block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -155,6 +172,7 @@ class LLMEngine:
                      num_host_blocks=num_host_blocks))
         self.tensor_parallel_size = tensor_parallel_size
         self.check_invariants = check_invariants
+        self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
         self.on_step = on_step
         self.step_metrics: list[StepMetrics] = []
         self.requests: dict[str, _Request] = {}
@@ -167,6 +185,15 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids (from the checkpoint's generation config or config)."""
+        return self.stopper.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.stopper.eos_token_ids = list(ids)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -231,7 +258,7 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
-        self._start_text(seq)
+        self.stopper.start(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now),
                                              [seq], sampling_defaults=used)
         self.scheduler.add(seq)
@@ -251,61 +278,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # --- text and stopping ------------------------------------------------------------------------
-    def _start_text(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                     seq.params.skip_special_tokens)
-
-    def _check_stop(self, seq: Sequence) -> str | None:
-        """After ``seq`` got a token: detokenise it, then the reason to stop, or None (vLLM's
-        order: nothing stops before ``min_tokens``; stop strings on the new text, stop tokens,
-        then ``max_tokens`` and the context length)."""
-        p: SamplingParams = seq.params
-        tok = seq.token_ids[-1]
-        early = seq.num_output_tokens < p.min_tokens
-        stop_tok = not early and (tok in p.stop_token_ids
-                                  or (not p.ignore_eos and tok in self.eos_token_ids))
-        det = seq.detokenizer
-        if det is not None and not (stop_tok and not p.include_stop_str_in_output):
-            before = len(det.text)
-            det.add(tok)
-            seq.text = det.text
-            if p.stop and not early and len(det.text) > before:
-                found = [(i, s) for s in p.stop
-                         if (i := det.text.find(s, max(0, before - len(s) + 1))) >= 0]
-                if found:
-                    i, s = min(found)
-                    seq.text = det.text[:i + len(s) if p.include_stop_str_in_output else i]
-                    return "stop"
-        if stop_tok:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
+    # --- finishing ------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
         seq.finish_time = now
-        if reason in ("length", "stop") and seq.detokenizer is not None and \
-                seq.text == seq.detokenizer.text:
-            seq.detokenizer.finish()                     # an incomplete character at the end
-            seq.text = seq.detokenizer.text
-
-    def _visible_text(self, seq: Sequence) -> str | None:
-        """Text to show; while running, a tail that could still become a stop string is held back."""
-        if self.tokenizer is None:
-            return None
-        text = seq.text
-        if seq.is_finished or not seq.params.stop:
-            return text
-        hold = 0
-        for s in seq.params.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return text[:len(text) - hold]
+        if reason != "abort":
+            self.stopper.finish(seq)
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -341,11 +319,12 @@ class LLMEngine:
                 children = sched.fork(seq, seq.pending_fork)
                 for child in children:
                     child.generator = make_generator(seq.seed + child.sample_index, "cpu")
-                    self._start_text(child)
+                    self.stopper.start(child)
                 req.seqs += children
                 group += children
             row = logits[seq.seq_id]
-            if not bool(torch.isfinite(row).all()):
+            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
                 bad = "nan" if bool(torch.isnan(row).any()) else "inf"
                 req.error = (f"non-finite logits ({bad}) at output position "
                              f"{seq.num_output_tokens}; the request was stopped")
@@ -368,7 +347,7 @@ class LLMEngine:
                 if s.first_token_time is None:
                     s.first_token_time = now
                     req.metrics.first_token_time = req.metrics.first_token_time or now
-                reason = self._check_stop(s)
+                reason = self.stopper.check(s)
                 if reason is not None:
                     self._finish(s, reason, now)
             changed[req.request_id] = req
@@ -409,7 +388,8 @@ class LLMEngine:
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
         m.num_output_tokens = max(s.num_output_tokens for s in seqs)
-        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids), self._visible_text(s),
+        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids),
+                                 self.stopper.visible_text(s),
                                  s.finish_reason, self._logprobs(s),
                                  s.cumulative_logprob if s.params.logprobs is not None else None)
                 for s in seqs]

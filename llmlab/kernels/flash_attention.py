@@ -41,7 +41,9 @@ def _fwd(Q, K, V, O, LSE, sm_scale,
          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
+    pid_bh = tl.program_id(1).to(tl.int64)
+    sqt, skt, svt, sot = sqt.to(tl.int64), skt.to(tl.int64), svt.to(tl.int64), sot.to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -91,7 +93,9 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
+    pid_bh = tl.program_id(1).to(tl.int64)
+    sqt, skt, svt, sdt = sqt.to(tl.int64), skt.to(tl.int64), svt.to(tl.int64), sdt.to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -143,7 +147,10 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
+    pid_bh = tl.program_id(1).to(tl.int64)
+    sqt, skt, svt, sdt, sxt = (sqt.to(tl.int64), skt.to(tl.int64), svt.to(tl.int64),
+                               sdt.to(tl.int64), sxt.to(tl.int64))
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP

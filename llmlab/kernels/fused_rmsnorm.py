@@ -25,7 +25,7 @@ INTERPRETED = bool(knobs.runtime.interpret)
 
 @triton.jit
 def _rms_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31 on large inputs
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
@@ -45,6 +45,8 @@ def _rms_bwd(X, W, DY, DX, DW_PART, RSTD, stride_x, stride_dy, stride_dx, n_rows
     ok = cols < N
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], tl.float32)
+    # int64 strides: row * stride passes 2^31 on large inputs
+    stride_x, stride_dy, stride_dx = stride_x.to(tl.int64), stride_dy.to(tl.int64), stride_dx.to(tl.int64)
     for row in range(pid, n_rows, step):
         x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)

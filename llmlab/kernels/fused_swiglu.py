@@ -24,7 +24,7 @@ BLOCK = 1024
 
 @triton.jit
 def _swiglu_fwd(G, U, Y, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # > 2^31 elements
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
@@ -34,7 +34,7 @@ def _swiglu_fwd(G, U, Y, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # > 2^31 elements
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)

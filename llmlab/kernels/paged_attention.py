@@ -190,3 +190,28 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         PRECISION=precision)
     return out
+
+
+def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     dtype: torch.dtype, device, block_n: int = 64) -> int:
+    """Compile (by running once on tiny inputs) every specialisation of the kernel a serving run
+    with these shapes can launch: ``BLOCK_M`` in 16/32/64 (decode, short and long prefills), so
+    that a benchmark's timed steps never include Triton's compilation. Returns the number of
+    launches. Same errors as :func:`paged_attention_triton`."""
+    group = num_heads // num_kv_heads
+    runs = 0
+    for max_q in sorted({1, -(-16 // group), -(-32 // group), -(-64 // group) + 1}):
+        ctx = max_q + 1
+        nblk = -(-ctx // block_size)
+        k_cache = torch.zeros(nblk, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(max_q + 1, num_heads, head_dim, dtype=dtype, device=device)
+        tables = torch.arange(nblk, device=device).repeat(2, 1)
+        if max_q == 1:  # a decode step: one query per sequence
+            args = (q[:2], tables, torch.tensor([ctx, ctx], device=device),
+                    torch.tensor([1, 1], device=device))
+        else:           # a prefill next to a decode
+            args = (q, tables, torch.tensor([ctx, ctx], device=device),
+                    torch.tensor([max_q, 1], device=device))
+        paged_attention_triton(args[0], k_cache, k_cache, *args[1:], block_n=block_n)
+        runs += 1
+    return runs

@@ -81,7 +81,6 @@ def apply_context_parallel(model, mesh, mode: str, seq_len: int, overlap: bool =
         core = functools.partial(ulysses_attention, group=group)
     for layer in model.model.layers:
         layer.self_attn.core_attention = core
-    model.context_parallel = {"cp": mesh.cp, "mode": mode}
     return model
 
 
@@ -113,6 +112,4 @@ def validate_layout(cfg, mc) -> None:
         raise NotImplementedError(f"--cp {cp} with mixture-of-experts models / --ep is not "
                                   f"supported yet (the router's auxiliary loss would see only "
                                   f"this rank's tokens)")
-    if cfg.checkpoint_dir:
-        raise NotImplementedError(f"--cp {cp} with --checkpoint-dir is not supported yet")
 

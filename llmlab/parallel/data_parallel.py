@@ -35,6 +35,7 @@ wire bytes appear as ``send``/``recv``.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,8 @@ class Bucket:
             n += p.numel()
         self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
         self.nbytes = n * self.buffer.element_size()
+        # One view per parameter, made once: the per-step path only copies into them.
+        self.views = [self.buffer[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
         self.reset()
 
     def reset(self):
@@ -184,20 +187,24 @@ class Bucket:
         self.launched = False
 
     def view(self, j: int) -> torch.Tensor:
-        p = self.params[j]
-        return self.buffer[self.offsets[j]: self.offsets[j] + p.numel()].view_as(p)
+        return self.views[j]
 
     def copy_in(self, j: int) -> None:
-        g = self.params[j].grad
+        """Put parameter ``j``'s gradient, divided by the group size, into the bucket: the sum
+        over ranks is then the average. Dividing before the sum keeps 16-bit sums finite (as
+        PyTorch's default hook), and dividing while copying saves a pass over the bucket."""
+        g, v = self.params[j].grad, self.views[j]
         if g is None:
-            self.view(j).zero_()
-        elif g.data_ptr() != self.view(j).data_ptr():
-            self.view(j).copy_(g)
+            v.zero_()
+        elif g.data_ptr() != v.data_ptr():
+            torch.div(g, self.size, out=v)
+        else:  # accumulated in place into the bucket (p.grad kept from the last step)
+            v.div_(self.size)
 
     def copy_out(self) -> None:
         """Hand the reduced buffer back: ``p.grad`` becomes a view of the bucket."""
-        for j, p in enumerate(self.params):
-            p.grad = self.view(j)
+        for p, v in zip(self.params, self.views):
+            p.grad = v
 
 
 FIRST_BUCKET_MB = 1.0  # PyTorch DDP's _DEFAULT_FIRST_BUCKET_BYTES (1 MiB)
@@ -262,15 +269,13 @@ class DistributedDataParallel(_DataParallelBase):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb, self.overlap = bucket_mb, overlap
         self.buckets = build_buckets(self.params, mesh, bucket_mb * 2**20)
-        self.where: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        for b in self.buckets:
-            for j, p in enumerate(b.params):
-                self.where[p] = (b, j)
         self.next_bucket = 0
         self.record_timeline, self.timeline = record_timeline, []
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
         self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.where]
+        # One hook per parameter that knows its bucket and slot (no lookup on the hot path).
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b, j))
+                       for b in self.buckets for j, p in enumerate(b.params)]
 
     # --- hooks ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -283,22 +288,23 @@ class DistributedDataParallel(_DataParallelBase):
         if self.record_timeline:
             self._clock.mark(kind, bucket)
 
-    def _grad_ready(self, p: nn.Parameter) -> None:
+    def _grad_ready(self, b: Bucket, j: int, p: nn.Parameter) -> None:
+        """Gradient hook of parameter ``j`` of bucket ``b``: copy it in; launch what is complete."""
         if not self.require_backward_grad_sync or not self.overlap:
             return
-        b, j = self.where[p]
         if b.launched or j in b.ready:
             raise RuntimeError("a gradient became ready twice in one synchronised backward; "
                                "wrap all but the last micro-batch in no_sync()")
         b.copy_in(j)
         b.ready.add(j)
-        self._event("grad_ready", b.index)
-        self._launch_ready()
+        if self.record_timeline:
+            self._event("grad_ready", b.index)
+        if len(b.ready) == len(b.params) and b.index == self.next_bucket:
+            self._launch_ready()
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         self._event("launch", b.index)
-        b.buffer.div_(b.size)  # average = sum of grad/N; dividing first keeps 16-bit sums finite
         b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
         if self.record_timeline:  # when the all-reduce has run (not when NCCL queued it)
             self._clock.mark_done("done", b.index, b.work)
@@ -341,7 +347,6 @@ class RingDataParallel(DistributedDataParallel):
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
-        b.buffer.div_(b.size)
         ring_all_reduce(b.buffer, group=b.group)
         b.work = _Done()
 

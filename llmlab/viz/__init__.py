@@ -1,4 +1,7 @@
-"""Notebook plots: live training curves (:class:`LivePlot`) and static charts."""
-from llmlab.viz.live import LivePlot
+"""Notebook plots: live curves updated while work runs (:class:`LivePlot` and its subclasses),
+static charts, and one plotting style for all of them (:func:`use_style`, applied on import)."""
+from llmlab.viz.live import STYLE, WIDTH, LiveBars, LivePlot, use_style
 
-__all__ = ["LivePlot"]
+use_style()
+
+__all__ = ["LiveBars", "LivePlot", "STYLE", "WIDTH", "use_style"]

@@ -27,25 +27,63 @@ def _in_notebook() -> bool:
         return False
 
 
-class LivePlot:
-    """Line plots of named series against ``step``, one panel per series.
+STYLE = {
+    # One look for every llmlab figure: readable in a notebook column, light grid, no top/right
+    # frame, the same colour cycle. Applied by :func:`use_style` (on importing llmlab.viz).
+    "figure.dpi": 100, "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
+    "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 8, "legend.frameon": False,
+    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+    "lines.linewidth": 1.6, "lines.markersize": 5, "figure.titlesize": 11,
+}
+# Axis labels of the metrics llmlab's records carry (``llmlab.train(on_step=...)``, the trainer's
+# metrics JSON), used when ``LivePlot(ylabels=...)`` does not name one.
+UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "mfu": "fraction of peak",
+         "lb_loss": "balancing loss", "imbalance": "max / mean tokens per expert"}
+WIDTH = 10.0   # inches: a figure this wide fits a notebook column without shrinking its text
 
-    ``update(record)`` takes a dict with ``step`` and any of the series names (e.g. the records
-    ``llmlab.train(on_step=...)`` produces); ``update(record, label="rank 1")`` draws several
-    lines per panel. ``finish()`` draws the final state. Works outside notebooks (no display).
+
+def use_style() -> None:
+    """Apply :data:`STYLE` to matplotlib (all later figures)."""
+    import matplotlib
+    matplotlib.rcParams.update(STYLE)
+
+
+class LivePlot:
+    """Line plots of named series against ``step``, one panel per series, redrawn while work runs.
+
+    ``update(record)`` takes a dict with ``step`` (or the key named by ``x``) and any of the series
+    names (e.g. the records ``llmlab.train(on_step=...)`` produces); ``update(record, label="rank
+    1")`` draws several lines per panel. ``finish()`` draws the final state. Works outside
+    notebooks (no display).
+
+    ``ylabels``: axis label per series (units: "MiB", "ms", "%"); ``xlabel``: the x axis label;
+    ``ncols``: panels per row (more panels wrap onto further rows); ``markers``: draw points too.
     """
 
     def __init__(self, series: list[str], title: str | None = None, interval: float = 0.25,
-                 figsize: tuple[float, float] | None = None, logy: tuple[str, ...] = ()):
+                 figsize: tuple[float, float] | None = None, logy: tuple[str, ...] = (),
+                 ylabels: dict[str, str] | None = None, x: str = "step", xlabel: str | None = None,
+                 ncols: int = 3, logx: bool = False, markers: bool = False):
+        import math
+
         import matplotlib
         if not _in_notebook():
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
+        use_style()
         self.series, self.interval, self.logy = list(series), interval, set(logy)
+        self.ylabels, self.x, self.xlabel = UNITS | dict(ylabels or {}), x, xlabel or x
+        self.logx, self.markers = logx, markers
         self.data: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        self.fig, axes = plt.subplots(1, len(series), figsize=figsize or (4.2 * len(series), 3.0),
-                                      squeeze=False)
-        self.axes = dict(zip(series, axes[0]))
+        ncols = max(1, min(ncols, len(series)))
+        nrows = math.ceil(len(series) / ncols)
+        if figsize is None:
+            figsize = (min(WIDTH, 3.6 * ncols), 2.8 * nrows + (0.3 if title else 0.0))
+        self.fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
+        flat = list(axes.flat)
+        for ax in flat[len(series):]:
+            ax.set_visible(False)
+        self.axes = dict(zip(series, flat))
         if title:
             self.fig.suptitle(title)
         plt.close(self.fig)  # the inline backend must not show it a second time
@@ -59,7 +97,7 @@ class LivePlot:
     def update(self, record: dict, label: str = "") -> None:
         for name in self.series:
             if name in record and record[name] is not None:
-                self.data[name][label].append((record.get("step", len(self.data[name][label]) + 1),
+                self.data[name][label].append((record.get(self.x, len(self.data[name][label]) + 1),
                                                record[name]))
         if self.live and time.monotonic() - self._last >= self.interval:
             self._draw()
@@ -70,11 +108,15 @@ class LivePlot:
             for label, pts in self.data[name].items():
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, label=label or None)
+                    ax.plot(xs, ys, label=label or None, marker="o" if self.markers else None)
             ax.set_title(name)
-            ax.set_xlabel("step")
+            ax.set_xlabel(self.xlabel)
+            if name in self.ylabels:
+                ax.set_ylabel(self.ylabels[name])
             if name in self.logy:
                 ax.set_yscale("log")
+            if self.logx:
+                ax.set_xscale("log", base=2)
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
                 ax.legend(fontsize=8)
@@ -85,6 +127,72 @@ class LivePlot:
 
     def _decorate(self, name: str, ax) -> None:
         """Subclasses add to panel ``name`` after its lines are drawn (reference lines, markers)."""
+
+    def finish(self) -> None:
+        """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""
+        self._draw()
+
+
+class LiveBars:
+    """Stacked bars, one per group, drawn as each group's values arrive (e.g. the memory per rank
+    of each configuration as its run finishes), with an optional reference mark per group (the
+    formula). Same display mechanics as :class:`LivePlot`.
+
+    ``update(group, {kind: value}, reference=None)`` adds or replaces a bar; ``finish()`` draws
+    the final state.
+    """
+
+    def __init__(self, kinds: list[str], title: str | None = None, ylabel: str = "",
+                 figsize: tuple[float, float] | None = None, interval: float = 0.0,
+                 reference_label: str = "formula"):
+        import matplotlib
+        if not _in_notebook():
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        use_style()
+        self.kinds, self.title, self.ylabel = list(kinds), title, ylabel
+        self.interval, self.reference_label = interval, reference_label
+        self.groups: dict[str, dict[str, float]] = {}
+        self.refs: dict[str, float] = {}
+        self.fig, self.ax = plt.subplots(figsize=figsize or (7.0, 3.2))
+        plt.close(self.fig)
+        self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
+        self.handle = None
+        self._last = 0.0
+        if _in_notebook():
+            from IPython.display import display
+            self.handle = display(self.fig, display_id=True)
+
+    def update(self, group: str, values: dict, reference: float | None = None) -> None:
+        self.groups[group] = {k: float(values.get(k, 0.0)) for k in self.kinds}
+        if reference is not None:
+            self.refs[group] = float(reference)
+        if self.live and time.monotonic() - self._last >= self.interval:
+            self._draw()
+
+    def _draw(self) -> None:
+        ax = self.ax
+        ax.clear()
+        names = list(self.groups)
+        bottom = [0.0] * len(names)
+        for k in self.kinds:
+            vals = [self.groups[n][k] for n in names]
+            ax.bar(names, vals, bottom=bottom, label=k)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        xs = [i for i, n in enumerate(names) if n in self.refs]
+        if xs:
+            ax.hlines([self.refs[names[i]] for i in xs], [i - 0.4 for i in xs], [i + 0.4 for i in xs],
+                      colors="k", linewidth=2, label=self.reference_label)
+        ax.set_ylabel(self.ylabel)
+        if self.title:
+            ax.set_title(self.title)
+        if names:
+            ax.legend(loc="upper right")
+            ax.tick_params(axis="x", labelsize=8)
+        self.fig.tight_layout()
+        if self.handle is not None:
+            self.handle.update(self.fig)
+        self._last = time.monotonic()
 
     def finish(self) -> None:
         """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""

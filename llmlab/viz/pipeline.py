@@ -57,3 +57,43 @@ def draw_timeline(timeline: list[list], ax=None, title: str | None = None, unit:
         handles += [Patch(color=COLORS["send"][0], label="send"), Patch(color=COLORS["recv"][0], label="recv wait")]
     ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=len(handles))
     return ax
+
+
+def measured_bubble(metrics: dict, skip: int = 1) -> float:
+    """The bubble measured on the ranks of one pipeline run (a fraction of the flush time).
+
+    Per rank and step the runner records ``1 - (forward + backward time) / flush time``: every
+    moment a rank is not computing (waiting on a receive, posting a send, idle) is bubble. This
+    takes each rank's **median** over the steps after the first ``skip`` (the first includes
+    connection set-up; a median ignores a step slowed by another process) and averages the
+    ranks, which is what :func:`~llmlab.parallel.pipeline_schedules.bubble_fraction_theory`
+    predicts when stages cost the same and messages are free.
+    ``metrics``: ``llmlab.train``'s metrics (``assemble_metrics``) of a run with ``pp > 1``.
+    """
+    import statistics
+    per_rank = [r["bubble_fraction_per_step"] for r in metrics["pipeline"]["per_rank"]]
+    return sum(statistics.median(b[skip:] or b) for b in per_rank) / len(per_rank)
+
+
+def compute_time_spread(metrics: dict, skip: int = 1) -> float:
+    """How steady the ranks' compute was in a pipeline run: for each (rank, model chunk, F or B)
+    the interquartile range of its durations over micro-batches and steps (after the first
+    ``skip``), divided by their median; the median of those ratios over the groups.
+
+    On a machine that gives every rank its own core the same forward takes the same time, and this
+    is a few percent; when other processes time-share the cores it rises to 0.5 or more, and a rank
+    that waits lends its core to one that computes, so idle time is no longer the schedule's.
+    """
+    import statistics
+    ratios = []
+    for per in metrics["pipeline"]["per_rank"]:
+        groups: dict[tuple, list[float]] = {}
+        for step in per["timeline"][skip:] or per["timeline"]:
+            for op, chunk, _mb, t0, t1 in step["events"]:
+                if op in ("F", "B"):
+                    groups.setdefault((op, chunk), []).append(t1 - t0)
+        for d in groups.values():
+            if len(d) >= 4:
+                q1, med, q3 = statistics.quantiles(d, n=4)
+                ratios.append((q3 - q1) / med if med > 0 else 0.0)
+    return statistics.median(ratios) if ratios else 0.0

@@ -23,8 +23,9 @@ from __future__ import annotations
 from llmlab.inference.metrics import p50_p99
 from llmlab.viz.live import LivePlot
 
-PANELS = {"seqs": "sequences", "tokens": "tokens per step", "kv": "KV blocks in use (%)",
-          "ttft": "TTFT of finished requests (ms)", "tpot": "TPOT of finished requests (ms)"}
+PANELS = {"seqs": "sequences", "tokens": "tokens per step", "kv": "KV blocks in use",
+          "ttft": "TTFT of finished requests", "tpot": "TPOT of finished requests"}
+UNITS = {"seqs": "requests", "tokens": "tokens", "kv": "% of the pool", "ttft": "ms", "tpot": "ms"}
 
 
 class ServingDashboard(LivePlot):
@@ -37,8 +38,9 @@ class ServingDashboard(LivePlot):
     """
 
     def __init__(self, title: str | None = "serving: live engine metrics", interval: float = 0.5,
-                 figsize: tuple[float, float] = (17.0, 3.0)):
-        super().__init__(list(PANELS.values()), title=title, interval=interval, figsize=figsize)
+                 figsize: tuple[float, float] = (10.0, 5.6)):
+        super().__init__(list(PANELS.values()), title=title, interval=interval, figsize=figsize,
+                         ylabels={PANELS[k]: u for k, u in UNITS.items()}, ncols=3)
         self.steps: list[dict] = []       # one dict per engine step
         self.finished: list[dict] = []    # one dict per finished request, in finishing order
         self._seen: set[str] = set()
