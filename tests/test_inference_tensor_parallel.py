@@ -87,20 +87,3 @@ def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="must be >= 1"):
         tensor_parallel.validate(cfg, 0)
 
-
-def test_step_messages_are_int64_tensors_that_round_trip():
-    from llmlab.inference.attention_context import AttentionBatch
-    t = lambda *x: torch.tensor(x)  # noqa: E731
-    b1 = AttentionBatch(t(5, 6, 7), t(0, 1, 2), t(8, 9, 10), t([2, 0]), t(3), t(3), True)
-    b2 = AttentionBatch(t(9, 4), t(7, 3), t(30, 13), t([3, 4], [1, 0]), t(8, 4), t(1, 1), False)
-    msg = tensor_parallel.encode("step", batches=[b1, b2], rows=[2, 3, 4])
-    assert msg.dtype == torch.int64 and msg.dim() == 1
-    op, batches, rows = tensor_parallel.decode(msg, "cpu")
-    assert op == "step" and rows == [2, 3, 4]
-    for a, b in zip(batches, [b1, b2]):
-        assert a.is_prefill == b.is_prefill
-        for f in ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_lens"):
-            assert torch.equal(getattr(a, f), getattr(b, f).view(getattr(a, f).shape)), f
-    assert tensor_parallel.decode(tensor_parallel.encode("copy", pairs=[(1, 2), (5, 0)]), "cpu") == \
-        ("copy", [(1, 2), (5, 0)])
-    assert tensor_parallel.decode(tensor_parallel.encode("stop"), "cpu") == ("stop",)

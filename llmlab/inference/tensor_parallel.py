@@ -10,8 +10,7 @@ query heads use it, as in training).
 
 Rank 0 runs the whole engine (scheduler, block manager, sampling); each step it builds the step's
 attention batches (token ids, positions, slot mapping, block tables) and broadcasts them, block
-copies and swaps too, as int64 tensors (:func:`encode`; nothing a peer sends is unpickled), to the
-other ranks, which run the same forward on their shard
+copies and swaps too, to the other ranks, which run the same forward on their shard
 (:func:`run_worker`); vLLM's driver worker broadcasts its step inputs the same way. Greedy tokens
 equal single-device ones (the same maths; only the order of the row-parallel sums changes).
 
@@ -24,6 +23,7 @@ One tensor-parallel engine per process (it owns the default process group).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import os
 import pickle
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.model.context import forward_context
+from llmlab.runtime.messages import broadcast_message
 from llmlab.model.llama import MLP, LlamaForCausalLM
 
 TIMEOUT_S = 300
@@ -99,59 +100,17 @@ def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
     return model
 
 
-# --- the wire format: int64 tensors only (nothing a peer sends is unpickled) ----------------------
-OPS = {"step": 1, "copy": 2, "swap_out": 3, "swap_in": 4, "stop": 5}
-_OP_NAMES = {v: k for k, v in OPS.items()}
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+def _as_dict(b: AttentionBatch) -> dict:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
 
 
-def encode(op: str, batches: list[AttentionBatch] | None = None, rows: list[int] | None = None,
-           pairs: list[tuple[int, int]] | None = None) -> torch.Tensor:
-    """One message from rank 0 as a flat int64 tensor: ``[op, ...]``; a step carries its rows and,
-    per attention batch, ``N, S, W, is_prefill`` then input ids, positions and slot mapping
-    ``[N]``, block tables ``[S*W]``, context and query lengths ``[S]``; a copy/swap its pairs."""
-    if op == "step":
-        parts = [torch.tensor([OPS[op], len(batches), len(rows)] + list(rows))]
-        for b in batches:
-            S, W = b.block_tables.shape
-            parts.append(torch.tensor([b.num_tokens, S, W, int(b.is_prefill)]))
-            parts += [x.reshape(-1).cpu() for x in (b.input_ids, b.positions, b.slot_mapping,
-                                                      b.block_tables, b.context_lens, b.query_lens)]
-        return torch.cat([x.to(torch.int64) for x in parts])
-    flat = [v for pair in (pairs or []) for v in pair]
-    return torch.tensor([OPS[op], len(pairs or [])] + flat, dtype=torch.int64)
+def _from_dict(d: dict, device) -> AttentionBatch:
+    return AttentionBatch(**{k: (v if k == "is_prefill" else v.to(device)) for k, v in d.items()})
 
 
-def decode(t: torch.Tensor, device) -> tuple:
-    """The inverse of :func:`encode`: ``(op, batches, rows)`` or ``(op, pairs)`` or ``(op,)``."""
-    t = t.cpu()
-    op = _OP_NAMES[int(t[0])]
-    if op == "stop":
-        return (op,)
-    if op != "step":
-        n = int(t[1])
-        return op, [tuple(x) for x in t[2:2 + 2 * n].view(n, 2).tolist()]
-    nb, nr = int(t[1]), int(t[2])
-    rows, pos, batches = t[3:3 + nr].tolist(), 3 + nr, []
-    for _ in range(nb):
-        N, S, W, pre = t[pos:pos + 4].tolist()
-        pos += 4
-        sizes = [N, N, N, S * W, S, S]
-        fields = list(t[pos:pos + sum(sizes)].split(sizes))
-        pos += sum(sizes)
-        fields[3] = fields[3].view(S, W)
-        ids, positions, slots, tables, ctx, q = (f.to(device) for f in fields)
-        batches.append(AttentionBatch(ids, positions, slots, tables, ctx, q, bool(pre)))
-    return op, batches, rows
-
-
-def broadcast_message(msg: torch.Tensor | None, group, device) -> torch.Tensor:
-    """Rank 0 sends ``msg`` (int64), every rank returns it: its length, then its data."""
-    n = torch.tensor([0 if msg is None else msg.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(n, 0, group=group)
-    buf = msg.to(device) if msg is not None else torch.empty(int(n), dtype=torch.int64, device=device)
-    dist.broadcast(buf, 0, group=group)
-    return buf
+def _comm_device(group, device: torch.device) -> torch.device:
+    """Where broadcast tensors live: the rank's GPU under NCCL, the CPU under gloo."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 class TensorParallelRunner(ModelRunner):
@@ -174,16 +133,15 @@ class TensorParallelRunner(ModelRunner):
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
         self.procs: list = []
-        # gloo moves CPU tensors, NCCL device ones
-        self._wire_device = device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         self._owns_group = False
         self._stopped = False
 
     # --- rank 0: broadcast, then do -----------------------------------------------------------
-    def _send(self, op: str, **kw) -> None:
+    def _send(self, msg) -> None:
         if self.rank == 0 and self.tp > 1:
             try:
-                broadcast_message(encode(op, **kw), self.group, self._wire_device)
+                broadcast_message(msg, src=0, group=self.group,
+                                  device=_comm_device(self.group, self.device))
             except RuntimeError as e:
                 raise self._rank_error(e) from e
 
@@ -198,17 +156,17 @@ class TensorParallelRunner(ModelRunner):
 
     def copy_blocks(self, pairs):
         if pairs:
-            self._send("copy", pairs=pairs)
+            self._send(("copy", pairs))
         super().copy_blocks(pairs)
 
     def swap_out(self, pairs):
         if pairs:
-            self._send("swap_out", pairs=pairs)
+            self._send(("swap_out", pairs))
         super().swap_out(pairs)
 
     def swap_in(self, pairs):
         if pairs:
-            self._send("swap_in", pairs=pairs)
+            self._send(("swap_in", pairs))
         super().swap_in(pairs)
 
     @torch.no_grad()
@@ -222,7 +180,7 @@ class TensorParallelRunner(ModelRunner):
             if seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(row - 1)
                 seqs.append(seq.seq_id)
-        self._send("step", batches=batches, rows=rows)
+        self._send(("step", [_as_dict(b) for b in batches], rows))
         try:
             logits = self._forward(batches, rows)
         except RuntimeError as e:
@@ -241,9 +199,10 @@ class TensorParallelRunner(ModelRunner):
     def serve(self) -> None:
         """Run rank 0's operations until it says stop (ranks other than 0)."""
         while True:
-            op, *args = decode(broadcast_message(None, self.group, self._wire_device), self.device)
+            op, *args = broadcast_message(None, src=0, group=self.group,
+                                          device=_comm_device(self.group, self.device))
             if op == "step":
-                self._forward(args[0], args[1])
+                self._forward([_from_dict(b, self.device) for b in args[0]], args[1])
             elif op == "copy":
                 ModelRunner.copy_blocks(self, args[0])
             elif op == "swap_out":
@@ -261,7 +220,7 @@ class TensorParallelRunner(ModelRunner):
         self._stopped = True
         atexit.unregister(self.shutdown)
         try:
-            self._send("stop")
+            self._send(("stop",))
         except Exception:                      # a rank is gone already: nothing to stop there
             pass
         for p in self.procs:
@@ -286,7 +245,8 @@ class TensorParallelRunner(ModelRunner):
                 raise ValueError(f"tensor_parallel_size={tp} under an initialised process group of "
                                  f"{dist.get_world_size()} ranks: build the engine on rank 0 and "
                                  "call run_worker on the others, with as many ranks as tp")
-            broadcast_message(_encode_args(runner_args), None, _wire(device))   # rank 0's cache sizes
+            broadcast_message(runner_args, src=0,                   # the cache sizes rank 0 chose
+                              device=_comm_device(None, _rank_device(device, 0)))
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
             port = _free_port()
@@ -337,27 +297,12 @@ def run_worker(spec, device="auto") -> None:
     preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
     ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
     from llmlab.inference import loader
-    dev0 = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    runner_args = _decode_args(broadcast_message(None, None, _wire(_rank_device(dev0, dist.get_rank()))))
-    model, _, _, _ = loader.load(spec)
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    runner_args = broadcast_message(None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank())))
+    model, _, _, _ = loader.load(spec)
     runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
                                   device=_rank_device(dev, dist.get_rank()), **runner_args)
     runner.serve()
-
-
-def _wire(device: torch.device) -> torch.device:
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _encode_args(a: dict) -> torch.Tensor:
-    return torch.tensor([a["num_blocks"], a["block_size"], _DTYPES.index(a["dtype"]),
-                         a["num_host_blocks"]], dtype=torch.int64)
-
-
-def _decode_args(t: torch.Tensor) -> dict:
-    nb, bs, dt, nh = t.cpu().tolist()
-    return {"num_blocks": nb, "block_size": bs, "dtype": _DTYPES[dt], "num_host_blocks": nh}
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
