@@ -340,3 +340,5 @@ def _worker_main(rank, tp, port, backend, payload, config, device, runner_args, 
         print(f"llmlab tensor-parallel rank {rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)          # no interpreter teardown racing the process group's threads
