@@ -613,7 +613,9 @@ def run_check_here(name: str, quick: bool) -> dict:
 
 
 def _child_entry(name: str, quick: bool, path: str, env: dict) -> None:
+    from llmlab.runtime.launch import _die_with_parent
     os.setsid()  # its own process group: a timeout kills the check and every rank it started
+    _die_with_parent()  # and it dies with the fork server, which dies with the doctor
     log = os.open(path + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)  # progress bars and warnings go to the check's log, not between the lines
     os.dup2(log, 2)
@@ -652,6 +654,7 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
         seconds = time.perf_counter() - t0
         if proc.exitcode is None:
             return {"status": FAIL, "seconds": seconds, "log_tail": _tail(path + ".log"),
+                    "pid": proc.pid,
                     "reason": f"hang: no result after {timeout:.0f} s (process group killed)"}
         if not os.path.exists(path):
             return {"status": FAIL, "seconds": seconds, "log_tail": _tail(path + ".log"),
