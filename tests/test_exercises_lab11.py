@@ -55,7 +55,7 @@ def test_references_agree_with_llmlab():
     for loads in ([0, 0, 0], [3, 1, 1, 0], [2, 2, 5, 1, 1]):
         for start in range(len(loads)):
             assert exercises.least_loaded(loads, start) == least_loaded(loads, start)
-    import prometheus_client as prom   # the dev extra installs it (via llmlab[serve])
+    import prometheus_client as prom
     reg = prom.CollectorRegistry()
     h = prom.Histogram("t", "t", buckets=(0.1, 0.2, 0.4), registry=reg)
     xs = [0.05, 0.15, 0.15, 0.3, 0.3, 0.3, 0.35, 0.9]

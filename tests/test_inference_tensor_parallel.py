@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
+import transformers  # a hard dependency: missing is a failure, not a skip
 
-transformers = pytest.importorskip("transformers")
-
-from llmlab.cli import main  # noqa: E402
-from llmlab.inference import LLM, SamplingParams  # noqa: E402
-from llmlab.inference import tensor_parallel  # noqa: E402
+from llmlab.cli import main
+from llmlab.inference import LLM, SamplingParams
+from llmlab.inference import tensor_parallel
 
 PROMPTS = [[5, 9, 17, 33, 2, 71], [100, 4], list(range(10, 47)), [64] * 17]
 

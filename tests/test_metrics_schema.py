@@ -37,6 +37,7 @@ def test_a_real_pipeline_run_validates(pipeline_run):
 
 @pytest.mark.parametrize("path", [
     ("steps", 0, "loss"), ("steps", 1, "step_time_s"), ("steps", 0, "tokens_per_s"),
+    ("steps", 1, "grad_norm"), ("steps", 0, "lr"), ("steps", 0, "skipped"),
     ("ranks", 0, "comm_bytes", "all_reduce"), ("ranks", 1, "memory_bytes", "activations_peak"),
     ("ranks", 0, "coords", "tp"), ("config", "world_size"), ("pipeline", "bubble_fraction_theory"),
 ])
@@ -53,6 +54,7 @@ def test_a_missing_field_is_rejected(pipeline_run, path):
 @pytest.mark.parametrize("path, value", [
     (("steps", 0, "loss"), "4.2"), (("steps", 0, "step"), 0), (("ranks", 0, "comm_bytes", "send"), -1),
     (("pipeline", "bubble_fraction_measured"), 1.5), (("config", "zero"), 4),
+    (("steps", 0, "grad_norm"), -1.0), (("steps", 0, "skipped"), "no"),
 ])
 def test_a_wrong_type_or_range_is_rejected(pipeline_run, path, value):
     bad = copy.deepcopy(pipeline_run)
@@ -66,7 +68,8 @@ def test_a_wrong_type_or_range_is_rejected(pipeline_run, path, value):
 
 def test_extra_fields_are_allowed_so_the_schema_can_grow(pipeline_run):
     ok = copy.deepcopy(pipeline_run)
-    ok["steps"][0]["grad_norm"] = 1.0
+    ok["steps"][0]["grad_norm_clipped"] = 1.0
+    ok["steps"][1]["grad_norm"] = None        # a skipped fp16 step
     ok["ranks"][0]["coords"]["cp"] = 0
     validate_train_metrics(ok)
     ok["ranks"][0]["coords"]["cp"] = "zero"   # but a coordinate is still an integer

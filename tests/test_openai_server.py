@@ -14,13 +14,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
-import openai  # the dev extra installs it (.ci/check_extras.py): missing is a failure, not a skip
+import openai  # noqa: E402  (the dev extra installs it, with the serve extra)
 
-from llmlab.cli import main
-from llmlab.inference import LLM, SamplingParams
-from llmlab.serve import start_server
-from llmlab.serve.chat import PLAIN_TEMPLATE, ChatRenderer  # noqa: E402
+from llmlab.cli import main  # noqa: E402
+from llmlab.inference import LLM, SamplingParams  # noqa: E402
+from llmlab.serve import start_server  # noqa: E402
+from llmlab.serve.chat import ChatRenderer, load_template  # noqa: E402
 from llmlab.serve.metrics import METRIC_NAMES  # noqa: E402
 from llmlab.serve.load_test import parse_rates  # noqa: E402
 from llmlab.serve.router import least_loaded  # noqa: E402
@@ -175,7 +176,8 @@ def test_bad_requests_get_400_class_errors_and_the_server_still_answers(server, 
         ({"model": MODEL, "prompt": [1, 2, 999]}, 400),                     # token id >= vocab
         ({"model": MODEL, "prompt": ""}, 400),                              # empty prompt
         ({"model": MODEL}, 400),                                            # no prompt
-        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400),
+        ({"model": MODEL, "prompt": "x", "best_of": 3}, 400),                # unsupported
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400),
     ]
     for body, status in cases:
         code, err = _post(url, body)
@@ -340,3 +342,70 @@ def test_engines_stepping_on_two_threads_do_not_share_a_forward_context(llm):
         got = list(pool.map(lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params)],
                             engines, timeout=TIMEOUT))
     assert got == [want, want]
+
+
+def test_logprobs_are_the_engines(server, client, llm):
+    ref = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0].outputs[0]
+    want = [d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)]
+    r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(len(t) == 2 for t in lp.top_logprobs)       # greedy: the sampled token is the top one
+    streamed = [x for ch in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6,
+                                                      temperature=0, logprobs=2, stream=True)
+                for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)   # greedy = top 1
+    code, err = _post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 99})
+    assert code == 400 and err["error"]["param"] == "logprobs"
+
+
+def _hf_checkpoint_with_chat_template(path):
+    """A tiny random HF Llama with a word-level tokenizer that has its own chat template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    words = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"] + \
+        [f"w{i}" for i in range(121)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(str(path))
+    cfg = transformers.LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, initializer_range=0.3,
+                                   eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path, fast
+
+
+def test_chat_uses_the_tokenizers_template_or_a_template_file(tmp_path):
+    path, tok = _hf_checkpoint_with_chat_template(tmp_path / "wordy")
+    messages = [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w1 w2 w3"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|> w5 w6 <|user|> w1 w2 w3 <|assistant|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == 8                  # 3 role tags + 5 words
+    engine_text = LLM(str(path)).generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    with start_server(str(path), num_gpu_blocks=64, block_size=8) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        assert [m.id for m in c.models.list().data] == ["wordy"]         # the folder's name
+        r = c.chat.completions.create(model="wordy", messages=messages, max_tokens=6, temperature=0)
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.choices[0].message.content == engine_text
+    # --chat-template FILE overrides the tokenizer's
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}<|assistant|>")
+    text, got = ChatRenderer(tok, load_template(str(f))).render(messages)
+    assert text == "w5 w6 w1 w2 w3 <|assistant|>" and tok.decode(got) == text
+    with pytest.raises(FileNotFoundError):
+        load_template(str(tmp_path / "missing.jinja"))

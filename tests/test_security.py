@@ -174,3 +174,52 @@ def test_a_checkpoint_shard_that_is_a_pickle_is_refused_by_resume_without_runnin
     resumed = llmlab.train(TrainConfig(steps=3, checkpoint_dir=str(ckpt), resume=True, **kw), progress=False)
     assert [s["step"] for s in resumed["steps"]] == [2, 3]
     assert not created.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# No object collective, no unpickling of received bytes, anywhere in the package
+# --------------------------------------------------------------------------------------------
+def test_no_module_unpickles_what_a_peer_or_a_file_sends():
+    """``*_object*`` collectives unpickle what a peer sends, ``torch.load`` and ``pickle.loads``
+    what a file or socket holds. The only ``loads`` allowed are the launcher's, after its HMAC
+    check, and the tensor-parallel worker's read of its arguments from its parent's pipe."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).parents[1] / "llmlab"
+    banned = re.compile(r"\b(broadcast_object_list|all_gather_object|gather_object|scatter_object_list|"
+                        r"send_object_list|recv_object_list|torch\.load|pickle\.load)\s*\(")
+    allowed = {("runtime/launch.py", "cloudpickle.loads"),
+               ("inference/tensor_parallel.py", "pickle.loads(sys.stdin")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"pickle\.loads\(", code) and not any(
+                    rel == f and pat in code for f, pat in allowed):
+                found.append(f"{rel}:{n}: {line.strip()}")
+            if banned.search(code) and "pickle.loads(sys.stdin" not in code:
+                found.append(f"{rel}:{n}: {line.strip()}")
+    assert found == []
+
+
+def test_broadcast_message_carries_data_and_tensors_and_refuses_bad_headers():
+    import torch
+    from llmlab.runtime.messages import _flatten, _dtype
+    msg = {"op": "step", "rows": [1, 2], "dtype": torch.bfloat16,
+           "batch": {"ids": torch.arange(5), "mask": torch.ones(2, 3, dtype=torch.bool), "p": True}}
+    out = llmlab.launch(_roundtrip, 2, msg, backend="gloo")
+    for got in out:
+        assert got["op"] == "step" and got["rows"] == [1, 2] and got["dtype"] == torch.bfloat16
+        assert torch.equal(got["batch"]["ids"], torch.arange(5)) and got["batch"]["p"] is True
+        assert got["batch"]["mask"].dtype == torch.bool and got["batch"]["mask"].shape == (2, 3)
+    with pytest.raises(TypeError, match="cannot send a object"):
+        _flatten({"x": object()}, [])
+    with pytest.raises(ValueError, match="dtype 'complex64'"):
+        _dtype("complex64")
+
+
+def _roundtrip(msg):
+    import torch.distributed as dist
+    from llmlab.runtime.messages import broadcast_message
+    return broadcast_message(msg if dist.get_rank() == 0 else None, src=0)

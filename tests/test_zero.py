@@ -220,8 +220,8 @@ def test_layout_refusals():
     mc = get_preset("tiny")
     with pytest.raises(ValueError, match="--cpu-offload .* needs --zero"):
         validate_layout(TrainConfig(cpu_offload=True), mc)
-    with pytest.raises(ValueError, match="--zero 3 with --tp 2"):
-        validate_layout(TrainConfig(dp=2, tp=2, zero=3), mc)
+    for kw in (dict(tp=2), dict(pp=2), dict(dp=4, ep=2)):   # composes: accepted
+        validate_layout(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw), mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         validate_layout(TrainConfig(dp=2, zero=3), mc.replace(tie_word_embeddings=True))
     with pytest.raises(ValueError, match="--save-model with --zero 3"):

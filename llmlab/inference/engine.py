@@ -7,8 +7,8 @@ finished sequences give their blocks back.
 
 Per token: the logits are checked finite (a NaN or inf fails that request only,
 ``finish_reason="error"``), processed (``min_tokens``, penalties) and sampled
-(:mod:`~llmlab.inference.sampling`), the token is detokenised incrementally
-(:mod:`~llmlab.inference.detokenizer`) and the stop conditions are checked on that text.
+(:mod:`~llmlab.inference.sampling`), then detokenised and checked for the stop conditions
+(:mod:`~llmlab.inference.stop_checker`).
 A checkpoint's ``generation_config.json`` fills the sampling fields a request leaves unset.
 
 Metrics: ``engine.step_metrics`` holds one :class:`StepMetrics` per step (batch size, tokens, KV
@@ -28,7 +28,6 @@ import torch
 
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
-from llmlab.inference.detokenizer import IncrementalDetokenizer
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput, StepMetrics)
@@ -36,6 +35,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
                                        sample_token, top_logprobs)
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
+from llmlab.inference.stop_checker import StopChecker
 
 
 @dataclass
@@ -121,7 +121,7 @@ class LLMEngine:
         if quantization not in (None, "int8"):
             raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
         spec = model
-        model, self.tokenizer, self.eos_token_ids, defaults = loader.load(model, tokenizer)
+        model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
         if tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
@@ -172,6 +172,7 @@ class LLMEngine:
                      num_host_blocks=num_host_blocks))
         self.tensor_parallel_size = tensor_parallel_size
         self.check_invariants = check_invariants
+        self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
         self.on_step = on_step
         self.step_metrics: list[StepMetrics] = []
         self.requests: dict[str, _Request] = {}
@@ -184,6 +185,15 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids (from the checkpoint's generation config or config)."""
+        return self.stopper.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.stopper.eos_token_ids = list(ids)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -248,7 +258,7 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
-        self._start_text(seq)
+        self.stopper.start(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now),
                                              [seq], sampling_defaults=used)
         self.scheduler.add(seq)
@@ -268,61 +278,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # --- text and stopping ------------------------------------------------------------------------
-    def _start_text(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                     seq.params.skip_special_tokens)
-
-    def _check_stop(self, seq: Sequence) -> str | None:
-        """After ``seq`` got a token: detokenise it, then the reason to stop, or None (vLLM's
-        order: nothing stops before ``min_tokens``; stop strings on the new text, stop tokens,
-        then ``max_tokens`` and the context length)."""
-        p: SamplingParams = seq.params
-        tok = seq.token_ids[-1]
-        early = seq.num_output_tokens < p.min_tokens
-        stop_tok = not early and (tok in p.stop_token_ids
-                                  or (not p.ignore_eos and tok in self.eos_token_ids))
-        det = seq.detokenizer
-        if det is not None and not (stop_tok and not p.include_stop_str_in_output):
-            before = len(det.text)
-            det.add(tok)
-            seq.text = det.text
-            if p.stop and not early and len(det.text) > before:
-                found = [(i, s) for s in p.stop
-                         if (i := det.text.find(s, max(0, before - len(s) + 1))) >= 0]
-                if found:
-                    i, s = min(found)
-                    seq.text = det.text[:i + len(s) if p.include_stop_str_in_output else i]
-                    return "stop"
-        if stop_tok:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
+    # --- finishing ------------------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.scheduler.finish(seq, reason)
         seq.finish_time = now
-        if reason in ("length", "stop") and seq.detokenizer is not None and \
-                seq.text == seq.detokenizer.text:
-            seq.detokenizer.finish()                     # an incomplete character at the end
-            seq.text = seq.detokenizer.text
-
-    def _visible_text(self, seq: Sequence) -> str | None:
-        """Text to show; while running, a tail that could still become a stop string is held back."""
-        if self.tokenizer is None:
-            return None
-        text = seq.text
-        if seq.is_finished or not seq.params.stop:
-            return text
-        hold = 0
-        for s in seq.params.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return text[:len(text) - hold]
+        if reason != "abort":
+            self.stopper.finish(seq)
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -358,7 +319,7 @@ class LLMEngine:
                 children = sched.fork(seq, seq.pending_fork)
                 for child in children:
                     child.generator = make_generator(seq.seed + child.sample_index, "cpu")
-                    self._start_text(child)
+                    self.stopper.start(child)
                 req.seqs += children
                 group += children
             row = logits[seq.seq_id]
@@ -386,7 +347,7 @@ class LLMEngine:
                 if s.first_token_time is None:
                     s.first_token_time = now
                     req.metrics.first_token_time = req.metrics.first_token_time or now
-                reason = self._check_stop(s)
+                reason = self.stopper.check(s)
                 if reason is not None:
                     self._finish(s, reason, now)
             changed[req.request_id] = req
@@ -427,7 +388,8 @@ class LLMEngine:
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
         m.num_output_tokens = max(s.num_output_tokens for s in seqs)
-        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids), self._visible_text(s),
+        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids),
+                                 self.stopper.visible_text(s),
                                  s.finish_reason, self._logprobs(s),
                                  s.cumulative_logprob if s.params.logprobs is not None else None)
                 for s in seqs]

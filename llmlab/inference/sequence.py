@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from dataclasses import dataclass, field
 
 
@@ -92,9 +91,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return math.ceil(num_tokens / block_size)
 
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:

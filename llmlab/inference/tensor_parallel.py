@@ -38,6 +38,7 @@ import torch.distributed as dist
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.model.context import forward_context
+from llmlab.runtime.messages import broadcast_message
 from llmlab.model.llama import MLP, LlamaForCausalLM
 
 TIMEOUT_S = 300
@@ -99,14 +100,17 @@ def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
     return model
 
 
-def _cpu(b: AttentionBatch) -> AttentionBatch:
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).cpu()
-                                     for f in dataclasses.fields(b) if f.name != "is_prefill"})
+def _as_dict(b: AttentionBatch) -> dict:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
 
 
-def _to(b: AttentionBatch, device) -> AttentionBatch:
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device)
-                                     for f in dataclasses.fields(b) if f.name != "is_prefill"})
+def _from_dict(d: dict, device) -> AttentionBatch:
+    return AttentionBatch(**{k: (v if k == "is_prefill" else v.to(device)) for k, v in d.items()})
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    """Where broadcast tensors live: the rank's GPU under NCCL, the CPU under gloo."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 class TensorParallelRunner(ModelRunner):
@@ -136,7 +140,8 @@ class TensorParallelRunner(ModelRunner):
     def _send(self, msg) -> None:
         if self.rank == 0 and self.tp > 1:
             try:
-                dist.broadcast_object_list([msg], src=0, group=self.group)
+                broadcast_message(msg, src=0, group=self.group,
+                                  device=_comm_device(self.group, self.device))
             except RuntimeError as e:
                 raise self._rank_error(e) from e
 
@@ -175,7 +180,7 @@ class TensorParallelRunner(ModelRunner):
             if seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(row - 1)
                 seqs.append(seq.seq_id)
-        self._send(("step", [_cpu(b) for b in batches], rows))
+        self._send(("step", [_as_dict(b) for b in batches], rows))
         try:
             logits = self._forward(batches, rows)
         except RuntimeError as e:
@@ -194,11 +199,10 @@ class TensorParallelRunner(ModelRunner):
     def serve(self) -> None:
         """Run rank 0's operations until it says stop (ranks other than 0)."""
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            op, *args = box[0]
+            op, *args = broadcast_message(None, src=0, group=self.group,
+                                          device=_comm_device(self.group, self.device))
             if op == "step":
-                self._forward([_to(b, self.device) for b in args[0]], args[1])
+                self._forward([_from_dict(b, self.device) for b in args[0]], args[1])
             elif op == "copy":
                 ModelRunner.copy_blocks(self, args[0])
             elif op == "swap_out":
@@ -241,7 +245,8 @@ class TensorParallelRunner(ModelRunner):
                 raise ValueError(f"tensor_parallel_size={tp} under an initialised process group of "
                                  f"{dist.get_world_size()} ranks: build the engine on rank 0 and "
                                  "call run_worker on the others, with as many ranks as tp")
-            dist.broadcast_object_list([runner_args], src=0)       # the cache sizes rank 0 chose
+            broadcast_message(runner_args, src=0,                   # the cache sizes rank 0 chose
+                              device=_comm_device(None, _rank_device(device, 0)))
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
             port = _free_port()
@@ -292,11 +297,9 @@ def run_worker(spec, device="auto") -> None:
     preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
     ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
     from llmlab.inference import loader
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    runner_args = box[0]
-    model, _, _, _ = loader.load(spec)
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    runner_args = broadcast_message(None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank())))
+    model, _, _, _ = loader.load(spec)
     runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
                                   device=_rank_device(dev, dist.get_rank()), **runner_args)
     runner.serve()

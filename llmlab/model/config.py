@@ -104,7 +104,7 @@ PRESETS: dict[str, ModelConfig] = {
                             max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=96),
     # ~0.86 M parameters: the default inference model shipped in llmlab/assets/models/shakespeare
-    # (trained on the bundled corpus in ~10 CPU minutes; the command is in docs/inference.md).
+    # (trained on the first nine tenths of the bundled corpus; benchmarks/shakespeare_model.py, docs/inference.md).
     "shakespeare": ModelConfig(name="shakespeare", vocab_size=256, hidden_size=128,
                                intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=512),

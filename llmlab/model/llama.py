@@ -311,7 +311,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+        """Mean next-token cross-entropy over labels ``!= -100`` (0, not nan, if every label is
+        ignored: a micro-batch of padding only adds nothing)."""
+        labels = labels.flatten()
+        total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100,
+                                reduction="sum")
+        return total / (labels != -100).sum().clamp(min=1)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the auxiliary losses the layers stored during the last forward."""

@@ -201,40 +201,55 @@ def imbalance(counts) -> float:
     return float(c.max() / c.mean()) if c.sum() > 0 else 1.0
 
 
-def collect_moe_stats(model: nn.Module, group=None) -> dict:
+def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
+                      num_layers: int | None = None) -> dict:
     """Routing statistics accumulated since the last call, summed over ``group`` (the
-    data-parallel group: every rank counts the tokens of its own slice), then reset.
+    data-parallel group: every rank counts the tokens of its own slice) and, under pipeline
+    parallelism, gathered over ``pp_group`` (each stage holds different layers), then reset.
 
     Returns ``{"tokens_per_expert": [[int]*E]*L, "dropped_tokens": int, "near_tie_tokens": int
     (token-layers whose k-th and (k+1)-th router probabilities differ by < :data:`NEAR_TIE`: the
     decisions another GEMM order, e.g. a GPU with other batch shapes, may flip), "lb_loss": float,
-    "imbalance": float, "imbalance_max": float}``: imbalance = max/mean tokens per expert,
-    averaged over layers (``imbalance_max``: the worst layer, which sets an EP step's time). ``{}`` for a
-    model without MoE layers. Collective over ``group``: call it on all its ranks. Bookkeeping:
-    it uses ``torch.distributed`` directly, so it is not counted in the comm bytes.
+    "imbalance": float, "imbalance_max": float}`` over all ``L = num_layers`` MoE layers of the
+    model (default: the layers this rank holds): imbalance = max/mean tokens per expert,
+    averaged over layers (``imbalance_max``: the worst layer, which sets an EP step's time);
+    ``lb_loss`` is the balancing loss averaged over layers. ``{}`` for a model without MoE layers.
+    Collective over ``group`` and ``pp_group``: call it on all their ranks. Bookkeeping: it uses
+    ``torch.distributed`` directly, so it is not counted in the comm bytes.
     """
     import torch.distributed as dist
-    layers = moe_layers(model)
-    if not layers:
+    held = [(getattr(layer, "layer_idx", i), layer.mlp) for i, layer in
+            enumerate(m for m in model.modules() if isinstance(getattr(m, "mlp", None), MoE))]
+    if not held:
         return {}
-    counts = torch.stack([m._acc_tokens for m in layers]).double()
-    dropped = torch.stack([m._acc_dropped for m in layers]).double().sum()
-    lb = torch.tensor([sum(m._acc_lb / max(1, m._acc_calls) for m in layers) / len(layers)],
-                      dtype=torch.float64)
-    near = torch.tensor([float(sum(m._acc_near_ties for m in layers))], dtype=torch.float64)
-    if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
-        packed = torch.cat([counts.flatten(), dropped.view(1), near, lb])
-        dev = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        packed = packed.to(dev)
-        dist.all_reduce(packed, group=group)
-        packed = packed.cpu()
-        n = counts.numel()
-        counts, dropped, near = packed[:n].view_as(counts), packed[n], packed[n + 1:n + 2]
-        lb = packed[n + 2:] / dist.get_world_size(group)
-    for m in layers:
+    L, E = num_layers or len(held), held[0][1].num_experts
+    index = {idx: row for row, idx in enumerate(sorted(idx for idx, _ in held))} if num_layers is None \
+        else {idx: idx for idx, _ in held}
+    counts = torch.zeros(L, E, dtype=torch.float64)
+    dropped = torch.zeros(1, dtype=torch.float64)
+    near = torch.zeros(1, dtype=torch.float64)
+    lb = torch.zeros(1, dtype=torch.float64)
+    for idx, m in held:
+        counts[index[idx]] = m._acc_tokens.double()
+        dropped += m._acc_dropped.double().sum()
+        near += float(m._acc_near_ties)
+        lb += m._acc_lb / max(1, m._acc_calls)
+    packed = torch.cat([counts.flatten(), dropped, near, lb])
+    dp = 1
+    for g in (group, pp_group):
+        if dist.is_initialized() and g is not None and dist.get_world_size(g) > 1:
+            dev = "cuda" if dist.get_backend(g) == "nccl" else "cpu"
+            t = packed.to(dev)
+            dist.all_reduce(t, group=g)
+            packed = t.cpu()
+            if g is group:
+                dp = dist.get_world_size(g)
+    n = counts.numel()
+    counts, dropped, near, lb = packed[:n].view(L, E), packed[n], packed[n + 1], packed[n + 2] / dp / L
+    for _, m in held:
         m.reset_stats()
     per_layer = [imbalance(c) for c in counts]
     return {"tokens_per_expert": counts.long().tolist(), "dropped_tokens": int(dropped),
-            "near_tie_tokens": int(near[0]),
-            "lb_loss": float(lb[0]), "imbalance": sum(per_layer) / len(per_layer),
+            "near_tie_tokens": int(near),
+            "lb_loss": float(lb), "imbalance": sum(per_layer) / len(per_layer),
             "imbalance_max": max(per_layer)}

@@ -81,7 +81,6 @@ def apply_context_parallel(model, mesh, mode: str, seq_len: int, overlap: bool =
         core = functools.partial(ulysses_attention, group=group)
     for layer in model.model.layers:
         layer.self_attn.core_attention = core
-    model.context_parallel = {"cp": mesh.cp, "mode": mode}
     return model
 
 

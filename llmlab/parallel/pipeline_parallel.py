@@ -174,8 +174,14 @@ class PipelineRunner:
         return ((0 if kind == "act" else 1) * self.p * self.v + s) * m + mb
 
     # --- one flush --------------------------------------------------------------------------
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+            loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> float | None:
+        """One flush. ``loss_weights[i]`` multiplies micro-batch ``i``'s cross-entropy (default
+        ``1/M``; the trainer passes its labelled-token weights); the scalars that start backward
+        (loss on the last stage, MoE auxiliary losses everywhere) are multiplied by ``loss_scale``
+        (the fp16 loss scale), so every stage's gradients carry it, as without pipelining."""
         m = len(microbatches)
+        weights = loss_weights or [1.0 / m] * m
         self.num_microbatches = m
         acts = self.actions(m)
         last_b = max(i for i, a in enumerate(acts) if a.op == B)
@@ -238,14 +244,14 @@ class PipelineRunner:
                 out = chunk(x)
                 aux = chunk.aux_loss() if self.has_aux else 0.0
                 if chunk.is_last:
-                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) / m
+                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) * weights[a.mb]
                     loss_total += loss.item()
-                    out = loss
+                    out = loss * loss_scale
                 else:
                     to_send[key] = out.detach()
                 if torch.is_tensor(aux):
                     aux_total += float(aux.detach()) / m
-                    out = (out, aux / m)
+                    out = (out, aux * (loss_scale / m))
                 outputs[key] = out
                 inflight += 1
                 self.peak_inflight = max(self.peak_inflight, inflight)

@@ -299,7 +299,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
         vocab_start = _tp_rank(group) * logits.shape[-1]
     flat, tgt = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
     per_token = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
-    return per_token.sum() / (tgt != ignore_index).sum()
+    return per_token.sum() / (tgt != ignore_index).sum().clamp(min=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,11 +396,19 @@ def validate_layout(cfg, model_config) -> None:
                              "supported (the MoE layer would see a sequence shard)")
 
 
+def _grad(p):
+    return p.grad
+
+
 def _sum_over_tp(params: list[nn.Parameter], group):
     """Grad finalizer: all-reduce (sum) the gradients of ``params`` over the tp group, in one
-    flat buffer (norm weights under SP hold partial gradients)."""
-    def finalize():
-        grads = [p.grad for p in params if p.grad is not None]
+    flat buffer (norm weights under SP hold partial gradients).
+
+    Finalizers take ``grad_of(p)``: the gradient tensor of ``p`` this rank holds (default
+    ``p.grad``; under ZeRO the part of ``p`` in this rank's gradient shard, laid out identically on
+    every tp rank, so the buffers still line up)."""
+    def finalize(grad_of=_grad):
+        grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -416,18 +424,36 @@ def _sum_over_kv_replicas(attns: list[ParallelAttention], group):
     One all-reduce over the tp group of a ``[num_kv_heads, n]`` buffer in which each rank fills
     the row of its kv head: row ``j`` becomes the sum over kv head ``j``'s replicas.
     """
-    def finalize():
-        params = [p for a in attns for m in (a.k_proj, a.v_proj) for p in m.parameters()
-                  if p.grad is not None]
-        if not params:
+    def finalize(grad_of=_grad):
+        params = [p for a in attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
+        grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
+        if not grads:
             return
         a0 = attns[0]
-        buf = params[0].grad.new_zeros(a0.kv_num_shards, sum(p.numel() for p in params))
-        buf[a0.kv_shard] = torch.cat([p.grad.reshape(-1) for p in params])
+        buf = grads[0].new_zeros(a0.kv_num_shards, sum(g.numel() for g in grads))
+        buf[a0.kv_shard] = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(buf, group=group)
-        for p, part in zip(params, buf[a0.kv_shard].split([p.numel() for p in params])):
-            p.grad.copy_(part.view_as(p.grad))
+        for g, part in zip(grads, buf[a0.kv_shard].split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
     return finalize
+
+
+def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) -> None:
+    """Set ``p.tp_duplicate`` on every parameter: ``True`` where another tp rank holds the same
+    values (replicated norms, biases and experts on tp ranks > 0; a replicated kv head on all but
+    its first rank), so the global gradient norm counts each element once."""
+    r = _tp_rank(group)
+    sharded = {id(m.weight) for m in model.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
+    sharded |= {id(m.bias) for m in model.modules()
+                if isinstance(m, ColumnParallelLinear) and m.bias is not None}
+    for p in model.parameters():
+        p.tp_duplicate = id(p) not in sharded and r > 0
+    for a in attns:
+        if a.kv_replicated:
+            first = r % (comm.group_size(group) // a.kv_num_shards) == 0
+            for p in (*a.k_proj.parameters(), *a.v_proj.parameters()):
+                p.tp_duplicate = not first
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False):
@@ -476,6 +502,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
         model.run_layers = run_layers
     if attns and attns[0].kv_replicated:
         model.grad_finalizers.append(_sum_over_kv_replicas(attns, group))
+    _mark_duplicates(model, attns, group)
     vocab_start = inner.embed_tokens.vocab_start
     model.compute_loss = lambda logits, labels: vocab_parallel_cross_entropy(
         logits, labels, group, vocab_start)

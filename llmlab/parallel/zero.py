@@ -56,42 +56,33 @@ from torch import nn
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.runtime import comm
 
+
 def validate_layout(cfg, model_config) -> None:
     """Refuse ZeRO layouts this version does not handle (``ValueError`` naming the constraint).
 
     ``--zero`` with ``--dp 1`` is allowed (N = 1: nothing is sharded, a baseline for the lab).
+    ZeRO composes with ``--tp``, ``--pp`` and ``--ep``: it shards over the data-parallel group
+    inside each tensor/pipeline slice, and expert parameters over their expert-data-parallel group.
     """
     if cfg.cpu_offload and cfg.zero == 0:
         raise ValueError("--cpu-offload offloads ZeRO optimizer states: it needs --zero 1, 2 or 3")
     if cfg.zero == 0:
         return
-    for flag in ("tp", "pp", "ep"):
-        if getattr(cfg, flag) > 1 and not (flag == "pp" and cfg.zero == 1):
-            raise ValueError(f"--zero {cfg.zero} with --{flag} {getattr(cfg, flag)} > 1 is not "
-                             f"supported yet (ZeRO here shards a whole replica, or with --zero 1 "
-                             f"a pipeline stage, over --dp)")
-    if cfg.zero >= 2 and model_config.num_experts:
-        raise ValueError(f"--zero {cfg.zero} needs a dense model: experts that get no tokens on "
-                         f"some ranks would reorder the gradient reduce-scatters (use --zero 1)")
     if cfg.zero == 3 and model_config.tie_word_embeddings:
-        raise ValueError("--zero 3 with tie_word_embeddings is not supported yet (a tied weight "
-                         "would belong to two layers' buckets)")
-    if cfg.dtype == "fp16":
-        raise ValueError(f"--zero {cfg.zero} supports --dtype fp32 or bf16 (fp16 loss scaling is "
-                         f"only in the non-ZeRO path)")
-    if cfg.checkpoint_dir:
-        raise ValueError(f"--checkpoint-dir with --zero {cfg.zero} is not supported yet (the "
-                         f"optimizer state lives in flat ZeRO shards)")
+        raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
+                         "belong to two units, the embedding's and the LM head's, and be gathered "
+                         "and reduced twice); untie the embeddings or use --zero 1 or 2")
     if cfg.zero == 3 and cfg.save_model:
         raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
                          "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
 
 def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsize: int):
-    """Split ``params`` (already in backward order) into runs of at most ``cap_bytes``."""
+    """Split ``params`` (already in backward order) into runs of at most ``cap_bytes`` that never
+    mix dense and expert parameters (they are reduced over different groups)."""
     buckets, cur, size = [], [], 0
     for name, p in params:
-        if cur and size + p.numel() * elsize > cap_bytes:
+        if cur and (size + p.numel() * elsize > cap_bytes or _is_expert(p) != _is_expert(cur[-1][1])):
             buckets.append(cur)
             cur, size = [], 0
         cur.append((name, p))
@@ -101,9 +92,20 @@ def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsi
     return buckets
 
 
-def zero3_units(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """Stage-3 buckets in forward order: each ``layers.<i>`` block whole, and every other module
-    that owns parameters directly (embedding, final norm, LM head) as its own unit."""
+def _is_expert(p: nn.Parameter) -> bool:
+    return bool(getattr(p, "expert_parallel", False))
+
+
+def _split_by_group(ps):
+    """``ps`` split into the dense run and the expert run (either may be empty)."""
+    return [run for run in ([q for q in ps if not _is_expert(q[1])], [q for q in ps if _is_expert(q[1])])
+            if run]
+
+
+def zero3_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Stage-3 units in forward order: each ``layers.<i>`` block whole, and every other module
+    that owns parameters directly (embedding, final norm, LM head) as its own unit. Only
+    parameters that require a gradient are listed (frozen ones stay whole and untouched)."""
     units, claimed = [], []
     for name, m in module.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
@@ -113,6 +115,7 @@ def zero3_units(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramet
             ps = [(f"{name}.{n}", p) for n, p in m.named_parameters()]
         else:
             ps = [(f"{name}.{n}" if name else n, p) for n, p in m.named_parameters(recurse=False)]
+        ps = [(n, p) for n, p in ps if p.requires_grad]
         if ps:
             units.append((name, m, ps))
     return units
@@ -121,12 +124,25 @@ def zero3_units(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Paramet
 class ZeroDataParallel(nn.Module):
     """Data parallelism with ZeRO ``stage`` (1, 2 or 3) over ``mesh.groups["dp"]``.
 
+    On a mesh with tensor, pipeline or expert parallelism, ``module`` is this rank's shard of
+    the model (its tp slice, its pipeline stage, its experts) and ZeRO shards it over the
+    data-parallel group of that slice, as Megatron's distributed optimizer does; parameters
+    marked ``expert_parallel`` are sharded over the expert-data-parallel group ``edp`` instead
+    (the other holders of the same experts). Gradients are averaged over the bucket's group.
+    Parameters with ``requires_grad=False`` are left out: never sharded, reduced or updated.
+
     Follows the trainer's LocalModule protocol: ``forward(*args)`` runs ``module``;
     ``no_sync()``; ``finish_grad_sync()`` (after the last backward of a step: every gradient
     reduced, divided by N, in this rank's shard); ``grad_tensors()`` (the gradient buffers this
-    rank holds). ``dtype="bf16"`` stores parameters and gradients in bf16 (fp32 masters live in
-    :class:`ZeroOptimizer`). ``bucket_mb``: stage 1/2 bucket size in MiB of parameters.
-    ``events`` lists the first ``max_events`` collectives issued (op, unit, phase, time).
+    rank holds). ``dtype="bf16"``/``"fp16"`` stores parameters and gradients in 16 bits (fp32
+    masters live in :class:`ZeroOptimizer`). ``bucket_mb``: stage 1/2 bucket size in MiB of
+    parameters. ``events`` lists the first ``max_events`` collectives issued (op, unit, phase, time).
+
+    Stages 2 and 3 reduce-scatter every bucket once per backward pass: when its last gradient
+    arrives, or, for a bucket some of whose parameters got no gradient on this rank in this pass
+    (unused parameter, a pipeline chunk that did not run), at the end of the pass (an autograd
+    engine callback, as PyTorch DDP does) with zeros in their place. Every rank therefore issues
+    the same collectives in the same order.
     """
 
     def __init__(self, module: nn.Module, mesh, stage: int, dtype: str = "fp32",
@@ -137,24 +153,34 @@ class ZeroDataParallel(nn.Module):
         self.module, self.stage = module, stage
         self.group = mesh.groups.get("dp")
         self.world = comm.group_size(self.group)
-        rank = dist.get_rank(self.group) if self.world > 1 else 0
-        self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        groups_of = {False: self.group, True: mesh.groups.get("edp")}
+        self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         device = next(module.parameters()).device
         self.param_names = [n for n, _ in module.named_parameters()]
         self.events: list[dict] = []
         self.max_events = 2000
+
+        def bucket(name, ps):
+            g = groups_of[_is_expert(ps[0][1])]
+            n = comm.group_size(g)
+            b = FlatBucket(name, ps, n, dist.get_rank(g) if n > 1 else 0, self.compute_dtype, device)
+            b.group = g
+            return b
+
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if stage == 3:
             units = zero3_units(module)
-            groups = [(name or "root", ps) for name, _, ps in units]
+            unit_buckets = [[bucket((name or "root") + ("" if not _is_expert(ps[0][1]) else ".experts"), ps)
+                             for ps in _split_by_group(ups)] for name, _, ups in units]
+            self.buckets = [b for bs in unit_buckets for b in bs]
         else:
-            params = list(module.named_parameters())[::-1]   # backward order
-            groups = [(f"bucket{i}", ps) for i, ps in enumerate(
+            params = trainable[::-1]   # backward order
+            self.buckets = [bucket(f"bucket{i}", ps) for i, ps in enumerate(
                 _size_buckets(params, bucket_mb * 2**20, torch.finfo(self.compute_dtype).bits // 8))]
-        self.buckets = [FlatBucket(name, ps, self.world, rank, self.compute_dtype, device)
-                        for name, ps in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._pending: list = []      # in-flight reduce-scatters: (bucket, out, work, staging)
         self._next_launch = 0
+        self._callback_queued = False
         self._gathering: dict[int, object] = {}
         if stage == 1:
             for b in self.buckets:
@@ -164,19 +190,19 @@ class ZeroDataParallel(nn.Module):
             for b in self.buckets:
                 b.grad_shard = torch.zeros(b.shard_numel, dtype=self.compute_dtype, device=device)
                 for p in b.params:
-                    if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(self._on_grad)
+                    p.register_post_accumulate_grad_hook(self._on_grad)
         if stage == 3:
             # Stage-3 bucket order for gradients is backward order: the reverse of forward.
-            self.units = self.buckets
+            self.units = unit_buckets
             self.buckets = self.buckets[::-1]
-            for i, ((name, m, _), b) in enumerate(zip(units, self.units)):
-                # Like FSDP1's FlatParameter: the shard is a registered parameter of its unit, so
-                # model.parameters() (and the trainer's byte count) sees what the rank holds.
-                m.register_parameter("flat_param_shard", nn.Parameter(b.make_local_shard(),
-                                                                      requires_grad=False))
-                b.local_shard = m.flat_param_shard
-                b.free()
+            for i, ((name, m, _), bs) in enumerate(zip(units, self.units)):
+                for b in bs:
+                    # Like FSDP1's FlatParameter: the shard is a registered parameter of its unit,
+                    # so model.parameters() (and the trainer's byte count) sees what the rank holds.
+                    attr = "flat_param_shard" + ("_experts" if b.name.endswith(".experts") else "")
+                    m.register_parameter(attr, nn.Parameter(b.make_local_shard(), requires_grad=False))
+                    b.local_shard = getattr(m, attr)
+                    b.free()
                 m.register_forward_pre_hook(functools.partial(self._pre_forward, i))
                 m.register_forward_hook(functools.partial(self._post_forward, i))
 
@@ -195,23 +221,20 @@ class ZeroDataParallel(nn.Module):
             for b in self.buckets:
                 out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
                 self._log("reduce_scatter", b.name, "step")
-                comm.reduce_scatter_tensor(out, b.grad_full, group=self.group)
+                comm.reduce_scatter_tensor(out, b.grad_full, group=b.group)
                 a, e = b.shard_range
-                b.grad_full[a:e].copy_(out.div_(self.world))
+                b.grad_full[a:e].copy_(out.div_(b.world))
             return
         if self._next_launch:
-            for b in self.buckets[self._next_launch:]:
-                if b.grad_full is None:
-                    b.grad_full = b.grad_shard.new_zeros(b.padded)
-                self._launch(b, "flush")
-            self._next_launch = 0
+            self._end_of_backward()
         while self._pending:
             self._retire()
         for b in self.buckets:
-            if self.world > 1:
-                b.grad_shard.div_(self.world)
-            if self.stage == 3:
-                b.free()
+            if b.world > 1:
+                b.grad_shard.div_(b.world)
+        if self.stage == 3:
+            for i in range(len(self.units)):
+                self._free_unit(i)
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Gradient buffers held by this rank: full flat buffers (stage 1) or shards (2, 3)."""
@@ -233,9 +256,23 @@ class ZeroDataParallel(nn.Module):
             return b.grad_full[a:e]
         return b.grad_shard
 
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """After ``finish_grad_sync``: the part of ``p``'s reduced gradient in this rank's shard
+        (a view, possibly empty), or ``None`` for a parameter ZeRO does not hold (frozen)."""
+        b = self._bucket_of.get(id(p))
+        if b is None:
+            return None
+        i = b.index[id(p)]
+        lo, hi = b.shard_range
+        a, e = max(b.offsets[i], lo), min(b.offsets[i] + b.numels[i], hi)
+        return self.grad_shard(b)[a - lo:max(a, e) - lo]
+
     # --- stages 2 and 3: gradients ----------------------------------------------------------
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter):
+        if not self._callback_queued:     # reduce what is incomplete when this backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         b = self._bucket_of[id(p)]
         if b.grad_full is None:
             b.grad_full = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
@@ -250,13 +287,25 @@ class ZeroDataParallel(nn.Module):
                     self.buckets[self._next_launch].num_ready >= self.buckets[self._next_launch].num_grads:
                 self._launch(self.buckets[self._next_launch], "backward")
                 self._next_launch += 1
-            if self._next_launch == len(self.buckets):
-                self._next_launch = 0
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        """Launch, in order, every bucket not yet reduced in this backward pass (zeros where a
+        parameter got no gradient), so that all ranks issue the same reduce-scatters."""
+        for b in self.buckets[self._next_launch:]:
+            if b.grad_full is None:
+                b.grad_full = torch.zeros(b.padded, dtype=self.compute_dtype, device=b.grad_shard.device)
+            self._launch(b, "backward" if b.num_ready else "flush")
+        self._next_launch = 0
+        self._callback_queued = False
+        if self.stage == 3:
+            for i in range(len(self.units)):
+                self._free_unit(i)
 
     def _launch(self, b: FlatBucket, phase: str):
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
         self._log("reduce_scatter", b.name, phase)
-        work = comm.reduce_scatter_tensor(out, b.grad_full, group=self.group, async_op=True)
+        work = comm.reduce_scatter_tensor(out, b.grad_full, group=b.group, async_op=True)
         self._pending.append((b, out, work, b.grad_full))
         b.grad_full, b.num_ready = None, 0
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
@@ -271,16 +320,25 @@ class ZeroDataParallel(nn.Module):
     # --- stage 3: parameters ----------------------------------------------------------------
     @torch.no_grad()
     def _gather(self, i: int, phase: str, wait: bool = True):
-        b = self.units[i]
-        if not b.is_full and i not in self._gathering:
-            b.allocate()
-            self._log("all_gather", b.name, phase)
-            self._gathering[i] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
-                                                             group=self.group, async_op=True)
-        if wait and i in self._gathering:
-            work = self._gathering.pop(i)
+        for j, b in enumerate(self.units[i]):
+            key = (i, j)
+            if not b.is_full and key not in self._gathering:
+                b.allocate()
+                self._log("all_gather", b.name, phase)
+                self._gathering[key] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
+                                                                   group=b.group, async_op=True)
+            if wait and key in self._gathering:
+                work = self._gathering.pop(key)
+                if work is not None:
+                    work.wait()
+
+    def _free_unit(self, i: int):
+        """Free unit ``i``'s gathered parameters (after any gather of it still in flight)."""
+        for j, b in enumerate(self.units[i]):
+            work = self._gathering.pop((i, j), None)
             if work is not None:
                 work.wait()
+            b.free()
 
     def _pre_forward(self, i, module, args):
         self._gather(i, "forward")
@@ -288,7 +346,7 @@ class ZeroDataParallel(nn.Module):
             self._gather(i + 1, "forward", wait=False)      # prefetch the next layer
 
     def _post_forward(self, i, module, args, output):
-        self.units[i].free()              # a prefetch of layer i + 1 may still be in flight
+        self._free_unit(i)                # a prefetch of layer i + 1 may still be in flight
         if torch.is_grad_enabled():
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outs:
@@ -298,6 +356,9 @@ class ZeroDataParallel(nn.Module):
         return output
 
     def _pre_backward(self, i, grad):
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         self._gather(i, "backward")
         if i > 0:
             self._gather(i - 1, "backward", wait=False)     # prefetch the previous layer
@@ -305,15 +366,16 @@ class ZeroDataParallel(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{name: fp32 tensor}`` of the full model (collective over the dp group on stage 3)."""
+        """``{name: fp32 tensor}`` of this rank's module, whole (collective over the dp and edp
+        groups on stage 3)."""
         if self.stage == 3:
             for i in range(len(self.units)):
                 self._gather(i, "state_dict")
         params = dict(self.module.named_parameters())
         out = {n: params[n].detach().float().clone() for n in self.param_names}
         if self.stage == 3:
-            for b in self.units:
-                b.free()
+            for i in range(len(self.units)):
+                self._free_unit(i)
         return out
 
     def _log(self, op, unit, phase):
@@ -324,15 +386,18 @@ class ZeroDataParallel(nn.Module):
 class ZeroOptimizer:
     """The optimizer of this rank's shard (``make_optimizer`` builds it, e.g. AdamW).
 
-    Masters: the fp32 shard itself (fp32, no offload), or an fp32 copy of it (bf16 compute, or
+    Masters: the fp32 shard itself (fp32, no offload), or an fp32 copy of it (16-bit compute, or
     ``cpu_offload``: then on the host, pinned when the parameters are on CUDA). ``state`` exposes
     the inner optimizer's state plus any separate master copy, so
     :func:`llmlab.metrics.memory.optimizer_state_bytes` counts exactly what the rank holds.
-    ``step()`` updates the shard and (stages 1, 2) all-gathers the new parameters.
+    ``unscale(inv_scale)`` hands the reduced gradient shards to the masters (fp32, divided by the
+    fp16 loss scale), ``apply()`` updates the shard and (stages 1, 2) all-gathers the new
+    parameters; ``step()`` does both.
     """
 
-    def __init__(self, wrapper: ZeroDataParallel, make_optimizer, cpu_offload: bool = False):
-        self.wrapper = wrapper
+    def __init__(self, wrapper: ZeroDataParallel, make_optimizer, cpu_offload: bool = False,
+                 scaler=None):
+        self.wrapper, self.scaler = wrapper, scaler
         self.masters, self.separate = [], []
         for b in wrapper.buckets:
             shard = b.local_shard if wrapper.stage == 3 else b.shard_view()
@@ -361,13 +426,33 @@ class ZeroOptimizer:
         return st
 
     @torch.no_grad()
-    def step(self):
-        w = self.wrapper
-        for b, m in zip(w.buckets, self.masters):
-            g = w.grad_shard(b)
+    def unscale(self):
+        """Point every master's ``.grad`` at its reduced gradient shard, in fp32 and divided by
+        the fp16 loss scale (the shard itself when it already is fp32 and unscaled)."""
+        inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        for b, m in zip(self.wrapper.buckets, self.masters):
+            g = self.wrapper.grad_shard(b)
             # (a device-to-host copy must be complete before Adam reads it: blocking)
             m.grad = g if (g.dtype == m.dtype and g.device == m.device) else \
                 g.to(device=m.device, dtype=torch.float32)
+            if inv != 1.0:
+                m.grad = m.grad * inv
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(slice of a master's gradient, model parameter)`` for every parameter element in this
+        rank's shards, after :meth:`unscale` (shards of different ranks are disjoint)."""
+        out = []
+        for b, m in zip(self.wrapper.buckets, self.masters):
+            lo, hi = b.shard_range
+            for p, o, n in zip(b.params, b.offsets, b.numels):
+                a, e = max(o, lo), min(o + n, hi)
+                if a < e:
+                    out.append((m.grad[a - lo:e - lo], p))
+        return out
+
+    @torch.no_grad()
+    def apply(self):
+        w = self.wrapper
         self.optimizer.step()
         for b, m, sep in zip(w.buckets, self.masters, self.separate):
             if sep:
@@ -377,9 +462,15 @@ class ZeroOptimizer:
         if w.stage < 3:
             for b in w.buckets:
                 w._log("all_gather", b.name, "step")
-                comm.all_gather_into_tensor(b.alias, b.shard_view(), group=w.group)
+                comm.all_gather_into_tensor(b.alias, b.shard_view(), group=b.group)
+
+    def step(self):
+        self.unscale()
+        self.apply()
 
     def zero_grad(self, set_to_none: bool = True):
+        for m in self.masters:
+            m.grad = None
         self.wrapper.zero_grad_buffers()
 
     def state_dict(self) -> dict:
@@ -393,11 +484,12 @@ class ZeroOptimizer:
                 m.copy_(v)
 
 
-def build_zero(module: nn.Module, mesh, cfg, make_optimizer):
+def build_zero(module: nn.Module, mesh, cfg, make_optimizer, scaler=None):
     """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.zero``/``cfg.dtype``.
 
     ``module`` is this rank's full replica (already on its device, fp32); ``make_optimizer``
-    builds the torch optimizer from a list of tensors (the fp32 shard masters).
+    builds the torch optimizer from a list of tensors (the fp32 shard masters); ``scaler``: the
+    fp16 :class:`~llmlab.training.precision.DynamicLossScaler` whose scale ``unscale`` removes.
     """
     wrapper = ZeroDataParallel(module, mesh, stage=cfg.zero, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
-    return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload)
+    return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload, scaler=scaler)

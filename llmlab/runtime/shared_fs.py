@@ -6,6 +6,9 @@ if the directory is on a filesystem that every node mounts (NFS, Lustre, GPFS, a
 share): on one node it always is; across nodes a local path such as ``/tmp/ckpt`` is a different
 directory on each node, rank 0 would not find the other nodes' shards, and a resume would read
 only what its own node wrote. :func:`check_shared_directory` probes this once before training.
+
+Only tensors cross the network here (the token and host names as bytes): nothing received is
+unpickled (``broadcast_object_list``/``all_gather_object`` would unpickle what a peer sends).
 """
 from __future__ import annotations
 
@@ -14,7 +17,15 @@ import socket
 import uuid
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+_HOST_BYTES = 64  # host names travel as fixed-size UTF-8 byte rows
+
+
+def _device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
 
 
 def check_shared_directory(directory: str | os.PathLike, group=None) -> None:
@@ -26,19 +37,26 @@ def check_shared_directory(directory: str | os.PathLike, group=None) -> None:
         return
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    token = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group else 0,
-                               group=group)
-    probe = d / f".llmlab-shared-probe-{token[0]}"
+    dev = _device(group)
+    raw = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).to(dev)
+    dist.broadcast(raw, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    token = bytes(raw.cpu().tolist()).hex()
+    probe = d / f".llmlab-shared-probe-{token}"
     if dist.get_rank(group) == 0:
-        probe.write_text(token[0])
+        probe.write_text(token)
     dist.barrier(group=group)
     try:
-        seen = probe.read_text() == token[0]
+        seen = probe.read_text() == token
     except OSError:
         seen = False
-    views = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (seen, socket.gethostname()), group=group)
+    host = socket.gethostname().encode()[:_HOST_BYTES - 1]
+    row = torch.zeros(_HOST_BYTES + 1, dtype=torch.uint8)
+    row[0] = int(seen)
+    row[1:1 + len(host)] = torch.tensor(list(host), dtype=torch.uint8)
+    rows = [torch.empty_like(row, device=dev) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, row.to(dev), group=group)
+    views = [(bool(r[0]), bytes(r[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
+             for r in rows]
     dist.barrier(group=group)
     if dist.get_rank(group) == 0:
         probe.unlink(missing_ok=True)

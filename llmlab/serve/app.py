@@ -170,9 +170,10 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
         n = req.n
         echo = [p[0] for p in prompts]
         num_prompt = sum(len(p[1]) for p in prompts)
+        k = prompts[0][2].logprobs
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream_body(rid, streams, n, echo, num_prompt, chat, include_usage)
+            body = _stream_body(rid, streams, n, echo, num_prompt, chat, include_usage, k)
             return _EngineStream(body, streams, media_type="text/event-stream")
         finals = {}
         try:
@@ -183,19 +184,33 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
             raise APIError(str(e), 503) from None
         if len(finals) < len(streams):
             return Response(status_code=499)        # the client went away; nothing was generated for it
+        failed = [o.error for o in finals.values() if getattr(o, "error", None)]
+        if failed:                                  # e.g. non-finite logits: this request only
+            raise APIError(f"the request failed in the engine: {failed[0]}", 500)
         choices, num_gen = [], 0
         for i in range(len(streams)):
             for c in finals[i].outputs:
                 choices.append({"index": i * n + c.index, "text": echo[i] + (c.text or ""),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": c.finish_reason,
+                                "logprobs": logprobs_of(c.token_ids, c.logprobs, k, chat, len(echo[i]))})
                 num_gen += len(c.token_ids)
         choices.sort(key=lambda c: c["index"])
         return R.completion_response(rid, served_model_name, choices, num_prompt, num_gen, chat)
 
-    async def _stream_body(rid, streams, n, echo, num_prompt, chat, include_usage):
+    def decode(ids) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    def logprobs_of(token_ids, logprobs, k, chat, offset):
+        if k is None or logprobs is None:
+            return None
+        if chat:
+            return R.chat_logprobs(token_ids, logprobs, decode, k)
+        return R.completion_logprobs(token_ids, logprobs, decode, offset)
+
+    async def _stream_body(rid, streams, n, echo, num_prompt, chat, include_usage, k):
         created = int(time.time())
         deltas = R.ChoiceDeltas()
-        gen_tokens = {}
+        gen_tokens, lp_sent = {}, {}
         if chat:
             for i in range(len(streams)):
                 for j in range(n):
@@ -203,12 +218,20 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
                                         True, include_usage, role=True))
         try:
             async for i, out in _merge(streams, None):
+                if getattr(out, "error", None):
+                    yield R.sse(error_body(f"the request failed in the engine: {out.error}", 500))
+                    break
                 for c in out.outputs:
-                    gen_tokens[(i, c.index)] = len(c.token_ids)
-                    d = deltas.delta(i * n + c.index, echo[i] + (c.text or ""), c.finish_reason)
+                    idx = i * n + c.index
+                    gen_tokens[idx] = len(c.token_ids)
+                    offset = len(deltas.sent.get(idx, ""))
+                    d = deltas.delta(idx, echo[i] + (c.text or ""), c.finish_reason)
                     if d is not None:
-                        yield R.sse(R.chunk(rid, served_model_name, created, i * n + c.index,
-                                            d[0], d[1], chat, include_usage))
+                        a = lp_sent.get(idx, 0)
+                        lp = logprobs_of(c.token_ids[a:], (c.logprobs or [])[a:], k, chat, offset)
+                        lp_sent[idx] = len(c.token_ids)
+                        yield R.sse(R.chunk(rid, served_model_name, created, idx, d[0], d[1], chat,
+                                            include_usage, logprobs=lp))
         except (APIError, RuntimeError) as e:
             status = e.status if isinstance(e, APIError) else 500
             yield R.sse(error_body(str(e), status))

@@ -7,6 +7,8 @@ completions; for chat, what is left of ``max_model_len``), ``temperature`` 1.0, 
 sampling fields ``top_k``, ``stop_token_ids``, ``ignore_eos`` (sent by the ``openai`` client in
 ``extra_body``). Any other field the engine's :class:`SamplingParams` has (e.g. ``min_p``,
 ``repetition_penalty``) is passed on by name. Unknown fields are ignored, as vLLM does.
+Log-probabilities: ``logprobs: K`` (completions) or ``logprobs: true, top_logprobs: K`` (chat),
+K <= :data:`MAX_LOGPROBS`, the model's raw log-softmax as the engine reports them.
 
 Errors raised here are :class:`APIError` (HTTP status, OpenAI ``type``, ``param``); the app turns
 them into ``{"error": {"message", "type", "param", "code"}}``.
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmlab.inference.sampling import SamplingParams
 
+MAX_LOGPROBS = 20          # the OpenAI API's limit for top_logprobs
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -61,16 +64,17 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     best_of: int | None = None
     user: str | None = None
 
+    def num_logprobs(self) -> int | None:
+        """How many top log-probabilities each generated token reports (None: no logprobs)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters; raises :class:`APIError` (400) naming the bad field."""
-        if self.logprobs not in (None, False):
-            raise APIError("logprobs are not supported by this server", param="logprobs")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
                            param="best_of")
@@ -78,9 +82,12 @@ class _SamplingRequest(BaseModel):
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
         names = {f.name for f in dataclasses.fields(SamplingParams)}
+        k = self.num_logprobs()
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(f"logprobs={k} must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "seed": self.seed,
                               "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
-                              "ignore_eos": self.ignore_eos}
+                              "ignore_eos": self.ignore_eos, "logprobs": k}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -109,6 +116,10 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list:
         p = self.prompt
@@ -149,6 +160,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -59,14 +59,52 @@ class ChoiceDeltas:
         return piece, finish_reason
 
 
+def _token_text(lp, token_id: int, decode) -> str:
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode([token_id])
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
+                        text_offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` of generated tokens: ``tokens`` (their text),
+    ``token_logprobs``, ``top_logprobs`` (``{text: logprob}`` of the top K and the sampled
+    token) and ``text_offset`` (where each token's text starts in the choice's text).
+    ``logprobs[i]``: the engine's ``{token_id: Logprob}`` of token ``i``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, d in zip(token_ids, logprobs):
+        text = _token_text(d.get(tid), tid, decode)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(d[tid].logprob if tid in d else None)
+        out["top_logprobs"].append({_token_text(lp, t, decode): lp.logprob
+                                    for t, lp in sorted(d.items(), key=lambda x: x[1].rank)})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict], decode, top: int) -> dict:
+    """The chat API's ``logprobs``: ``{"content": [{"token", "logprob", "bytes",
+    "top_logprobs": [{"token", "logprob", "bytes"}] (the ``top`` most likely)}]}``."""
+    def entry(t, lp):
+        text = _token_text(lp, t, decode)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    content = []
+    for tid, d in zip(token_ids, logprobs):
+        ranked = sorted(d.items(), key=lambda x: x[1].rank)
+        e = entry(tid, d[tid]) if tid in d else {"token": decode([tid]), "logprob": None, "bytes": None}
+        e["top_logprobs"] = [entry(t, lp) for t, lp in ranked[:top]]
+        content.append(e)
+    return {"content": content}
+
+
 def completion_response(request_id: str, model: str, choices: list[dict], prompt_tokens: int,
                         completion_tokens: int, chat: bool) -> dict:
-    """A whole response. ``choices``: ``{"index", "text", "finish_reason"}`` in index order."""
+    """A whole response. ``choices``: ``{"index", "text", "finish_reason"}`` (and ``"logprobs"``)
+    in index order."""
     if chat:
         body = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                 "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices]
+                 "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
     else:
-        body = [{"index": c["index"], "text": c["text"], "logprobs": None,
+        body = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
                  "finish_reason": c["finish_reason"]} for c in choices]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": body,
@@ -74,14 +112,16 @@ def completion_response(request_id: str, model: str, choices: list[dict], prompt
 
 
 def chunk(request_id: str, model: str, created: int, index: int, text: str | None,
-          finish_reason: str | None, chat: bool, include_usage: bool, role: bool = False) -> dict:
-    """One streamed chunk for one choice. ``role``: the chat stream's opening delta."""
+          finish_reason: str | None, chat: bool, include_usage: bool, role: bool = False,
+          logprobs: dict | None = None) -> dict:
+    """One streamed chunk for one choice. ``role``: the chat stream's opening delta;
+    ``logprobs``: those of the tokens new since the choice's previous chunk."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else (
             {"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
     out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created, "model": model, "choices": [choice]}

@@ -131,6 +131,87 @@ def _collect(engine) -> tuple[dict, dict]:
     return tensors, slices
 
 
+def _zero_params(engine):
+    """``[(bucket, master, [(param, offset, numel)])]`` of a ZeRO engine (every flat bucket)."""
+    opt = engine.optimizer
+    return [(b, m, list(zip(b.params, b.offsets, b.numels)))
+            for b, m in zip(engine.wrapper.buckets, opt.masters)]
+
+
+def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
+    """The bucket's full padded flat tensor from every rank's ``shard`` (collective over the
+    bucket's group; bookkeeping: not counted in the comm bytes)."""
+    if b.world == 1:
+        return shard.detach().clone()
+    out = shard.new_empty(b.padded)
+    dist.all_gather_into_tensor(out, shard.detach().contiguous(), group=b.group)
+    return out
+
+
+def _collect_zero(engine) -> tuple[dict, dict]:
+    """Like :func:`_collect` for a ZeRO engine: the shards of parameters, fp32 masters and Adam
+    moments are all-gathered over each bucket's group and cut into whole (tp-local) tensors, so
+    the checkpoint is the same format as without ZeRO. Collective: every rank calls it."""
+    names = full_names(engine.model)
+    tensors, slices = {}, {}
+    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
+    inner = engine.optimizer.optimizer
+    stage3 = engine.wrapper.stage == 3
+    for b, m, params in _zero_params(engine):
+        flats = {"": _gather_flat(b, b.local_shard if stage3 else b.shard_view())}
+        if m.data_ptr() != (b.local_shard if stage3 else b.shard_view()).data_ptr():
+            flats["::master"] = _gather_flat(b, m.to(b.device))
+        st = inner.state.get(m, {})
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in st:
+                flats[f"::{k}"] = _gather_flat(b, st[k].to(b.device))
+        for p, o, n in params:
+            name = names[id(p)]
+            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
+            for suffix, flat in flats.items():
+                tensors[name + suffix] = flat[o:o + n].view(p.shape).to("cpu").clone()
+                slices[name + suffix] = spec
+            if "step" in st:
+                tensors[f"{name}::step"] = st["step"].detach().to("cpu").clone().float()
+                slices[f"{name}::step"] = None
+    return tensors, slices
+
+
+@torch.no_grad()
+def _load_zero(engine, full: dict, path) -> None:
+    """Install full tensors into a ZeRO engine: each rank cuts its tp slice of every parameter,
+    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments."""
+    names = full_names(engine.model)
+    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
+    inner = engine.optimizer.optimizer
+    stage3 = engine.wrapper.stage == 3
+    for b, m, params in _zero_params(engine):
+        lo, hi = b.shard_range
+        flats, step = {}, None
+        for p, o, n in params:
+            name = names[id(p)]
+            if name not in full:
+                raise CheckpointError(f"{path} has no tensor {name!r} (different model?)")
+            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
+            for suffix in ("", "::master", "::exp_avg", "::exp_avg_sq"):
+                t = full.get(name + suffix, full[name] if suffix == "::master" else None)
+                if t is None:
+                    continue
+                flat = flats.setdefault(suffix, torch.zeros(b.padded, dtype=torch.float32))
+                flat[o:o + n] = _cut(t, spec).reshape(-1).float()
+            if f"{name}::step" in full:
+                step = full[f"{name}::step"]
+        if stage3:
+            b.local_shard.copy_(flats[""][lo:hi].to(b.local_shard.dtype))
+        else:  # stages 1-2 hold the whole parameters
+            b.alias.copy_(flats[""].to(b.alias.dtype))
+        m.copy_(flats["::master"][lo:hi].to(m.device, m.dtype))
+        if step is not None and "::exp_avg" in flats:
+            inner.state[m] = {"step": step.clone().reshape(()),
+                              "exp_avg": flats["::exp_avg"][lo:hi].clone().to(m.device),
+                              "exp_avg_sq": flats["::exp_avg_sq"][lo:hi].clone().to(m.device)}
+
+
 # --------------------------------------------------------------------------------------------
 # Save
 # --------------------------------------------------------------------------------------------
@@ -150,9 +231,8 @@ def _barrier():
 def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep: int = 3) -> Path | None:
     """Collectively save this step. Ranks holding a distinct part of the model write a file
     (data-parallel replicas do not repeat it). Returns the finished directory (on rank 0)."""
-    if getattr(engine.cfg, "zero", 0):
-        raise NotImplementedError("checkpoints of ZeRO-sharded optimizers are not supported yet")
     directory = Path(directory)
+    zero = bool(getattr(engine.cfg, "zero", 0))
     mesh = engine.mesh
     final = directory / f"step_{step:08d}"
     tmp = directory / f"step_{step:08d}.tmp"
@@ -163,8 +243,11 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
     _barrier()
     # one copy per distinct shard (experts differ across ep; context-parallel ranks are replicas)
     writer = mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0
+    if zero:  # ZeRO: every rank takes part in gathering the shards; the writers write them
+        tensors, slices = _collect_zero(engine)
     if writer:
-        tensors, slices = _collect(engine)
+        if not zero:
+            tensors, slices = _collect(engine)
         # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
         header = {"rank": rank, "coords": dict(mesh.coords),
                   "slices": {n: None if s is None else list(s) for n, s in slices.items()}}
@@ -177,7 +260,10 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
         cfg = engine.cfg
         meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "layout": {k: getattr(cfg, k, 1) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
-                "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files}
+                "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
+                # the schedule's position (its rate is a function of the step) and the fp16 scaler
+                "lr_schedule": {"step": step, "lr": getattr(engine, "last", {}).get("lr")},
+                "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) else None}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -290,13 +376,16 @@ def _assemble(path: Path, meta: dict) -> dict[str, torch.Tensor]:
 def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
     """Load the newest good checkpoint into ``engine`` (any layout). Returns its metadata, or
     ``None`` when there is none. Raises ``CheckpointError`` if the model does not match."""
-    if getattr(engine.cfg, "zero", 0):
-        raise NotImplementedError("checkpoints of ZeRO-sharded optimizers are not supported yet")
     found = latest_checkpoint(directory, log)
     if found is None:
         return None
     path, meta = found
     full = _assemble(path, meta)
+    if getattr(engine, "scaler", None) is not None and meta.get("loss_scaler"):
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    if getattr(engine.cfg, "zero", 0):
+        _load_zero(engine, full, path)
+        return meta | {"path": str(path)}
     names = full_names(engine.model)
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
     pairs, inner = _optimizer_views(engine)

@@ -33,8 +33,8 @@ class TrainConfig:
     ``llmlab train --seq-len 128`` == ``{"seq-len": 128}`` in a ``--config`` file ==
     ``TrainConfig(seq_len=128)``. The command line is generated from these fields
     (:func:`llmlab.cli.add_train_arguments`): a field ``grad_clip`` becomes ``--grad-clip``, its type
-    (``int``, ``float``, ``str``, ``bool``, or ``X | None``) the flag's type, and a ``bool`` field a
-    ``--flag/--no-flag`` switch.
+    (``int``, ``float``, ``str``, ``bool``, or ``X | None``) the flag's type; a ``bool`` field off by
+    default is a ``--flag`` switch, one on by default a ``--flag/--no-flag`` pair.
 
     To add an option, add ONE field here and nothing in ``cli.py``::
 
@@ -44,7 +44,9 @@ class TrainConfig:
     then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
     :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout``, and list
     the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
-    does and its unit; ``tests/test_train.py`` fails for a field without one.
+    does and its unit; ``tests/test_train.py`` fails for a field without one. A new value the
+    run reports (a per-step ``grad_norm``, a mesh coordinate) goes into
+    ``llmlab/metrics/train_metrics.schema.json`` too.
     """
     model: str = option("tiny", "model preset (llmlab.model.config.PRESETS)", choices=sorted(PRESETS))
     dp: int = option(1, "data-parallel degree (model replicas)")
@@ -70,7 +72,14 @@ class TrainConfig:
     steps: int = option(100, "optimizer steps")
     global_batch_size: int = option(16, "sequences per step, over all data-parallel ranks")
     seq_len: int = option(64, "tokens per sequence")
-    lr: float = option(3e-3, "AdamW learning rate")
+    lr: float = option(3e-3, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: str = option("constant", "learning-rate decay after warm-up, reaching --min-lr at "
+                                          "the last step (nanoGPT/Megatron shapes)",
+                              choices=("constant", "linear", "cosine"))
+    warmup_steps: int = option(0, "linear warm-up from 0 to --lr over this many steps")
+    min_lr: float = option(0.0, "learning rate at the last step (linear/cosine schedules)")
+    grad_clip: float | None = option(None, "clip the global gradient norm (all ranks, replicated "
+                                           "parameters counted once) to this value")
     seed: int = option(0, "seed for weights and data order (same seed, same run)")
     dtype: str = option("fp32", "compute dtype; bf16/fp16 keep fp32 master weights "
                                 "(fp16 adds loss scaling)", choices=("fp32", "bf16", "fp16"))
@@ -167,6 +176,10 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             *rest, last = map(str, choices)
             raise ValueError(f"--{f.name.replace('_', '-')} {value!r}: expected "
                              f"{', '.join(rest)} or {last}")
+    from llmlab.training.lr_schedule import check_schedule
+    check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
+        raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "

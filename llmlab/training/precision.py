@@ -28,6 +28,14 @@ class DynamicLossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
 
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale, self.clean_steps = float(sd["scale"]), int(sd["clean_steps"])
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+
     def update(self, found_overflow: bool) -> None:
         if found_overflow:
             self.scale = max(self.min_scale, self.scale * self.backoff)
@@ -75,18 +83,34 @@ class MixedPrecisionOptimizer:
         return self.scaler.scale if self.scaler else 1.0
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Returns ``True`` if the update was applied, ``False`` if skipped (overflow)."""
+    def unscale(self) -> None:
+        """Copy the 16-bit gradients into the fp32 masters' ``.grad``, divided by the loss scale."""
         inv = 1.0 / self.loss_scale()
-        finite = True
         for p, m in zip(self.params, self.master):
-            if p.grad is None:
-                m.grad = None
-                continue
-            m.grad = p.grad.float() * inv
-            if self.scaler is not None:
-                finite = finite and bool(torch.isfinite(m.grad).all())
+            m.grad = None if p.grad is None else p.grad.float() * inv
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(fp32 unscaled gradient, model parameter)`` pairs, after :meth:`unscale`."""
+        return [(m.grad, p) for p, m in zip(self.params, self.master) if m.grad is not None]
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Step the inner optimizer on the masters and write them back in 16 bits."""
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m.to(p.dtype))
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Unscale, check for overflow (all-reduced over ``overflow_group``), update.
+
+        Returns ``True`` if the update was applied, ``False`` if skipped (overflow). The trainer
+        uses :meth:`unscale` and :meth:`apply` with one overflow decision for the whole job
+        (:mod:`llmlab.training.grad_norm`).
+        """
+        self.unscale()
         if self.scaler is not None:
+            finite = all(bool(torch.isfinite(m.grad).all()) for m in self.master if m.grad is not None)
             flag = torch.tensor([0.0 if finite else 1.0])
             if self.overflow_group is not None and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(flag, group=self.overflow_group)
@@ -95,9 +119,7 @@ class MixedPrecisionOptimizer:
             if overflow:
                 self.last_step_skipped = True
                 return False
-        self.optimizer.step()
-        for p, m in zip(self.params, self.master):
-            p.copy_(m.to(p.dtype))
+        self.apply()
         self.last_step_skipped = False
         return True
 

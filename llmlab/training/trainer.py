@@ -113,16 +113,18 @@ class Engine:
             local = model
         local.to(device)
         self.scaler = None
+        if cfg.dtype == "fp16":
+            from llmlab.training.precision import DynamicLossScaler
+            self.scaler = DynamicLossScaler()
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
-            from llmlab.training.precision import DynamicLossScaler, cast_model
+            from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
-            self.scaler = DynamicLossScaler() if cfg.dtype == "fp16" else None
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         if cfg.zero > 0:
             # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
             # wrapper follows LocalModule's protocol and may offer grad_tensors().
             from llmlab.parallel.zero import build_zero
-            self.wrapper, self.optimizer = build_zero(local, dp_mesh, cfg, opt_factory)
+            self.wrapper, self.optimizer = build_zero(local, dp_mesh, cfg, opt_factory, self.scaler)
         else:
             if cfg.dp * cfg.cp > 1:
                 # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
@@ -140,21 +142,47 @@ class Engine:
         if self.pipeline is not None and hasattr(self.pipeline, "attach"):
             self.pipeline.attach(self.wrapper)
         self.local = local
+        self.force_overflow_at = _force_overflow(mesh.rank)
+        self.last: dict = {}
         self.grad_bytes = 0
         self.activation_peak = 0
 
     def parameters(self):
         return list(self.local.parameters())
 
+    def loss_weights(self, micro) -> list[float]:
+        """Weight of each micro-batch's mean cross-entropy so that the step's loss is the mean over
+        the *global* number of labelled tokens (labels ``!= -100``), not a mean of per-micro-batch
+        means: ``w_i = n_i * dp / N`` (gradient sync then averages over ``dp``; ``dp*cp`` with context
+        parallelism). ``1/M`` when no label is ignored. ``N`` is summed over the data-parallel
+        (and context-parallel) ranks with one small all-reduce."""
+        counts = [int((y != -100).sum()) for _, y in micro]
+        total = sum(counts)
+        dp_mesh = self.mesh.data_parallel_view()      # dp x cp ranks: different tokens
+        group = dp_mesh.groups.get("dp")
+        if dp_mesh.dp > 1 and group is not None:
+            t = torch.tensor([total], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=group)  # bookkeeping-sized: one number
+            total = int(t.item())
+        return [c * dp_mesh.dp / max(total, 1) for c in counts]
+
     def forward_backward(self, micro) -> float | None:
-        """Run every micro-batch forward and backward; return this rank's share of the loss."""
+        """Run every micro-batch forward and backward; return this rank's share of the loss.
+
+        The objective of micro-batch ``i`` is ``w_i * cross_entropy + aux / M``
+        (:meth:`loss_weights`; MoE balancing losses are per-sequence means, weighted ``1/M``),
+        multiplied by the fp16 loss scale for backward.
+        """
+        weights = self.loss_weights(micro)
         if self.pipeline is not None:
-            return self.pipeline.run(micro)
+            return self.pipeline.run(micro, loss_weights=weights, loss_scale=self.loss_scale())
         M, total = len(micro), 0.0
         for i, (x, y) in enumerate(micro):
             ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
             with ctx:
-                loss = self.wrapper(x, y) / M
+                loss = self.wrapper(x, y)
+                aux = self.model.aux_loss()
+                loss = (loss - aux) * weights[i] + aux / M
                 (loss * self.loss_scale()).backward()
             total += loss.item()
         return total
@@ -163,17 +191,52 @@ class Engine:
         """The fp16 loss scale (1 for fp32/bf16); pipeline runners multiply their loss by it too."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def train_step(self, micro) -> float | None:
+    def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(gradient the optimizer will use, fp32 and unscaled; model parameter)`` pairs held by
+        this rank, after the optimizer's ``unscale()``."""
+        if hasattr(self.optimizer, "grad_pieces"):
+            return self.optimizer.grad_pieces()
+        return [(p.grad, p) for p in self.local.parameters() if p.grad is not None]
+
+    def train_step(self, micro, step: int | None = None) -> float | None:
+        """One optimizer step over the micro-batches ``micro``; ``step`` (1-based) sets the learning
+        rate from the schedule. Sets ``self.last``: ``grad_norm`` (global, before clipping, loss
+        scale removed; ``None`` on a skipped step), ``lr``, ``skipped``."""
+        from llmlab.training.grad_norm import clip_, global_grad_norm, owns
+        from llmlab.training.lr_schedule import lr_at
+        cfg = self.cfg
         with SavedActivations(self.parameters()) as act:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
         self.wrapper.finish_grad_sync()
+        grad_of = getattr(self.wrapper, "grad_of", None)  # ZeRO: the part of p in this rank's shard
         for f in getattr(self.model, "grad_finalizers", []):
-            f()
+            f(grad_of) if grad_of is not None else f()
         grads = getattr(self.wrapper, "grad_tensors", None)
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads()) if grads else grad_bytes(self.parameters()))
-        self.optimizer.step()
+        if hasattr(self.optimizer, "unscale"):
+            self.optimizer.unscale()
+        pieces = self.grad_pieces()
+        if step is not None and step == self.force_overflow_at and pieces:
+            pieces[0][0].view(-1)[0] = float("inf")  # LLMLAB_FORCE_OVERFLOW: a test's fault
+        sharded = cfg.zero > 0
+        norm, finite = global_grad_norm([(g, owns(p, self.mesh, sharded)) for g, p in pieces],
+                                        self.device)
+        skipped = self.scaler is not None and not finite
+        if self.scaler is not None:
+            self.scaler.update(not finite)
+        lr = lr_at(step or 1, cfg.lr, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
+        if not skipped:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            if cfg.grad_clip:
+                clip_([g for g, _ in pieces], cfg.grad_clip, norm)
+            if hasattr(self.optimizer, "apply"):
+                self.optimizer.apply()
+            else:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
 
 
@@ -196,6 +259,16 @@ def _fault_injection(rank: int) -> int | None:
     fault-tolerance lab and tests use it to show a crashed rank stopping the job, named, and
     ``--resume`` continuing from the last good checkpoint."""
     spec = os.environ.get("LLMLAB_KILL_RANK_AT_STEP")
+    if not spec:
+        return None
+    r, s = (int(v) for v in spec.split(":"))
+    return s if r == rank else None
+
+
+def _force_overflow(rank: int) -> int | None:
+    """``LLMLAB_FORCE_OVERFLOW="R:S"`` writes an inf into one gradient element on rank R at step S
+    (after gradient sync): the tests use it to show that every rank skips that fp16 step."""
+    spec = os.environ.get("LLMLAB_FORCE_OVERFLOW")
     if not spec:
         return None
     r, s = (int(v) for v in spec.split(":"))
@@ -236,16 +309,17 @@ def rank_main(cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        local_loss = engine.train_step(micro)
+        local_loss = engine.train_step(micro, step)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         loss = global_loss(local_loss, mesh, device)
         tps = cfg.global_batch_size * cfg.seq_len / dt
-        rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps}
-        if mc.num_experts:  # routing statistics of this step, summed over dp (collective)
+        rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps} | engine.last
+        if mc.num_experts:  # routing statistics of this step, summed over dp and pp (collective)
             from llmlab.model.moe import collect_moe_stats
-            rec.update(collect_moe_stats(engine.model, mesh.groups.get("dp")))
+            rec.update(collect_moe_stats(engine.model, mesh.groups.get("dp"), mesh.groups.get("pp"),
+                                         num_layers=mc.num_hidden_layers))
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u

@@ -35,6 +35,10 @@ STYLE = {
     "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
     "lines.linewidth": 1.6, "lines.markersize": 5, "figure.titlesize": 11,
 }
+# Axis labels of the metrics llmlab's records carry (``llmlab.train(on_step=...)``, the trainer's
+# metrics JSON), used when ``LivePlot(ylabels=...)`` does not name one.
+UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "mfu": "fraction of peak",
+         "lb_loss": "balancing loss", "imbalance": "max / mean tokens per expert"}
 WIDTH = 10.0   # inches: a figure this wide fits a notebook column without shrinking its text
 
 
@@ -68,7 +72,7 @@ class LivePlot:
         import matplotlib.pyplot as plt
         use_style()
         self.series, self.interval, self.logy = list(series), interval, set(logy)
-        self.ylabels, self.x, self.xlabel = dict(ylabels or {}), x, xlabel or x
+        self.ylabels, self.x, self.xlabel = UNITS | dict(ylabels or {}), x, xlabel or x
         self.logx, self.markers = logx, markers
         self.data: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         ncols = max(1, min(ncols, len(series)))
