@@ -166,6 +166,16 @@ def test_max_tokens_one_stop_strings_and_stop_token_ids():
                                                 stop_token_ids=[tok]))[0].outputs[0]
     assert got.finish_reason == "stop" and got.token_ids == ref.token_ids[:k + 1]
     assert got.text == ref.text[:k]
+    kept = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok],
+                                                 include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.token_ids == got.token_ids and kept.text == ref.text[:k + 1]   # the token's text too
+    late = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tok],
+                                                 min_tokens=k + 1))[0].outputs[0]
+    # the stop token is masked for the first k + 1 tokens: the same up to k, another token at k,
+    # then the first stop token after min_tokens ends it
+    assert late.token_ids[:k] == ref.token_ids[:k] and tok not in late.token_ids[:k + 1]
+    assert late.finish_reason == "length" or (late.token_ids[-1] == tok and late.finish_reason == "stop"
+                                              and late.token_ids.count(tok) == 1)
     assert_pool_full(llm)
 
 
