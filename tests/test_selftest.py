@@ -46,8 +46,8 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
 
 def test_a_hung_check_is_a_fail_and_leaves_nothing_running():
     before = _children()
-    r = run_check("train_layouts", quick=True, timeout=8)  # killed while its ranks run
-    assert r["status"] == FAIL and r["reason"].startswith("hang: no result after 8 s")
+    r = run_check("train_layouts", quick=True, timeout=3)  # it needs > 5 s even when idle
+    assert r["status"] == FAIL and r["reason"].startswith("hang: no result after 3 s")
     time.sleep(1)
     assert _children() <= before
     assert _group(r["pid"]) == []  # the check and the ranks it started: all gone
