@@ -349,7 +349,9 @@ def test_logprobs_are_the_engines(server, client, llm):
     want = [d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)]
     r = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx(want)
+    # fp32: the server's step may batch the prompt with other rows (another GEMM shape), so the
+    # same log-probabilities agree to rounding, not bit for bit
+    assert lp.token_logprobs == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert "".join(lp.tokens) == r.choices[0].text
     assert all(len(t) == 2 for t in lp.top_logprobs)       # greedy: the sampled token is the top one
     streamed = [x for ch in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=6,
