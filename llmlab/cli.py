@@ -85,6 +85,20 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends each flag's help with its default, once: not where the help text already says it
+    (``(default: the checkpoint's, else 128)``), ``off`` for a switch, ``none`` for no value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if ("default" in help_ or not action.option_strings
+                or action.default is argparse.SUPPRESS):
+            return help_
+        if action.nargs == 0 and action.default is False:  # store_true
+            return f"{help_} (default: off)"
+        return f"{help_} (default: {'none' if action.default is None else '%(default)s'})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from llmlab import __version__
     parser = argparse.ArgumentParser(
@@ -98,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_) in SUBCOMMANDS.items():
         parent = bench_sub if name.startswith("bench ") else sub
         # Other commands' flags show their defaults; train's help texts carry them already.
-        p = parent.add_parser(name.split()[-1], help=help_,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = parent.add_parser(name.split()[-1], help=help_, formatter_class=HelpFormatter)
         p.set_defaults(module=module)
         importlib.import_module(module).add_arguments(p)
     return parser

@@ -40,13 +40,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None,
                    help="default: the checkpoint's, else 0.8; 0 = greedy (the tokens Hugging Face "
                         "generate(do_sample=False) gives)")
-    p.add_argument("--top-k", type=int, default=None, help="0 = all tokens")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: the checkpoint's, else "
+                        "0 = all tokens)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass "
+                        "(default: the checkpoint's, else 1 = all)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than this fraction of the most likely one "
+                        "(default: the checkpoint's, else 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divides the logits of tokens already in prompt or output (> 1 repeats "
+                        "less; default: the checkpoint's, else 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtracted from the logits of tokens already generated (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtracted once per time a token was generated (default: 0)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="top log-probabilities per token (default: none)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
                    help="stop strings")
@@ -55,9 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--enable-chunked-prefill", action="store_true")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompt prefixes already computed")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engine runs (auto: a GPU if there is one, else the CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")

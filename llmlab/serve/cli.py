@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is sharded over (default 1; not with --data-parallel-size > 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default 30)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (info and debug also log each request)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
@@ -47,11 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--enable-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompt prefixes already computed")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="store linear weights in int8 with per-channel scales")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that send none")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engines run (auto: a GPU if there is one, else the CPU)")
 
 
 def engine_args(args) -> dict:
