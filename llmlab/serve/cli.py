@@ -12,6 +12,7 @@ port the OS chose). SIGTERM or Ctrl-C: stop admitting, let running requests fini
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -106,11 +107,20 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(args.model)
     kw = engine_args(args)
     metrics = ServerMetrics(name, device_type=_device_type(args.device))
-    engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
-                            max_waiting_requests=args.max_waiting_requests, metrics=metrics, **kw)
+    try:  # before any model is loaded: a taken port fails at once, nothing to stop
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        hint = " (--port 0 picks a free port)" if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}") from None
+    try:
+        engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
+                                max_waiting_requests=args.max_waiting_requests, metrics=metrics,
+                                **kw)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
                     metrics=metrics)
-    sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
