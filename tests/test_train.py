@@ -70,6 +70,17 @@ def test_bad_layouts_are_refused_before_launch(kw, msg):
         validate(TrainConfig(**kw))
 
 
+def test_output_paths_of_the_wrong_kind_are_refused_before_launch(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for kw in ({"checkpoint_dir": str(a_file)}, {"save_model": str(a_file)}):
+        with pytest.raises(ValueError, match="is a file; it must be a folder"):
+            validate(TrainConfig(**kw))
+    with pytest.raises(ValueError, match="--metrics-json .* is a folder"):
+        validate(TrainConfig(metrics_json=str(tmp_path)))
+    validate(TrainConfig(checkpoint_dir=str(tmp_path / "new"), metrics_json=str(a_file)))
+
+
 def test_cli_train_writes_metrics_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "m.json"
     assert main(["train", "--steps", "2", "--no-progress", "--metrics-json", str(out)]) == 0

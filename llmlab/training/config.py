@@ -201,6 +201,11 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
+    if cfg.metrics_json and Path(cfg.metrics_json).is_dir():
+        raise ValueError(f"--metrics-json {cfg.metrics_json!r} is a folder; it must be a file path")
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
