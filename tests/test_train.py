@@ -64,6 +64,7 @@ def test_same_seed_same_losses_different_seed_different(run):
      "ep=3 must divide num_experts=4"),
     ({"steps": 0}, "--steps must be >= 1"),
     ({"resume": True}, "--resume needs --checkpoint-dir"),
+    ({"checkpoint_every": 2}, "--checkpoint-every needs --checkpoint-dir"),
 ])
 def test_bad_layouts_are_refused_before_launch(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("*", r"\*").replace("+", r"\+")):

@@ -201,6 +201,8 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
