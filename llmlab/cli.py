@@ -78,6 +78,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
               f"loss {steps[-1]['loss']:.4f}  ({steps[-1]['tokens_per_s']:.0f} tokens/s, "
               f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
+    else:  # only a resumed run can have no step left
+        print(f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
+              f"step {cfg.steps} or later (--steps {cfg.steps})")
     if cfg.metrics_json:
         print(f"metrics written to {cfg.metrics_json}")
     if cfg.save_model:

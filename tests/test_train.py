@@ -82,6 +82,14 @@ def test_output_paths_of_the_wrong_kind_are_refused_before_launch(tmp_path):
     validate(TrainConfig(checkpoint_dir=str(tmp_path / "new"), metrics_json=str(a_file)))
 
 
+def test_cli_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck]) == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck, "--resume"]) == 0
+    assert f"nothing to train: the latest checkpoint in {ck} is already at step 2" in capsys.readouterr().out
+
+
 def test_cli_train_writes_metrics_and_refuses_bad_input(tmp_path, capsys):
     out = tmp_path / "m.json"
     assert main(["train", "--steps", "2", "--no-progress", "--metrics-json", str(out)]) == 0
