@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
     from llmlab.runtime.launch import ForgedValueError, RankError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "bench_what", None):  # errors name the whole command: "llmlab bench comm"
+        args.command = f"{args.command} {args.bench_what}"
     try:
         if args.command == "train":
             return run_train(args)

@@ -107,7 +107,7 @@ def estimate(args: argparse.Namespace) -> dict:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {args.zero}")
     if args.dp is not None:
         check_ranks(args.dp)
-    out = {"inputs": {k: v for k, v in vars(args).items() if k not in ("command", "json")} |
+    out = {"inputs": {k: v for k, v in vars(args).items() if k not in ("command", "module", "json")} |
            {"num_params": n},
            "memory": {"dtype": args.dtype, "optimizer": args.optimizer,
                       "bytes": model_state_bytes(n, args.dtype, args.optimizer)}}
