@@ -58,7 +58,9 @@ LAB_LAYOUTS: dict[str, Callable[[int], list[dict]]] = {
         dict(pp=n, pp_schedule=s, virtual_stages=v, global_batch_size=16, seq_len=64,
              num_microbatches=8) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))] + [
         dict(pp=n, pp_schedule=s, num_microbatches=m, global_batch_size=2 * m, seq_len=64)
-        for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)],
+        for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)] + [
+        dict(pp=n, pp_schedule=s, virtual_stages=v, num_microbatches=n, global_batch_size=2 * n,
+             seq_len=256) for s, v in (("1f1b", 1), ("interleaved", 2))],
     "04_expert_parallel": lambda n: [dict(dp=_ep(n), ep=_ep(n))],
     "05_zero": lambda n: [dict(dp=n, zero=stage, dtype=dt) for stage in (1, 2, 3)
                           for dt in ("fp32", "bf16")],

@@ -19,8 +19,20 @@ KW = dict(seed=2, global_batch_size=8, seq_len=32, steps=3)
 CLIP = dict(grad_clip=1.0, lr_schedule="cosine", warmup_steps=1, min_lr=1e-4)
 
 
+_RUNS = {}
+
+
 def _steps(**kw):
-    return llmlab.train(TrainConfig(**(KW | kw)), progress=False)["steps"]
+    m = llmlab.train(TrainConfig(**(KW | kw)), progress=False)
+    _RUNS[tuple(sorted(kw.items()))] = m
+    return m["steps"]
+
+
+def _run(**kw):
+    key = tuple(sorted(kw.items()))
+    if key not in _RUNS:
+        _steps(**kw)
+    return _RUNS[key]
 
 
 def _assert_tracks(steps, ref, rtol, keys=("loss", "grad_norm"), n=None):
@@ -61,6 +73,26 @@ def test_zero_on_any_mesh_equals_one_rank(layout, extra):
     if extra:  # clipping really acted, and the schedule moved
         assert min(s["grad_norm"] for s in ref) > extra["grad_clip"]
         assert steps[-1]["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=2, num_microbatches=2)],
+                         ids=["dp2xtp2-z3", "dp2xpp2-z2"])
+def test_zero_traffic_in_a_slice_is_the_formula_for_the_slice(layout):
+    """ZeRO's reduce-scatter + all-gather bytes per step equal the ZeRO formula for the Ψ of the
+    rank's tp slice / pipeline stage (stage 2 reduce-scatters once per micro-batch)."""
+    from llmlab.formulas.communication import zero_comm_bytes_per_step
+    m = _run(**layout)
+    model = llmlab.LlamaForCausalLM(llmlab.get_preset("tiny"), seed=None)
+    split = ("proj", "embed_tokens", "lm_head")   # weights tensor parallelism splits
+    tp, pp, M = layout.get("tp", 1), layout.get("pp", 1), layout.get("num_microbatches", 1)
+    psi = sum(p.numel() // (tp if any(k in n for k in split) else 1)
+              for n, p in model.named_parameters()
+              if pp == 1 or "embed_tokens" in n or any(f"layers.{i}." in n for i in range(2)))
+    want = zero_comm_bytes_per_step(psi, layout["zero"])["payload"]
+    want = M * want["reduce_scatter"] + want["all_gather"]
+    c = m["ranks"][0]["comm_bytes"]                # rank 0: tp rank 0, pipeline stage 0
+    got = (c["reduce_scatter"] + c["all_gather"]) / KW["steps"]
+    assert abs(got - want) / want < 0.01, (got, want)
 
 
 def test_clipping_changes_the_update_and_schedule_shapes():
@@ -338,3 +370,15 @@ def test_zero3_x_tp_equals_fsdp2_x_dtensor_tp():
         for n, (diff, scale, moved) in diffs.items():
             assert diff <= 1e-5 + 1e-4 * scale, f"{n} differs from FSDP2 x DTensor by {diff}"
             assert moved > 1e-4, f"{n} did not train"
+
+
+def test_capacity_is_per_rank_micro_batch_as_the_contract_says():
+    """docs/CONTRACT.md: capacity applies to the tokens of one micro-batch on one rank. So dp2 x ep2
+    with capacity equals one rank with 2 micro-batches (same drops, same losses), and tp2 equals
+    one rank with the whole batch in one call."""
+    moe = dict(model="tiny-moe", capacity_factor=1.0)
+    split = _ref(num_microbatches=2, **moe)
+    whole = _ref(**moe)
+    assert all(s["dropped_tokens"] > 0 for s in split)           # capacity really drops tokens
+    _assert_tracks(_steps(dp=2, ep=2, **moe), split, 1e-4, keys=("loss", "grad_norm", "dropped_tokens"))
+    _assert_tracks(_steps(tp=2, **moe), whole, 1e-4, keys=("loss", "grad_norm", "dropped_tokens"))

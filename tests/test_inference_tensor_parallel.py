@@ -86,3 +86,4 @@ def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts():
     tensor_parallel.validate(cfg, 4)              # kv heads replicated: 2 ranks per kv head
     with pytest.raises(ValueError, match="must be >= 1"):
         tensor_parallel.validate(cfg, 0)
+

@@ -13,7 +13,11 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("triton")
+from llmlab.kernels import TRITON_MARKER, triton_platform  # does not import triton
+
+if not triton_platform():   # by platform, as the kernels extra installs triton: never by import
+    pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
+                allow_module_level=True)
 
 PRELUDE = """
 import os

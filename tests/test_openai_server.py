@@ -423,3 +423,16 @@ def test_chat_uses_the_tokenizers_template_or_a_template_file(tmp_path):
     assert text == "w5 w6 w1 w2 w3 <|assistant|>" and tok.decode(got) == text
     with pytest.raises(FileNotFoundError):
         load_template(str(tmp_path / "missing.jinja"))
+
+
+def test_the_engines_other_sampling_fields_pass_through(server, client, llm):
+    kw = {"repetition_penalty": 1.8, "min_tokens": 4, "presence_penalty": 0.5}
+    want = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=16, **kw))[0].outputs[0].text
+    plain = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    got = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=16, temperature=0,
+                                    presence_penalty=0.5,
+                                    extra_body={"repetition_penalty": 1.8, "min_tokens": 4}).choices[0].text
+    assert got == want != plain
+    code, err = _post(server.url + "/v1/completions",
+                      {"model": MODEL, "prompt": "x", "repetition_penalty": -1})
+    assert code == 400 and "repetition_penalty" in err["error"]["message"]

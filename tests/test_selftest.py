@@ -46,14 +46,30 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
 
 def test_a_hung_check_is_a_fail_and_leaves_nothing_running():
     before = _children()
-    r = run_check("train_layouts", quick=True, timeout=3)
+    r = run_check("train_layouts", quick=True, timeout=3)  # it needs > 5 s even when idle
     assert r["status"] == FAIL and r["reason"].startswith("hang: no result after 3 s")
     time.sleep(1)
     assert _children() <= before
+    assert _group(r["pid"]) == []  # the check and the ranks it started: all gone
+
+
+def _group(pgid: int) -> list:
+    """Live processes of process group ``pgid``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and stat[0] != "Z":
+                out.append(int(pid))
+    return out
 
 
 def _children() -> set:
-    """Processes whose parent is this one (fork servers excluded: they are reused)."""
+    """Processes whose parent is this one (multiprocessing's fork server and resource tracker
+    excluded: they serve every launch of the session)."""
     me, out = os.getpid(), set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -62,6 +78,7 @@ def _children() -> set:
                 cmd = open(f"/proc/{pid}/cmdline").read()
             except OSError:
                 continue
-            if int(stat[1]) == me and "forkserver" not in cmd and stat[0] != "Z":
+            if (int(stat[1]) == me and "forkserver" not in cmd and "resource_tracker" not in cmd
+                    and stat[0] != "Z"):
                 out.add(int(pid))
     return out

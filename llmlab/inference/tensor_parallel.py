@@ -38,6 +38,7 @@ import torch.distributed as dist
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.model.context import forward_context
+from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.runtime.messages import broadcast_message
 from llmlab.model.llama import MLP, LlamaForCausalLM
 
@@ -50,19 +51,9 @@ def validate(config, tp: int, quantization=None) -> None:
         raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
     if tp == 1:
         return
-    H, KV = config.num_attention_heads, config.num_key_value_heads
-    if H % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={H}")
-    if KV >= tp and KV % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={KV}")
-    if KV < tp and tp % KV:
-        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of num_key_value_heads={KV}")
     if config.num_experts:
         raise ValueError("tensor-parallel inference of a mixture-of-experts model is not supported")
-    if config.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={config.intermediate_size}")
-    if config.vocab_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size={config.vocab_size}")
+    check_shardable(config, tp, name="tensor_parallel_size")   # heads, kv heads, FFN, vocabulary
     if quantization is not None:
         raise ValueError("quantization with tensor_parallel_size > 1 is not supported")
 
@@ -349,3 +340,5 @@ def _worker_main(rank, tp, port, backend, payload, config, device, runner_args, 
         print(f"llmlab tensor-parallel rank {rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)          # no interpreter teardown racing the process group's threads

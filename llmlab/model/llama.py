@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         if positions is not None:
             cos, sin = self.rotary_at(positions, hidden.dtype)
         else:
-            T = seq_len if seq_len is not None else hidden.shape[1]
+            T = seq_len if seq_len is not None else hidden.shape[1] * self.sequence_shards
             cos, sin = self.rotary(T, hidden.device, hidden.dtype)
         for layer in (self.model.layers if layers is None else layers):
             hidden = layer(hidden, cos, sin)
@@ -310,9 +310,17 @@ class LlamaForCausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
+    # Tensor parallelism sets these (llmlab.parallel.tensor_parallel.apply_tensor_parallel):
+    # the hidden state is split into ``sequence_shards`` along the sequence (sequence parallelism),
+    # and ``loss_function(logits, labels)`` computes the loss from vocabulary-sharded logits.
+    sequence_shards: int = 1
+    loss_function = None
+
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over labels ``!= -100`` (0, not nan, if every label is
         ignored: a micro-batch of padding only adds nothing)."""
+        if self.loss_function is not None:
+            return self.loss_function(logits, labels)
         labels = labels.flatten()
         total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100,
                                 reduction="sum")

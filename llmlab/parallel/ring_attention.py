@@ -136,10 +136,16 @@ class _Ring:
         self.group, self.n, self.r = group, len(ranks), ranks.index(me)
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
-    def post(self, send=None, recv=None, tag=_KV_TAG, extra_recv=None) -> list:
-        """Post (non-blocking) a send to ``next`` and receives from ``prev``; returns the works.
-        ``extra_recv`` (the gradient accumulator) is posted first, matching the order it was sent."""
+    def post(self, send=None, recv=None, tag=_KV_TAG, extra_recv=None, extra_send=None) -> list:
+        """Post (non-blocking) sends to ``next`` and receives from ``prev`` as ONE batch; returns
+        the works. ``extra_send``/``extra_recv`` (the gradient accumulator passed on) come first
+        on both sides, so the two ranks of a pair post in the same order (NCCL matches by order).
+        Every step is one batch that pairs with the neighbours' batch of the same step: a send
+        in a batch of its own would wait, under NCCL, for a receive its peer posts only after its
+        own such send, all around the ring."""
         ops = []
+        if extra_send is not None:
+            ops.append(dist.P2POp(dist.isend, extra_send, self.next, self.group, _DKV_TAG))
         if extra_recv is not None:
             ops.append(dist.P2POp(dist.irecv, extra_recv, self.prev, self.group, _DKV_TAG))
         if send is not None:
@@ -196,15 +202,15 @@ class RingAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)                   # [B, H, T]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        sending: list = []
-        dkv = None
+        dkv = None  # the accumulator of the block last processed, passed on with the next batch
         for s in range(ring.n):
             t0, nxt, dkv_in = time.perf_counter(), None, None
             if s > 0:
                 dkv_in = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
-            works = ring.post(send=kv if nxt is not None else None, recv=nxt, extra_recv=dkv_in)
+            works = ring.post(send=kv if nxt is not None else None, recv=nxt, extra_recv=dkv_in,
+                              extra_send=dkv)
             if not ctx.overlap and works:
                 works = _wait(works)
                 _record("backward", s, "comm", t0)
@@ -220,14 +226,12 @@ class RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 _record("backward", s, "comm", t0)
-            _wait(sending)
             dkv = contrib if dkv_in is None else contrib + dkv_in       # the block's accumulator
-            if ring.n > 1:
-                sending = ring.post(send=dkv, tag=_DKV_TAG)             # on to the next rank
             kv = nxt
         if ring.n > 1:                                                  # one more hop: home
-            dkv = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
-            _wait(ring.post(extra_recv=dkv) + sending)
+            home = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
+            _wait(ring.post(extra_recv=home, extra_send=dkv))
+            dkv = home
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

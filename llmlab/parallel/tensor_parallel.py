@@ -368,28 +368,36 @@ def validate_layout(cfg, model_config) -> None:
 
     Called by :func:`llmlab.training.config.validate` before any rank starts.
     """
-    tp, mc = cfg.tp, model_config
-    if getattr(cfg, "sequence_parallel", False) and tp == 1:
+    check_shardable(model_config, cfg.tp, getattr(cfg, "sequence_parallel", False),
+                    getattr(cfg, "seq_len", None))
+
+
+def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
+                    name: str = "tp") -> None:
+    """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard model config
+    ``mc`` (heads, kv heads, FFN width, vocabulary; ``seq_len`` under sequence parallelism);
+    ``name`` is the degree's name in the message (``tensor_parallel_size`` for inference)."""
+    if sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1 (it shards the sequence over the "
                          "tensor-parallel ranks)")
     if tp == 1:
         return
     H, KV = mc.num_attention_heads, mc.num_key_value_heads
     if H % tp:
-        raise ValueError(f"tp={tp} must divide num_attention_heads={H}")
+        raise ValueError(f"{name}={tp} must divide num_attention_heads={H}")
     if KV >= tp and KV % tp:
-        raise ValueError(f"tp={tp} must divide num_key_value_heads={KV}")
+        raise ValueError(f"{name}={tp} must divide num_key_value_heads={KV}")
     if KV < tp and tp % KV:
-        raise ValueError(f"tp={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
+        raise ValueError(f"{name}={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
                          f"it (each kv head is replicated on tp/num_key_value_heads ranks)")
     if not mc.num_experts and mc.intermediate_size % tp:
-        raise ValueError(f"tp={tp} must divide intermediate_size={mc.intermediate_size}")
+        raise ValueError(f"{name}={tp} must divide intermediate_size={mc.intermediate_size}")
     if mc.vocab_size % tp:
-        raise ValueError(f"tp={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
-                         f"split over tp ranks and not padded)")
-    if getattr(cfg, "sequence_parallel", False):
-        if cfg.seq_len % tp:
-            raise ValueError(f"tp={tp} must divide --seq-len {cfg.seq_len} (sequence "
+        raise ValueError(f"{name}={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
+                         f"split over {name} ranks and not padded)")
+    if sequence_parallel:
+        if seq_len is not None and seq_len % tp:
+            raise ValueError(f"tp={tp} must divide --seq-len {seq_len} (sequence "
                              f"parallelism shards the sequence)")
         if mc.num_experts:
             raise ValueError("--sequence-parallel with a mixture-of-experts model is not "
@@ -400,42 +408,59 @@ def _grad(p):
     return p.grad
 
 
-def _sum_over_tp(params: list[nn.Parameter], group):
+class SumOverTP:
     """Grad finalizer: all-reduce (sum) the gradients of ``params`` over the tp group, in one
-    flat buffer (norm weights under SP hold partial gradients).
+    flat buffer (norm weights and row-parallel biases under SP hold partial gradients).
 
-    Finalizers take ``grad_of(p)``: the gradient tensor of ``p`` this rank holds (default
-    ``p.grad``; under ZeRO the part of ``p`` in this rank's gradient shard, laid out identically on
-    every tp rank, so the buffers still line up)."""
-    def finalize(grad_of=_grad):
-        grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
+    Finalizers are called with ``grad_of(p)``: the gradient tensor of ``p`` this rank holds
+    (default ``p.grad``; under ZeRO the part of ``p`` in this rank's gradient shard, laid out
+    identically on every tp rank, so the buffers still line up)."""
+
+    def __init__(self, params: list[nn.Parameter], group):
+        self.params, self.group = params, group
+
+    def __call__(self, grad_of=_grad):
+        grads = [g for g in map(grad_of, self.params) if g is not None and g.numel()]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=group)
+        comm.all_reduce(flat, group=self.group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
-    return finalize
 
 
-def _sum_over_kv_replicas(attns: list[ParallelAttention], group):
+class SumOverKVReplicas:
     """Grad finalizer: replicated kv heads sum their weight gradients over the ranks sharing them.
 
     One all-reduce over the tp group of a ``[num_kv_heads, n]`` buffer in which each rank fills
     the row of its kv head: row ``j`` becomes the sum over kv head ``j``'s replicas.
     """
-    def finalize(grad_of=_grad):
-        params = [p for a in attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
+
+    def __init__(self, attns: list["ParallelAttention"], group):
+        self.attns, self.group = attns, group
+
+    def __call__(self, grad_of=_grad):
+        params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
         grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
             return
-        a0 = attns[0]
+        a0 = self.attns[0]
         buf = grads[0].new_zeros(a0.kv_num_shards, sum(g.numel() for g in grads))
         buf[a0.kv_shard] = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(buf, group=group)
+        comm.all_reduce(buf, group=self.group)
         for g, part in zip(grads, buf[a0.kv_shard].split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
-    return finalize
+
+
+class VocabParallelLoss:
+    """The model's ``loss_function`` under TP: :func:`vocab_parallel_cross_entropy` of this rank's
+    vocabulary slice (``logits [*, V/tp]``, ``labels [*]``) -> the same scalar on every tp rank."""
+
+    def __init__(self, group, vocab_start: int):
+        self.group, self.vocab_start = group, vocab_start
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
 
 
 def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) -> None:
@@ -456,55 +481,85 @@ def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) ->
                 p.tp_duplicate = not first
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False):
-    """Shard a full, seeded model over ``mesh.groups["tp"]`` in place and return it.
+# The plan: module name (fnmatch pattern) -> how that module is split over the tp group.
+# Attention and the dense MLP are planned as blocks so that q/k/v (and gate/up) share one
+# communication region (Megatron's fused QKV): inside them q/k/v and gate/up are
+# column-parallel, o_proj and down_proj row-parallel.
+TP_PLAN: dict[str, str] = {
+    "model.embed_tokens": "vocab_parallel",   # VocabParallelEmbedding: rows of the vocabulary
+    "model.layers.*.self_attn": "attention",  # ParallelAttention: q/k/v column, o row
+    "model.layers.*.mlp": "mlp",              # ParallelMLP: gate/up column, down row (dense MLPs)
+    "lm_head": "column_parallel",             # logits [B, T, V/tp] for the vocab-parallel loss
+}
 
-    Replaces q/k/v/o and gate/up/down by column/row-parallel layers, the embedding and
-    ``lm_head`` by vocab-parallel ones, ``compute_loss`` by :func:`vocab_parallel_cross_entropy`,
-    and appends the gradient finalizers (SP norm weights; replicated kv heads) to
-    ``model.grad_finalizers``. MoE MLPs are left replicated (only without SP). Raises
-    ``ValueError`` naming the constraint when ``tp`` does not divide the model's dimensions.
+
+def _vocab_parallel(m, group, sp):
+    return VocabParallelEmbedding.from_embedding(m, group, sp)
+
+
+def _attention(m, group, sp):
+    return ParallelAttention(m, group, sp)
+
+
+def _mlp(m, group, sp):
+    return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m   # MoE: experts replicated
+
+
+def _column_parallel(m, group, sp):
+    return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
+
+
+STYLES = {"vocab_parallel": _vocab_parallel, "attention": _attention, "mlp": _mlp,
+          "column_parallel": _column_parallel}
+
+
+def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool) -> None:
+    """Replace every module whose name matches a pattern of ``plan`` by its parallel form
+    (:data:`STYLES`), in place. The parallel modules copy this rank's slice of the full weights."""
+    import fnmatch
+    for name, module in list(model.named_modules()):
+        style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if style is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, STYLES[style](module, group, sequence_parallel))
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False,
+                          plan: dict[str, str] | None = None):
+    """Shard a full, seeded model over ``mesh.groups["tp"]`` in place with ``plan`` (default
+    :data:`TP_PLAN`) and return it.
+
+    Sets the model's data hooks: ``loss_function`` (:class:`VocabParallelLoss`),
+    ``sequence_shards`` (``tp`` under SP: RoPE needs the full length), ``tensor_parallel``; marks
+    every parameter's ``tp_duplicate``; appends the gradient finalizers (SP norm weights;
+    replicated kv heads) to ``model.grad_finalizers``. Raises ``ValueError`` naming the constraint
+    when ``tp`` does not divide the model's dimensions.
     """
     group, tp = mesh.groups.get("tp"), mesh.size("tp")
     mc = model.config
-    validate_layout(type("Cfg", (), {"tp": tp, "sequence_parallel": sequence_parallel,
-                                     "seq_len": tp})(), mc)
+    check_shardable(mc, tp, sequence_parallel)
     if not hasattr(model, "grad_finalizers"):
         model.grad_finalizers = []
     if tp == 1:
         return model
     sp = sequence_parallel
-    inner = model.model
-    tied = mc.tie_word_embeddings
-    inner.embed_tokens = VocabParallelEmbedding.from_embedding(inner.embed_tokens, group, sp)
-    lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp)
-    if tied:
-        lm_head.weight = inner.embed_tokens.weight
-    model.lm_head = lm_head
-    attns = []
-    for layer in inner.layers:
-        layer.self_attn = ParallelAttention(layer.self_attn, group, sp)
-        attns.append(layer.self_attn)
-        if isinstance(layer.mlp, MLP):
-            layer.mlp = ParallelMLP(layer.mlp, group, sp)
+    apply_plan(model, TP_PLAN if plan is None else plan, group, sp)
+    if mc.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    attns = [m for m in model.modules() if isinstance(m, ParallelAttention)]
     if sp:
         norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
         for p in norms:
             p.sequence_parallel = True
         sp_params = norms + [p for m in model.modules() if isinstance(m, RowParallelLinear)
                              for p in m.parameters() if getattr(p, "sequence_parallel", False)]
-        model.grad_finalizers.append(_sum_over_tp(sp_params, group))
-        full_run_layers = model.run_layers
-
-        def run_layers(hidden, layers=None, seq_len=None):
-            # hidden is [B, T/tp, h]: RoPE needs the full length T.
-            return full_run_layers(hidden, layers, hidden.shape[1] * tp if seq_len is None else seq_len)
-        model.run_layers = run_layers
+        model.grad_finalizers.append(SumOverTP(sp_params, group))
+        model.sequence_shards = tp        # hidden is [B, T/tp, h]: RoPE needs the full length T
     if attns and attns[0].kv_replicated:
-        model.grad_finalizers.append(_sum_over_kv_replicas(attns, group))
+        model.grad_finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)
-    vocab_start = inner.embed_tokens.vocab_start
-    model.compute_loss = lambda logits, labels: vocab_parallel_cross_entropy(
-        logits, labels, group, vocab_start)
+    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
     model.tensor_parallel = {"tp": tp, "sequence_parallel": sp, "group": group}
     return model

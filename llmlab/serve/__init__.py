@@ -71,8 +71,11 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
     from llmlab.serve.app import build_app
     from llmlab.serve.metrics import ServerMetrics
     from llmlab.serve.server import ServerThread
+    import torch
     name = served_model_name or default_served_name(model)
-    metrics = ServerMetrics(name)
+    device = str(engine_args.get("device", "auto"))
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    metrics = ServerMetrics(name, device_type="cuda" if on_gpu else "cpu")
     engines = build_engines(model, data_parallel_size=data_parallel_size,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,

@@ -49,7 +49,7 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
     @asynccontextmanager
     async def lifespan(app):
         for e in engines:
-            if not e._thread.is_alive() and e._thread.ident is None:
+            if not e.started:
                 e.start()
         try:
             yield

@@ -121,6 +121,10 @@ class AsyncEngine:
         self.shutdown()
 
     @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
 

@@ -123,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
                     metrics=metrics)
     host, port = sock.getsockname()[:2]
     server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
+        print(f"llmlab serve: warning: listening on {host} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr, flush=True)
     shown = f"[{host}]" if ":" in host else host
     print(f"llmlab serve: serving {name} at http://{shown}:{port} "
           f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})", flush=True)
