@@ -110,6 +110,21 @@ def test_config_file_with_command_line_override(tmp_path):
     f.write_text(json.dumps({"stepz": 2}))
     with pytest.raises(ValueError, match="unknown keys.*stepz"):
         TrainConfig.from_file(f)
+    for text, msg in (("{bad", "is not valid JSON"), ("[1]", "must hold a mapping"),
+                      ('{"steps": "2"}', "steps must be int, got '2'"),
+                      ('{"steps": true}', "steps must be int, got True"),
+                      ('{"grad_clip": "x"}', "grad_clip must be float or null")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig.from_file(f)
+    f.write_text('{"steps": 2, "lr": 1, "grad_clip": null, "sequence-parallel": false}')
+    assert TrainConfig.from_file(f).lr == 1
+    y = tmp_path / "c.yaml"
+    y.write_text("steps: 2\nlr: 3e-3\n")                 # YAML 1.1 reads 3e-3 as a string
+    assert TrainConfig.from_file(y).lr == 0.003
+    y.write_text("steps: [\n")
+    with pytest.raises(ValueError, match="c.yaml is not valid YAML"):
+        TrainConfig.from_file(y)
 
 
 def test_every_train_flag_comes_from_a_field_with_help_and_default(capsys, monkeypatch):
