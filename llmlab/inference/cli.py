@@ -94,10 +94,43 @@ def read_requests(args) -> list:
             if not isinstance(r, dict) or not ("prompt" in r or "prompt_token_ids" in r):
                 reqs.append(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_token_ids'")
                 continue
+            if "prompt" in r and not isinstance(r["prompt"], str):
+                reqs.append(f"{args.prompts_file}:{n}: 'prompt' must be a string")
+                continue
+            ids = r.get("prompt_token_ids", [])
+            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                reqs.append(f"{args.prompts_file}:{n}: 'prompt_token_ids' must be a list of integers")
+                continue
             reqs.append(r)
     if not reqs:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return reqs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The JSON type each per-request field must have (JSON numbers: 1 is a valid float).
+FIELD_TYPES = {"max_tokens": "int", "top_k": "int", "seed": "int", "min_tokens": "int",
+               "logprobs": "int", "temperature": "float", "top_p": "float", "min_p": "float",
+               "repetition_penalty": "float", "presence_penalty": "float",
+               "frequency_penalty": "float", "ignore_eos": "bool",
+               "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
+               "stop": "str or list of str", "stop_token_ids": "list of int"}
+
+
+def _check_type(name: str, v) -> None:
+    """Raise ``ValueError`` naming the field when a request's value has the wrong JSON type."""
+    want = FIELD_TYPES[name]
+    ok = {"int": lambda: _is_int(v),
+          "float": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda: isinstance(v, bool),
+          "str or list of str": lambda: isinstance(v, str) or (
+              isinstance(v, list) and all(isinstance(x, str) for x in v)),
+          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v)}[want]()
+    if not ok and not (v is None and name in ("seed", "logprobs", "stop")):
+        raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def _params(args, r: dict, i: int, fallback: dict):
@@ -111,6 +144,9 @@ def _params(args, r: dict, i: int, fallback: dict):
     unknown = sorted(set(r) - set(PER_REQUEST) - {"prompt", "prompt_token_ids"})
     if unknown:
         raise ValueError(f"unknown request fields {unknown}; known: {', '.join(PER_REQUEST)}")
+    for k in PER_REQUEST:
+        if k in r:
+            _check_type(k, r[k])
     return SamplingParams(**{**fallback, **kw})
 
 
