@@ -78,11 +78,28 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
               f"loss {steps[-1]['loss']:.4f}  ({steps[-1]['tokens_per_s']:.0f} tokens/s, "
               f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
+    else:  # only a resumed run can have no step left
+        print(f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
+              f"step {cfg.steps} or later (--steps {cfg.steps})")
     if cfg.metrics_json:
         print(f"metrics written to {cfg.metrics_json}")
     if cfg.save_model:
         print(f"model written to {cfg.save_model}")
     return 0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends each flag's help with its default, once: not where the help text already says it
+    (``(default: the checkpoint's, else 128)``), ``off`` for a switch, ``none`` for no value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if ("default" in help_ or not action.option_strings
+                or action.default is argparse.SUPPRESS):
+            return help_
+        if action.nargs == 0 and action.default is False:  # store_true
+            return f"{help_} (default: off)"
+        return f"{help_} (default: {'none' if action.default is None else '%(default)s'})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_) in SUBCOMMANDS.items():
         parent = bench_sub if name.startswith("bench ") else sub
         # Other commands' flags show their defaults; train's help texts carry them already.
-        p = parent.add_parser(name.split()[-1], help=help_,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = parent.add_parser(name.split()[-1], help=help_, formatter_class=HelpFormatter)
         p.set_defaults(module=module)
         importlib.import_module(module).add_arguments(p)
     return parser
@@ -121,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmlab.runtime.launch import RankError
     from llmlab.runtime.result_auth import ForgedValueError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "bench_what", None):  # errors name the whole command: "llmlab bench comm"
+        args.command = f"{args.command} {args.bench_what}"
     try:
         if args.command == "train":
             return run_train(args)

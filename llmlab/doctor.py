@@ -211,6 +211,8 @@ def run(args) -> int:
         from llmlab.selftest import run_selftest
         report = run_selftest(quick=args.quick, json_path=args.json, only=args.check)
         return 0 if report["ok"] else 1
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be >= 2 for the all-reduce check, got {args.ranks}")
     r = diagnose(comm_ranks=args.ranks)
     print(format_report(r))
     if args.json:

@@ -74,9 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--micro-batch-size and --model, or --num-layers/--hidden-size/--num-heads)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch "
                    "(activation memory)")
-    p.add_argument("--num-layers", type=int, default=None, help="layers (instead of --model)")
-    p.add_argument("--hidden-size", type=int, default=None, help="hidden size (instead of --model)")
-    p.add_argument("--num-heads", type=int, default=None, help="attention heads (instead of --model)")
+    p.add_argument("--num-layers", type=int, default=None, help="layers, with --params (instead of --model)")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size, with --params (instead of --model)")
+    p.add_argument("--num-heads", type=int, default=None, help="attention heads, with --params (instead of --model)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (activation memory)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks: activations per rank "
                    "(each holds seq-len/cp tokens)")
@@ -90,7 +90,8 @@ def estimate(args: argparse.Namespace) -> dict:
     """Everything ``llmlab estimate`` computes, as a JSON-ready dict (bytes, FLOPs, seconds)."""
     layers, hidden, heads = args.num_layers, args.hidden_size, args.num_heads
     if (args.params is None) == (args.model is None):
-        raise ValueError("give exactly one of --params N or --model PRESET")
+        raise ValueError("give exactly one of --params N or --model PRESET (--num-layers, "
+                         "--hidden-size and --num-heads go with --params)")
     if args.model is not None:
         from llmlab.model.config import get_preset
         mc = get_preset(args.model)
@@ -106,7 +107,7 @@ def estimate(args: argparse.Namespace) -> dict:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {args.zero}")
     if args.dp is not None:
         check_ranks(args.dp)
-    out = {"inputs": {k: v for k, v in vars(args).items() if k not in ("command", "json")} |
+    out = {"inputs": {k: v for k, v in vars(args).items() if k not in ("command", "module", "json")} |
            {"num_params": n},
            "memory": {"dtype": args.dtype, "optimizer": args.optimizer,
                       "bytes": model_state_bytes(n, args.dtype, args.optimizer)}}

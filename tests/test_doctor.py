@@ -35,6 +35,13 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
     assert rc == (0 if report["verdict"] == "ok" else 1)
 
 
+def test_bad_rank_counts_are_refused_and_the_error_names_the_whole_command(capsys):
+    assert main(["doctor", "--ranks", "1"]) == 2
+    assert "llmlab doctor: error: --ranks must be >= 2" in capsys.readouterr().err
+    assert main(["bench", "comm", "--world-size", "1"]) == 2
+    assert "llmlab bench comm: error: --world-size must be >= 2" in capsys.readouterr().err
+
+
 def test_a_broken_backend_is_reported_with_its_error_not_raised():
     # More NCCL ranks than GPUs (on any host): launch refuses, and the doctor reports it.
     n = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 2

@@ -27,6 +27,7 @@ def test_cli_prints_the_seed_numbers(capsys, tmp_path):
     assert d["compute"]["time_days"] == pytest.approx(445.16, abs=0.01)
     assert d["communication"]["time_per_step_s"] == pytest.approx(3.5)
     assert d["communication"]["total_time_h"] == pytest.approx(60.76, abs=0.005)
+    assert d["inputs"]["params"] == 8e9 and "module" not in d["inputs"]   # the inputs, no CLI plumbing
 
 
 def test_cli_zero_per_rank(capsys, tmp_path):

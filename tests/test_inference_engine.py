@@ -209,6 +209,19 @@ def test_cli_generate_prompt_and_jsonl(tmp_path, capsys):
     assert "top_p" in rows[3]["error"] and rows[0]["error"] is None and len(rows[4]["token_ids"]) == 2
     lp = rows[4]["logprobs"]
     assert len(lp) == 2 and all(d[0]["rank"] == 1 and len(d) == 2 for d in lp)   # greedy: rank 1
+    # values of the wrong JSON type: an error line naming the field, never a crash of the batch
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": 5}, {"prompt_token_ids": "ab"}, {"prompt": "A", "temperature": "hot"},
+        {"prompt": "A", "max_tokens": 2.5}, {"prompt": "A", "stop": 7},
+        {"prompt": "A", "max_tokens": 2, "top_p": 1, "seed": None}]) + "\n")
+    assert main(["generate", "--prompts-file", str(src), "--output", str(out), "--temperature", "0"]) == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    errors = [r["error"] for r in rows]
+    assert ":1: 'prompt' must be a string" in errors[0]
+    assert ":2: 'prompt_token_ids' must be a list of integers" in errors[1]
+    assert errors[2:5] == ["temperature must be float, got 'hot'", "max_tokens must be int, got 2.5",
+                           "stop must be str or list of str, got 7"]
+    assert errors[5] is None and len(rows[5]["token_ids"]) == 2
 
 
 def test_swap_space_defaults_to_4_gib_not_the_whole_device_cache():

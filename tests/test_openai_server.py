@@ -251,6 +251,20 @@ def test_least_loaded_routing():
         least_loaded([])
 
 
+def test_cli_refuses_a_taken_port_before_loading_the_model(capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        assert main(["serve", "--port", str(port)]) == 2
+        assert time.perf_counter() - t0 < 10                  # no engine was built
+    err = capsys.readouterr().err
+    assert f"llmlab serve: error: cannot listen on 127.0.0.1:{port}" in err
+    assert "--port 0 picks a free port" in err and "Traceback" not in err
+
+
 def test_cli_serves_and_sigterm_lets_the_running_stream_finish():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen([sys.executable, "-m", "llmlab", "serve", "--port", "0",

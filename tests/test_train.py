@@ -64,10 +64,30 @@ def test_same_seed_same_losses_different_seed_different(run):
      "ep=3 must divide num_experts=4"),
     ({"steps": 0}, "--steps must be >= 1"),
     ({"resume": True}, "--resume needs --checkpoint-dir"),
+    ({"checkpoint_every": 2}, "--checkpoint-every needs --checkpoint-dir"),
 ])
 def test_bad_layouts_are_refused_before_launch(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("*", r"\*").replace("+", r"\+")):
         validate(TrainConfig(**kw))
+
+
+def test_output_paths_of_the_wrong_kind_are_refused_before_launch(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for kw in ({"checkpoint_dir": str(a_file)}, {"save_model": str(a_file)}):
+        with pytest.raises(ValueError, match="is a file; it must be a folder"):
+            validate(TrainConfig(**kw))
+    with pytest.raises(ValueError, match="--metrics-json .* is a folder"):
+        validate(TrainConfig(metrics_json=str(tmp_path)))
+    validate(TrainConfig(checkpoint_dir=str(tmp_path / "new"), metrics_json=str(a_file)))
+
+
+def test_cli_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck]) == 0
+    capsys.readouterr()
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck, "--resume"]) == 0
+    assert f"nothing to train: the latest checkpoint in {ck} is already at step 2" in capsys.readouterr().out
 
 
 def test_cli_train_writes_metrics_and_refuses_bad_input(tmp_path, capsys):
@@ -90,6 +110,21 @@ def test_config_file_with_command_line_override(tmp_path):
     f.write_text(json.dumps({"stepz": 2}))
     with pytest.raises(ValueError, match="unknown keys.*stepz"):
         TrainConfig.from_file(f)
+    for text, msg in (("{bad", "is not valid JSON"), ("[1]", "must hold a mapping"),
+                      ('{"steps": "2"}', "steps must be int, got '2'"),
+                      ('{"steps": true}', "steps must be int, got True"),
+                      ('{"grad_clip": "x"}', "grad_clip must be float or null")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig.from_file(f)
+    f.write_text('{"steps": 2, "lr": 1, "grad_clip": null, "sequence-parallel": false}')
+    assert TrainConfig.from_file(f).lr == 1
+    y = tmp_path / "c.yaml"
+    y.write_text("steps: 2\nlr: 3e-3\n")                 # YAML 1.1 reads 3e-3 as a string
+    assert TrainConfig.from_file(y).lr == 0.003
+    y.write_text("steps: [\n")
+    with pytest.raises(ValueError, match="c.yaml is not valid YAML"):
+        TrainConfig.from_file(y)
 
 
 def test_every_train_flag_comes_from_a_field_with_help_and_default(capsys, monkeypatch):

@@ -267,17 +267,21 @@ def _median_run(runs: list[dict]) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="shakespeare", help="checkpoint directory or shipped preset")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=64, help="requests in the seeded workload")
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals, requests/s (default: all at t=0, offline)")
-    p.add_argument("--baseline", choices=["hf"], default=None)
-    p.add_argument("--memory-matched-batch", type=int, default=None, metavar="B")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--prompt-len-median", type=float, default=32.0)
-    p.add_argument("--output-len-median", type=float, default=32.0)
-    p.add_argument("--quantization", choices=["int8"], default=None)
+    p.add_argument("--baseline", choices=["hf"], default=None,
+                   help="also run Hugging Face static-batch generate on the same weights")
+    p.add_argument("--memory-matched-batch", type=int, default=None, metavar="B",
+                   help="give the engine the KV blocks of B full-length sequences and run HF at "
+                        "batch B (default: the engine sizes its cache, HF runs several batch sizes)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+    p.add_argument("--prompt-len-median", type=float, default=32.0, help="median prompt tokens")
+    p.add_argument("--output-len-median", type=float, default=32.0, help="median output tokens")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="the engine stores linear weights in int8 (per-channel scales)")
     p.add_argument("--length-sigma", type=float, default=0.9,
                    help="lognormal shape of prompt and output lengths (0: all at the median)")
     p.add_argument("--num-threads", type=int, default=1,
@@ -286,7 +290,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds, systems taking turns; each reports its median round")
     p.add_argument("--no-hf-continuous", action="store_true",
                    help="with --baseline hf, skip transformers' continuous batching")
-    p.add_argument("--device", default="cpu", help="auto|cpu|cuda")
+    p.add_argument("--device", default="cpu", help="where every system runs: auto, cpu or cuda[:N]")
     p.add_argument("--json", default=None, metavar="OUT", help="write every system's results here")
 
 

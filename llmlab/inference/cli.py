@@ -40,13 +40,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None,
                    help="default: the checkpoint's, else 0.8; 0 = greedy (the tokens Hugging Face "
                         "generate(do_sample=False) gives)")
-    p.add_argument("--top-k", type=int, default=None, help="0 = all tokens")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (default: the checkpoint's, else "
+                        "0 = all tokens)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass "
+                        "(default: the checkpoint's, else 1 = all)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than this fraction of the most likely one "
+                        "(default: the checkpoint's, else 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divides the logits of tokens already in prompt or output (> 1 repeats "
+                        "less; default: the checkpoint's, else 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtracted from the logits of tokens already generated (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtracted once per time a token was generated (default: 0)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="top log-probabilities per token (default: none)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
                    help="stop strings")
@@ -55,9 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--enable-chunked-prefill", action="store_true")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompt prefixes already computed")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engine runs (auto: a GPU if there is one, else the CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
@@ -80,10 +94,43 @@ def read_requests(args) -> list:
             if not isinstance(r, dict) or not ("prompt" in r or "prompt_token_ids" in r):
                 reqs.append(f"{args.prompts_file}:{n}: needs 'prompt' or 'prompt_token_ids'")
                 continue
+            if "prompt" in r and not isinstance(r["prompt"], str):
+                reqs.append(f"{args.prompts_file}:{n}: 'prompt' must be a string")
+                continue
+            ids = r.get("prompt_token_ids", [])
+            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                reqs.append(f"{args.prompts_file}:{n}: 'prompt_token_ids' must be a list of integers")
+                continue
             reqs.append(r)
     if not reqs:
         raise ValueError(f"{args.prompts_file} holds no requests")
     return reqs
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The JSON type each per-request field must have (JSON numbers: 1 is a valid float).
+FIELD_TYPES = {"max_tokens": "int", "top_k": "int", "seed": "int", "min_tokens": "int",
+               "logprobs": "int", "temperature": "float", "top_p": "float", "min_p": "float",
+               "repetition_penalty": "float", "presence_penalty": "float",
+               "frequency_penalty": "float", "ignore_eos": "bool",
+               "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
+               "stop": "str or list of str", "stop_token_ids": "list of int"}
+
+
+def _check_type(name: str, v) -> None:
+    """Raise ``ValueError`` naming the field when a request's value has the wrong JSON type."""
+    want = FIELD_TYPES[name]
+    ok = {"int": lambda: _is_int(v),
+          "float": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda: isinstance(v, bool),
+          "str or list of str": lambda: isinstance(v, str) or (
+              isinstance(v, list) and all(isinstance(x, str) for x in v)),
+          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v)}[want]()
+    if not ok and not (v is None and name in ("seed", "logprobs", "stop")):
+        raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def _params(args, r: dict, i: int, fallback: dict):
@@ -97,6 +144,9 @@ def _params(args, r: dict, i: int, fallback: dict):
     unknown = sorted(set(r) - set(PER_REQUEST) - {"prompt", "prompt_token_ids"})
     if unknown:
         raise ValueError(f"unknown request fields {unknown}; known: {', '.join(PER_REQUEST)}")
+    for k in PER_REQUEST:
+        if k in r:
+            _check_type(k, r[k])
     return SamplingParams(**{**fallback, **kw})
 
 

@@ -37,6 +37,12 @@ import torch.distributed as dist
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv", "broadcast")
 
+# torch >= 2.13 names the flat-tensor collectives *_single and deprecates (with a FutureWarning
+# on every call) all_gather_into_tensor / reduce_scatter_tensor, which older torch only has.
+dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+dist_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                              or dist.reduce_scatter_tensor)
+
 
 class CommCounter:
     def __init__(self):
@@ -94,7 +100,7 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, asy
         out.copy_(inp.reshape(out.shape))
         return None
     t0 = time.perf_counter()
-    work = dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=async_op)
+    work = dist_all_gather_single(out, inp.contiguous(), group=group, async_op=async_op)
     COUNTER.add("all_gather", nbytes(out), t0)
     return work
 
@@ -106,7 +112,8 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp
         out.copy_(inp.reshape(out.shape))
         return None
     t0 = time.perf_counter()
-    work = dist.reduce_scatter_tensor(out, inp.contiguous(), op=op, group=group, async_op=async_op)
+    work = dist_reduce_scatter_single(out, inp.contiguous(), op=op, group=group,
+                                      async_op=async_op)
     COUNTER.add("reduce_scatter", nbytes(inp), t0)
     return work
 

@@ -3,6 +3,7 @@ the ``python -m llmlab.selftest NAME [--quick]`` entry (see :mod:`llmlab.selftes
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -149,8 +150,10 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
         if n not in CHECKS:
             raise ValueError(f"no self-test check named {n!r}; checks: {', '.join(CHECKS)}")
     hw = hardware()
+    kernels = ("kernels in Triton's interpreter" if importlib.util.find_spec("triton")
+               else "no Triton: kernel checks skipped")
     where = (f"{len(hw['gpus'])} x {hw['gpus'][0]['name']}" if hw["gpus"] else
-             f"CPU only, {hw['cpu_cores']} cores (kernels in Triton's interpreter)")
+             f"CPU only, {hw['cpu_cores']} cores ({kernels})")
     echo(f"llmlab self-test{' (quick)' if quick else ''}: {where}, torch {hw['torch']}")
     if not hw["gpus"]:  # the kernels run in Triton's interpreter, chosen before triton's import
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -116,6 +116,8 @@ def check_train_layouts(quick: bool) -> dict:
 # --------------------------------------------------------------------------------------------
 def _collective_rank(nbytes: int, iters: int) -> dict:
     import torch.distributed as dist
+
+    from llmlab.runtime import comm
     n, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     numel = nbytes // 4 // n * n  # reduce-scatter needs a multiple of the rank count
@@ -131,9 +133,9 @@ def _collective_rank(nbytes: int, iters: int) -> dict:
                 dist.all_reduce(y)
                 return y
             if op == "all_gather":
-                dist.all_gather_into_tensor(gathered, x)
+                comm.dist_all_gather_single(gathered, x)
                 return gathered
-            dist.reduce_scatter_tensor(shard, x)
+            comm.dist_reduce_scatter_single(shard, x)
             return shard
         y = run()
         sync()

@@ -12,6 +12,7 @@ port the OS chose). SIGTERM or Ctrl-C: stop admitting, let running requests fini
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is sharded over (default 1; not with --data-parallel-size > 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default 30)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level (info and debug also log each request)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
@@ -47,11 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--enable-chunked-prefill", action="store_true")
-    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of prompt prefixes already computed")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="store linear weights in int8 with per-channel scales")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that send none")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engines run (auto: a GPU if there is one, else the CPU)")
 
 
 def engine_args(args) -> dict:
@@ -101,11 +107,20 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(args.model)
     kw = engine_args(args)
     metrics = ServerMetrics(name, device_type=_device_type(args.device))
-    engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
-                            max_waiting_requests=args.max_waiting_requests, metrics=metrics, **kw)
+    try:  # before any model is loaded: a taken port fails at once, nothing to stop
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        hint = " (--port 0 picks a free port)" if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}") from None
+    try:
+        engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
+                                max_waiting_requests=args.max_waiting_requests, metrics=metrics,
+                                **kw)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
                     metrics=metrics)
-    sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:

@@ -129,9 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-bytes", default="1K", help="smallest message (e.g. 1K)")
     p.add_argument("--max-bytes", default="4M", help="largest message (e.g. 4M, 1G on GPUs)")
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl if there is a GPU per rank, else gloo")
     p.add_argument("--json", default=None, help="write the results here")
 
 

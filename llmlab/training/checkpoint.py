@@ -47,6 +47,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from llmlab.runtime import comm
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARD = re.compile(r"^rank\d{5}\.safetensors$")
 
@@ -144,7 +146,7 @@ def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
     if b.world == 1:
         return shard.detach().clone()
     out = shard.new_empty(b.padded)
-    dist.all_gather_into_tensor(out, shard.detach().contiguous(), group=b.group)
+    comm.dist_all_gather_single(out, shard.detach().contiguous(), group=b.group)
     return out
 
 

@@ -110,17 +110,41 @@ class TrainConfig:
     def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
         """Read flags from a JSON (or, with PyYAML installed, YAML) file; keys are flag names
         with ``-`` or ``_``. Raises ``ValueError`` on unknown keys."""
+        import typing
         text = Path(path).read_text()
         if str(path).endswith((".yaml", ".yml")):
             import yaml  # optional
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
         else:
-            data = json.loads(text)
-        data = {k.replace("-", "_"): v for k, v in data.items()}
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of TrainConfig keys, not a "
+                             f"{type(data).__name__}")
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown keys in {path}: {', '.join(unknown)}")
+        hints = typing.get_type_hints(cls)
+        for k, v in list(data.items()):
+            kinds = typing.get_args(hints[k]) or (hints[k],)        # X | None -> (X, NoneType)
+            if float in kinds and isinstance(v, str):  # PyYAML reads 3e-3 (no dot) as a string
+                try:
+                    data[k] = v = float(v)
+                except ValueError:
+                    pass
+            ok = any(v is None if t is type(None) else
+                     isinstance(v, (int, float)) and not isinstance(v, bool) if t is float else
+                     isinstance(v, t) and (t is bool or not isinstance(v, bool)) for t in kinds)
+            if not ok:
+                want = " or ".join("null" if t is type(None) else t.__name__ for t in kinds)
+                raise ValueError(f"{path}: {k} must be {want}, got {v!r}")
         return cls(**(data | overrides))
 
 
@@ -201,6 +225,13 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
+    if cfg.metrics_json and Path(cfg.metrics_json).is_dir():
+        raise ValueError(f"--metrics-json {cfg.metrics_json!r} is a folder; it must be a file path")
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
