@@ -189,6 +189,9 @@ def test_bad_requests_get_400_class_errors_and_the_server_still_answers(server, 
     code, err = _post(server.url + "/v1/chat/completions",
                       {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
     assert code == 400
+    code, err = _post(server.url + "/v1/chat/completions",
+                      {"model": MODEL, "messages": [{"role": "user"}]})          # no content
+    assert code == 400 and "needs 'content'" in err["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
     after = client.completions.create(model=MODEL, prompt="KING:", max_tokens=8,

@@ -139,8 +139,11 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict], None] = None
 
     def text(self) -> str:
-        """The content as one string (``{"type": "text"}`` parts joined)."""
+        """The content as one string (``{"type": "text"}`` parts joined). Only an assistant
+        message may leave it out (as in the OpenAI API); raises ``APIError`` otherwise."""
         if self.content is None:
+            if self.role != "assistant":
+                raise APIError(f"a {self.role} message needs 'content'", param="messages")
             return ""
         if isinstance(self.content, str):
             return self.content
