@@ -70,6 +70,10 @@ def run_train(args: argparse.Namespace) -> int:
              if hasattr(args, f.name)}
     cfg = TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
     leader = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
+    if cfg.resume and leader:
+        from llmlab.training.checkpoint import latest_checkpoint
+        if latest_checkpoint(cfg.checkpoint_dir) is None:  # as Megatron, say so rather than start silently
+            print(f"no valid checkpoint in {cfg.checkpoint_dir}: starting from step 1", file=sys.stderr)
     metrics = train(cfg, progress=not args.no_progress and leader)
     if not leader:
         return 0

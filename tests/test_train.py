@@ -84,8 +84,8 @@ def test_output_paths_of_the_wrong_kind_are_refused_before_launch(tmp_path):
 
 def test_cli_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
     ck = str(tmp_path / "ck")
-    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck]) == 0
-    capsys.readouterr()
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck, "--resume"]) == 0
+    assert f"no valid checkpoint in {ck}: starting from step 1" in capsys.readouterr().err
     assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", ck, "--resume"]) == 0
     assert f"nothing to train: the latest checkpoint in {ck} is already at step 2" in capsys.readouterr().out
 
