@@ -11,8 +11,9 @@ Strategy wrappers live in :mod:`llmlab.parallel` (one file per strategy).
 """
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.model.llama import LlamaForCausalLM
-from llmlab.runtime.launch import ForgedValueError, RankError, launch, report
+from llmlab.runtime.launch import RankError, launch, report
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.result_auth import ForgedValueError
 from llmlab.training.config import TrainConfig
 from llmlab.training.trainer import train
 from llmlab import inference  # noqa: E402  (llmlab.inference.LLM / SamplingParams)

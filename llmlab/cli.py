@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
     1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
     value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
-    from llmlab.runtime.launch import ForgedValueError, RankError
+    from llmlab.runtime.launch import RankError
+    from llmlab.runtime.result_auth import ForgedValueError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "train":

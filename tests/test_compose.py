@@ -190,7 +190,8 @@ class _TwoBranch(torch.nn.Module):
 def _faults():
     import torch.distributed as dist
     from llmlab.data import BatchLoader
-    from llmlab.parallel.zero import ZeroDataParallel, ZeroOptimizer
+    from llmlab.parallel.zero import ZeroDataParallel
+    from llmlab.parallel.zero_optimizer import ZeroOptimizer
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.trainer import Engine, global_loss
     mesh = Mesh.build(dp=2)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import llmlab
-from llmlab.runtime.launch import (ForgedValueError, _from_json, _sign, _to_json, _verified)
+from llmlab.runtime.result_auth import ForgedValueError, _from_json, _sign, _to_json, _verified
 from llmlab.training.checkpoint import CheckpointError, latest_checkpoint, verify
 from llmlab.training.config import TrainConfig
 

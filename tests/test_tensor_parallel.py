@@ -281,7 +281,8 @@ def test_loss_equals_one_rank(one_rank, tp, sp):
 def _full_grads_rank(tp):
     from llmlab.model.llama import LlamaForCausalLM
     from llmlab.parallel.tensor_parallel import (ParallelAttention, RowParallelLinear,
-                                                 VocabParallelEmbedding, apply_tensor_parallel)
+                                                 VocabParallelEmbedding)
+    from llmlab.parallel.tp_plan import apply_tensor_parallel
     from llmlab.runtime.mesh import Mesh
     mc = get_preset("tiny", num_hidden_layers=2, tie_word_embeddings=True, attention_bias=True,
                     o_proj_bias=True, mlp_bias=True)

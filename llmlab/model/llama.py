@@ -310,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
 
-    # Tensor parallelism sets these (llmlab.parallel.tensor_parallel.apply_tensor_parallel):
+    # Tensor parallelism sets these (llmlab.parallel.tp_plan.apply_tensor_parallel):
     # the hidden state is split into ``sequence_shards`` along the sequence (sequence parallelism),
     # and ``loss_function(logits, labels)`` computes the loss from vocabulary-sharded logits.
     sequence_shards: int = 1

@@ -64,7 +64,7 @@ def measure_block(model_config, mesh, sequence_parallel: bool = False, batch: in
     """
     from llmlab.metrics.memory import SavedActivations
     from llmlab.model.llama import LlamaForCausalLM
-    from llmlab.parallel.tensor_parallel import apply_tensor_parallel
+    from llmlab.parallel.tp_plan import apply_tensor_parallel
     from llmlab.parallel.tp_comm import split_along
     from llmlab.runtime import comm
 

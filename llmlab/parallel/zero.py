@@ -14,7 +14,8 @@ stage     sharded                       bytes per rank          communication pe
 3         + parameters                  (2Ψ + 2Ψ + KΨ)/N        all-gather ×2 + reduce-scatter: 3Ψ
 ========  ============================  ======================  ==================================
 
-How this file does it (the layout is in :mod:`llmlab.parallel.zero_buffers`):
+How this file does it (the layout is in :mod:`llmlab.parallel.zero_buffers`, the optimizer of the
+shard in :mod:`llmlab.parallel.zero_optimizer`):
 
 * Stage 1: parameters live in flat buckets; gradients accumulate in a full flat gradient buffer;
   ``finish_grad_sync`` reduce-scatters it so each rank holds the summed gradient of its shard;
@@ -54,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.parallel.zero_buffers import FlatBucket
+from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
 
 
@@ -381,107 +383,6 @@ class ZeroDataParallel(nn.Module):
     def _log(self, op, unit, phase):
         if len(self.events) < self.max_events:      # bounded: a long run keeps the first ones
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
-
-
-class ZeroOptimizer:
-    """The optimizer of this rank's shard (``make_optimizer`` builds it, e.g. AdamW).
-
-    Masters: the fp32 shard itself (fp32, no offload), or an fp32 copy of it (16-bit compute, or
-    ``cpu_offload``: then on the host, pinned when the parameters are on CUDA). ``state`` exposes
-    the inner optimizer's state plus any separate master copy, so
-    :func:`llmlab.metrics.memory.optimizer_state_bytes` counts exactly what the rank holds.
-    ``unscale(inv_scale)`` hands the reduced gradient shards to the masters (fp32, divided by the
-    fp16 loss scale), ``apply()`` updates the shard and (stages 1, 2) all-gathers the new
-    parameters; ``step()`` does both.
-    """
-
-    def __init__(self, wrapper: ZeroDataParallel, make_optimizer, cpu_offload: bool = False,
-                 scaler=None):
-        self.wrapper, self.scaler = wrapper, scaler
-        self.masters, self.separate = [], []
-        for b in wrapper.buckets:
-            shard = b.local_shard if wrapper.stage == 3 else b.shard_view()
-            if shard.dtype == torch.float32 and not cpu_offload:
-                m = shard if isinstance(shard, nn.Parameter) else nn.Parameter(shard, requires_grad=False)
-                self.separate.append(False)
-            else:
-                host = torch.device("cpu") if cpu_offload else shard.device
-                m = shard.detach().to(host, torch.float32, copy=True)
-                if cpu_offload and shard.device.type == "cuda":
-                    m = m.pin_memory()
-                m = nn.Parameter(m, requires_grad=False)
-                self.separate.append(True)
-            self.masters.append(m)
-        self.optimizer = make_optimizer(self.masters)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        st = {}
-        for m, sep in zip(self.masters, self.separate):
-            st[m] = dict(self.optimizer.state.get(m, {})) | ({"master_param": m} if sep else {})
-        return st
-
-    @torch.no_grad()
-    def unscale(self):
-        """Point every master's ``.grad`` at its reduced gradient shard, in fp32 and divided by
-        the fp16 loss scale (the shard itself when it already is fp32 and unscaled)."""
-        inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        for b, m in zip(self.wrapper.buckets, self.masters):
-            g = self.wrapper.grad_shard(b)
-            # (a device-to-host copy must be complete before Adam reads it: blocking)
-            m.grad = g if (g.dtype == m.dtype and g.device == m.device) else \
-                g.to(device=m.device, dtype=torch.float32)
-            if inv != 1.0:
-                m.grad = m.grad * inv
-
-    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        """``(slice of a master's gradient, model parameter)`` for every parameter element in this
-        rank's shards, after :meth:`unscale` (shards of different ranks are disjoint)."""
-        out = []
-        for b, m in zip(self.wrapper.buckets, self.masters):
-            lo, hi = b.shard_range
-            for p, o, n in zip(b.params, b.offsets, b.numels):
-                a, e = max(o, lo), min(o + n, hi)
-                if a < e:
-                    out.append((m.grad[a - lo:e - lo], p))
-        return out
-
-    @torch.no_grad()
-    def apply(self):
-        w = self.wrapper
-        self.optimizer.step()
-        for b, m, sep in zip(w.buckets, self.masters, self.separate):
-            if sep:
-                target = b.local_shard if w.stage == 3 else b.shard_view()
-                target.copy_(m.to(target.device, non_blocking=True))
-            m.grad = None
-        if w.stage < 3:
-            for b in w.buckets:
-                w._log("all_gather", b.name, "step")
-                comm.all_gather_into_tensor(b.alias, b.shard_view(), group=b.group)
-
-    def step(self):
-        self.unscale()
-        self.apply()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for m in self.masters:
-            m.grad = None
-        self.wrapper.zero_grad_buffers()
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "masters": [m.detach().cpu().clone() for m in self.masters]}
-
-    def load_state_dict(self, sd: dict):
-        self.optimizer.load_state_dict(sd["optimizer"])
-        with torch.no_grad():
-            for m, v in zip(self.masters, sd["masters"]):
-                m.copy_(v)
 
 
 def build_zero(module: nn.Module, mesh, cfg, make_optimizer, scaler=None):

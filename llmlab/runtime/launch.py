@@ -17,7 +17,8 @@ How (measured on a 2-core CPU box):
   llmlab puts in it carries an HMAC-SHA256 tag under a secret made fresh for each launch, which
   reaches the ranks through the fork server's local pipe, never the network. The caller checks the
   tag *before* decoding anything: a forged or tampered result (a crafted pickle, say) raises
-  :class:`ForgedValueError` naming the rank and key, and none of it is decoded or executed.
+  :class:`ForgedValueError` naming the rank and key, and none of it is decoded or executed
+  (the tags and the JSON round trip are in :mod:`llmlab.runtime.result_auth`).
   Results are pickled (``cloudpickle``) only after that check; metric records are JSON,
   tracebacks text;
 * each rank writes its stdout/stderr to ``<log_dir>/rank<r>.log`` (rank prints would vanish or
@@ -38,8 +39,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
-import hashlib
-import hmac
 import json
 import os
 import secrets
@@ -58,6 +57,9 @@ import torch
 import torch.distributed as dist
 import multiprocessing as mp
 
+from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
+                                        _verified_torchrun, torchrun_secret)
+
 _PG_TIMEOUT_S = float(os.environ.get("LLMLAB_PG_TIMEOUT", "300"))
 
 
@@ -69,47 +71,6 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, message: str, rank_traceback: str = "", log_dir: str | None = None):
         self.rank, self.rank_traceback, self.log_dir = rank, rank_traceback, log_dir
         super().__init__(f"rank {rank} failed: {message}\n{rank_traceback}".rstrip())
-
-
-class ForgedValueError(RuntimeError):
-    """A value llmlab reads from the rendezvous store (or, under torchrun, from a peer) does not
-    carry this job's authentication tag: another process that reached the store's port wrote or
-    changed it. Nothing of it was decoded. ``rank`` is the rank the value claims to come from,
-    ``key`` the store key (``res/<rank>``, ``err/<rank>``, ``m/<rank>/<i>``, ``n/<rank>``).
-    See docs/workshop.md, "Running on a shared node"."""
-
-    def __init__(self, rank: int, key: str, why: str = "its HMAC tag does not match",
-                 where: str = "in the rendezvous store"):
-        self.rank, self.key = rank, key
-        super().__init__(f"rank {rank}: the value of {key!r} {where} was forged or tampered with "
-                         f"({why}); it was rejected without being decoded. Some other process "
-                         f"reached the job's ports: see docs/workshop.md, 'Running on a shared node'")
-
-
-# --------------------------------------------------------------------------------------------
-# Authentication of what travels through the store (HMAC-SHA256, RFC 2104)
-# --------------------------------------------------------------------------------------------
-_TAG_BYTES = 32
-
-
-def _tag(secret: bytes, key: str, body: bytes) -> bytes:
-    # The key is part of the message, so a genuine value moved to another key (rank 1's result
-    # copied to res/0) does not verify either.
-    return hmac.new(secret, key.encode() + b"\0" + body, hashlib.sha256).digest()
-
-
-def _sign(secret: bytes, key: str, body: bytes) -> bytes:
-    """``tag || body``: what a rank writes under ``key``."""
-    return _tag(secret, key, body) + body
-
-
-def _verified(secret: bytes, rank: int, key: str, blob: bytes, **where) -> bytes:
-    """The body of a signed value, or :class:`ForgedValueError` before anything is decoded."""
-    if len(blob) < _TAG_BYTES:
-        raise ForgedValueError(rank, key, f"{len(blob)} bytes, shorter than the tag", **where)
-    if not hmac.compare_digest(blob[:_TAG_BYTES], _tag(secret, key, blob[_TAG_BYTES:])):
-        raise ForgedValueError(rank, key, **where)
-    return blob[_TAG_BYTES:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,20 +450,6 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
 # --------------------------------------------------------------------------------------------
 # Under torchrun: results travel between ranks as bytes, pickled only when authenticated
 # --------------------------------------------------------------------------------------------
-def torchrun_secret() -> bytes | None:
-    """The job secret under torchrun: ``LLMLAB_SECRET``, else the contents of the file named by
-    ``LLMLAB_SECRET_FILE``, else ``None``. Raises ``ValueError`` for an empty one."""
-    if os.environ.get("LLMLAB_SECRET"):
-        return os.environ["LLMLAB_SECRET"].encode()
-    path = os.environ.get("LLMLAB_SECRET_FILE")
-    if not path:
-        return None
-    data = Path(path).read_bytes().strip()
-    if not data:
-        raise ValueError(f"LLMLAB_SECRET_FILE={path} is empty")
-    return data
-
-
 def _exchange_results(result, secret: bytes | None) -> list:
     """Every rank's ``result``, by rank. Each rank sends one blob, ``mode || body``:
     ``P`` + cloudpickle (only with a secret, then the blob is HMAC-tagged), ``J`` + tagged JSON,
@@ -543,15 +490,6 @@ def _exchange_results(result, secret: bytes | None) -> list:
     return results
 
 
-def _verified_torchrun(secret: bytes, rank: int, blob: bytes) -> bytes:
-    try:
-        return _verified(secret, rank, f"res/{rank}", blob, where="received from the process group")
-    except ForgedValueError:
-        raise ForgedValueError(rank, f"res/{rank}", "its HMAC tag does not match: forged, or "
-                               "LLMLAB_SECRET differs between nodes",
-                               where="received from the process group") from None
-
-
 def _all_gather_bytes(data: bytes) -> list[bytes]:
     """``all_gather`` of byte strings of any lengths, as uint8 tensors (no pickle involved)."""
     world = dist.get_world_size()
@@ -566,42 +504,3 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     outs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(outs, buf.to(device))
     return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, sizes)]
-
-
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def _to_json(v):
-    """A JSON value that :func:`_from_json` turns back into exactly ``v`` (lists, tuples and
-    dicts are tagged, so a tuple stays a tuple and dict keys keep their type)."""
-    if isinstance(v, _SCALARS):
-        return v
-    if isinstance(v, list):
-        return {"l": [_to_json(x) for x in v]}
-    if isinstance(v, tuple):
-        return {"t": [_to_json(x) for x in v]}
-    if isinstance(v, dict):
-        return {"d": [[_to_json(k), _to_json(x)] for k, x in v.items()]}
-    raise TypeError(f"{type(v).__name__} is not JSON-encodable")
-
-
-def _from_json(v):
-    if isinstance(v, _SCALARS):
-        return v
-    if isinstance(v, dict) and len(v) == 1:
-        (tag, items), = v.items()
-        if isinstance(items, list):
-            if tag == "l":
-                return [_from_json(x) for x in items]
-            if tag == "t":
-                return tuple(_from_json(x) for x in items)
-            if tag == "d" and all(isinstance(kv, list) and len(kv) == 2 for kv in items):
-                out = {}
-                for k, x in items:
-                    k = _from_json(k)
-                    try:
-                        out[k] = _from_json(x)
-                    except TypeError:
-                        raise ValueError(f"unhashable dict key {k!r}") from None
-                return out
-    raise ValueError(f"unexpected JSON value {str(v)[:80]!r}")

@@ -11,7 +11,7 @@ adds them up. Ownership makes every element count exactly once:
 * tensor parallelism: a sharded weight's slice is owned by its rank; a replicated one (norm
   weights, row-parallel biases, experts under TP, kv heads copied on several ranks) only by the
   first copy (``p.tp_duplicate`` is ``False`` there, set by
-  :func:`llmlab.parallel.tensor_parallel.apply_tensor_parallel`);
+  :func:`llmlab.parallel.tp_plan.apply_tensor_parallel`);
 * pipeline parallelism: stages hold different parameters;
 * data (and context) parallelism: after the all-reduce every replica holds the same gradient, so
   only data-parallel index 0 (context-parallel index 0) owns it (expert-data-parallel index 0 for

@@ -83,7 +83,7 @@ class Engine:
         if cfg.tp > 1:
             # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
             # only this rank's shards; may append to model.grad_finalizers.
-            from llmlab.parallel.tensor_parallel import apply_tensor_parallel
+            from llmlab.parallel.tp_plan import apply_tensor_parallel
             model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
         if cfg.cp > 1:
             # Protocol: this rank's token positions and ring/Ulysses attention over the cp group.
