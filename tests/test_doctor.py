@@ -92,6 +92,20 @@ def test_every_lab_takes_its_size_from_the_one_table():
         lab_size_for("10_x")
 
 
+def test_every_lab_draws_a_live_plot_from_llmlab_viz():
+    """The kit's promise (issue 20): every lab imports a live plot from ``llmlab.viz`` and draws
+    it while its work runs (``update`` / ``on_step`` fed as it runs), not only a static figure at the end."""
+    import re
+    labs = sorted(Path(__file__).resolve().parents[1].joinpath("labs").glob("*.ipynb"))
+    assert len(labs) >= 12
+    live = r"(LivePlot|LiveBars|ServingDashboard|RoutingHeatmap)"
+    for lab in labs:
+        code = "\n".join("".join(c["source"]) for c in json.loads(lab.read_text())["cells"]
+                          if c["cell_type"] == "code")
+        assert re.search(r"from llmlab\.viz(\.\w+)? import [^\n]*" + live, code), lab.name
+        assert re.search(r"\.(update|on_step)\b", code), lab.name   # fed while the work runs
+
+
 @pytest.mark.parametrize("gpus", range(1, 9))
 def test_every_lab_layout_validates_on_1_to_8_gpus(monkeypatch, gpus):
     """Mocked GPU counts: each lab's rank count must pass the trainer's validation for every

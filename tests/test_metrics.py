@@ -53,6 +53,15 @@ def test_live_plot_runs_headless():
     assert len(lines) == 2 and list(lines[0].get_ydata()) == [5.0, 2.5, 5.0 / 3]
 
 
+def test_live_plot_xticks_label_every_panel():
+    plot = LivePlot(["p99", "tok/s"], x="rate", xticks={4: "4", 16: "16", 64: "all at once"})
+    plot.update({"rate": 64, "p99": 120.0, "tok/s": 900.0})
+    plot.finish()
+    for ax in plot.axes.values():
+        assert list(ax.get_xticks()) == [4, 16, 64]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "all at once"]
+
+
 def test_mfu_peak_is_the_peak_of_the_run_dtype(monkeypatch):
     """An fp32 run divided by the bf16 tensor-core peak read ~15x too low on an H100."""
     from llmlab.metrics import throughput as tp

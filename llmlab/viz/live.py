@@ -57,13 +57,17 @@ class LivePlot:
     notebooks (no display).
 
     ``ylabels``: axis label per series (units: "MiB", "ms", "%"); ``xlabel``: the x axis label;
-    ``ncols``: panels per row (more panels wrap onto further rows); ``markers``: draw points too.
+    ``ncols``: panels per row (more panels wrap onto further rows); ``markers``: draw points too;
+    ``xticks``: ``{x value: tick label}`` for every panel (e.g. ``{64: "all at once"}`` for a
+    request rate of infinity plotted at 64, or layer names for event numbers), replacing the
+    automatic ticks.
     """
 
     def __init__(self, series: list[str], title: str | None = None, interval: float = 0.25,
                  figsize: tuple[float, float] | None = None, logy: tuple[str, ...] = (),
                  ylabels: dict[str, str] | None = None, x: str = "step", xlabel: str | None = None,
-                 ncols: int = 3, logx: bool = False, markers: bool = False):
+                 ncols: int = 3, logx: bool = False, markers: bool = False,
+                 xticks: dict[float, str] | None = None):
         import math
 
         import matplotlib
@@ -73,7 +77,7 @@ class LivePlot:
         use_style()
         self.series, self.interval, self.logy = list(series), interval, set(logy)
         self.ylabels, self.x, self.xlabel = UNITS | dict(ylabels or {}), x, xlabel or x
-        self.logx, self.markers = logx, markers
+        self.logx, self.markers, self.xticks = logx, markers, dict(xticks or {})
         self.data: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         ncols = max(1, min(ncols, len(series)))
         nrows = math.ceil(len(series) / ncols)
@@ -117,6 +121,10 @@ class LivePlot:
                 ax.set_yscale("log")
             if self.logx:
                 ax.set_xscale("log", base=2)
+            if self.xticks:
+                from matplotlib.ticker import NullLocator
+                ax.set_xticks(list(self.xticks), list(self.xticks.values()))
+                ax.xaxis.set_minor_locator(NullLocator())
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
                 ax.legend(fontsize=8)
