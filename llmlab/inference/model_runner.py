@@ -135,6 +135,15 @@ class ModelRunner:
         Returns ``{seq_id: logits [vocab] (fp32, CPU)}`` for the sequences whose last token was
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
+        batches, sample_rows, sample_seqs = self.prepare(out)
+        logits = self.forward(batches, sample_rows)
+        if not sample_rows:
+            return {}
+        return dict(zip(sample_seqs, logits.float().cpu()))
+
+    def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
+        """The step's attention batches, the rows of the flattened step whose logits are sampled
+        (each sequence's last token, when it is its last to compute) and their sequence ids."""
         groups = self.attention_groups(out.scheduled)
         batches = [self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g)
                    for g in groups]
@@ -144,6 +153,12 @@ class ModelRunner:
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq.seq_id)
+        return batches, sample_rows, sample_seqs
+
+    @torch.no_grad()
+    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
+        """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
+        context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``."""
         if len(batches) == 1:
             ids, positions = batches[0].input_ids, batches[0].positions
         else:
@@ -151,7 +166,4 @@ class ModelRunner:
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
         with forward_context(PagedAttentionContext(self.kv_cache, batches)):
-            logits = self.model(ids[None], positions=positions, logits_indices=rows)
-        if not sample_rows:
-            return {}
-        return dict(zip(sample_seqs, logits.float().cpu()))
+            return self.model(ids[None], positions=positions, logits_indices=rows)

@@ -35,9 +35,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
+from llmlab.inference.attention_context import AttentionBatch
 from llmlab.inference.model_runner import ModelRunner
-from llmlab.model.context import forward_context
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.runtime.messages import broadcast_message
 from llmlab.model.llama import MLP, LlamaForCausalLM
@@ -161,29 +160,13 @@ class TensorParallelRunner(ModelRunner):
         super().swap_in(pairs)
 
     @torch.no_grad()
-    def execute(self, out) -> dict[int, torch.Tensor]:
-        groups = self.attention_groups(out.scheduled)
-        batches = [self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g)
-                   for g in groups]
-        rows, seqs, row = [], [], 0
-        for seq, n in (x for g in groups for x in g):
-            row += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(row - 1)
-                seqs.append(seq.seq_id)
-        self._send(("step", [_as_dict(b) for b in batches], rows))
+    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
+        """Rank 0: send the step to the other ranks, then run this rank's shard of it."""
+        self._send(("step", [_as_dict(b) for b in batches], sample_rows))
         try:
-            logits = self._forward(batches, rows)
+            return super().forward(batches, sample_rows)
         except RuntimeError as e:
             raise self._rank_error(e) from e
-        return {} if not rows else dict(zip(seqs, logits.float().cpu()))
-
-    def _forward(self, batches: list[AttentionBatch], rows: list[int]) -> torch.Tensor:
-        ids = torch.cat([b.input_ids for b in batches])
-        positions = torch.cat([b.positions for b in batches])
-        idx = torch.tensor(rows, device=self.device, dtype=torch.long)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches)):
-            return self.model(ids[None], positions=positions, logits_indices=idx)
 
     # --- ranks > 0 ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -193,7 +176,7 @@ class TensorParallelRunner(ModelRunner):
             op, *args = broadcast_message(None, src=0, group=self.group,
                                           device=_comm_device(self.group, self.device))
             if op == "step":
-                self._forward([_from_dict(b, self.device) for b in args[0]], args[1])
+                ModelRunner.forward(self, [_from_dict(b, self.device) for b in args[0]], args[1])
             elif op == "copy":
                 ModelRunner.copy_blocks(self, args[0])
             elif op == "swap_out":
