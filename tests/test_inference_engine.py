@@ -241,3 +241,23 @@ def test_swap_space_defaults_to_4_gib_not_the_whole_device_cache():
     b = kv_bytes_per_block(eng.model_config, 4, torch.float32)
     eng = LLMEngine(preemption_mode="swap", num_gpu_blocks=64, block_size=4, swap_space_bytes=10 * b)
     assert eng.block_manager.num_host_blocks == 10 and eng.runner.host_cache.shape[2] == 10
+
+
+def test_cli_generate_accepts_every_contract_request_field(tmp_path):
+    """CONTRACT.md: prompts-file lines may carry n, temperature, top_k, top_p, seed, max_tokens,
+    min_tokens, stop, stop_token_ids, ignore_eos, the three penalties, min_p and logprobs."""
+    from llmlab.cli import main
+    fields = {"n": 2, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 3, "max_tokens": 3,
+              "min_tokens": 1, "stop": ["\n\n\n"], "stop_token_ids": [0], "ignore_eos": True,
+              "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.1,
+              "min_p": 0.01, "logprobs": 1}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "ROMEO:", **fields}) + "\n"
+                   + json.dumps({"prompt_token_ids": [72, 101], "max_tokens": 2}) + "\n")
+    assert main(["generate", "--prompts-file", str(src), "--output", str(out), "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and [r["error"] for r in rows] == [None, None]
+    assert len(rows[0]["outputs"]) == 2 and "outputs" not in rows[1]          # n = 2 samples
+    assert rows[0]["token_ids"] == rows[0]["outputs"][0]["token_ids"]
+    assert all(len(s["token_ids"]) == 3 and s["finish_reason"] == "length" for s in rows[0]["outputs"])
+    assert rows[1]["prompt_token_ids"] == [72, 101] and len(rows[1]["token_ids"]) == 2

@@ -8,7 +8,8 @@ optional sampling fields (:data:`PER_REQUEST`, names of ``SamplingParams``).
 ``out.jsonl``: one line per request in input order: ``index``, ``prompt_token_ids``,
 ``token_ids``, ``text`` (null without a tokenizer), ``finish_reason`` (``length``/``stop``/
 ``error``), ``error`` (the message, or null), ``sampling_defaults`` (the fields the checkpoint's
-generation config filled) and, when requested, ``logprobs``.
+generation config filled), when requested ``logprobs`` and, for ``n`` > 1, ``outputs`` (one
+``token_ids``/``text``/``finish_reason`` per sample; the top-level fields are the first sample's).
 
 Sampling fields: a request's own value, else the flag's, else the checkpoint's
 ``generation_config.json``, else the CLI's default (temperature 0.8, max_tokens 128). A bad
@@ -21,7 +22,7 @@ import argparse
 import json
 import sys
 
-PER_REQUEST = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
                "skip_special_tokens")
@@ -112,7 +113,7 @@ def _is_int(v) -> bool:
 
 
 # The JSON type each per-request field must have (JSON numbers: 1 is a valid float).
-FIELD_TYPES = {"max_tokens": "int", "top_k": "int", "seed": "int", "min_tokens": "int",
+FIELD_TYPES = {"n": "int", "max_tokens": "int", "top_k": "int", "seed": "int", "min_tokens": "int",
                "logprobs": "int", "temperature": "float", "top_p": "float", "min_p": "float",
                "repetition_penalty": "float", "presence_penalty": "float",
                "frequency_penalty": "float", "ignore_eos": "bool",
@@ -155,6 +156,9 @@ def _row(i: int, o) -> dict:
     row = {"index": i, "prompt_token_ids": o.prompt_token_ids, "token_ids": c.token_ids,
            "text": c.text, "finish_reason": c.finish_reason, "error": o.error,
            "sampling_defaults": o.sampling_defaults}
+    if len(o.outputs) > 1:      # n > 1: every sample; the top-level fields are the first one's
+        row["outputs"] = [{"token_ids": s.token_ids, "text": s.text,
+                           "finish_reason": s.finish_reason} for s in o.outputs]
     if c.logprobs is not None:
         row["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
                              "text": lp.decoded_token} for t, lp in d.items()] for d in c.logprobs]
