@@ -82,3 +82,15 @@ def _children() -> set:
                     and stat[0] != "Z"):
                 out.add(int(pid))
     return out
+
+
+def test_selftest_json_has_the_contract_keys(tmp_path):
+    """CONTRACT.md: ``{"checks": {name: {"status", "seconds", ...}}, "machine": {...}}``, exit 1
+    only on a FAIL; ``--check`` runs one check."""
+    out = tmp_path / "selftest.json"
+    assert main(["doctor", "--selftest", "--quick", "--check", "fused_rmsnorm", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["checks"]) == ["fused_rmsnorm"]
+    r = report["checks"]["fused_rmsnorm"]
+    assert r["status"] in (PASS, SKIP) and isinstance(r["seconds"], float) and r["seconds"] > 0
+    assert report["machine"]["cpu_cores"] >= 1 and report["machine"] == report["hardware"]

@@ -142,7 +142,8 @@ def format_line(name: str, r: dict) -> str:
 def run_selftest(quick: bool = False, json_path: str | None = None, only: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> dict:
     """Run the checks (``only``: a subset, by name) one process each; echo one line per check.
-    Returns ``{"checks", "hardware", "quick", "seconds", "ok"}`` and writes it to ``json_path``.
+    Returns ``{"checks", "machine", "hardware", "quick", "seconds", "ok"}`` (``machine`` is the
+    contract's name, ``hardware`` the same dict under its older name) and writes it to ``json_path``.
     Raises ``ValueError`` for an unknown check name."""
     from llmlab.doctor import hardware
     names = list(only) if only else list(CHECKS)
@@ -167,7 +168,7 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
     counts = {s: sum(r["status"] == s for r in checks.values()) for s in (PASS, FAIL, SKIP)}
     echo(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {total:.0f} s"
          + (f"; failed: {', '.join(failed)} (see docs/workshop.md, 'Self-test')" if failed else ""))
-    report = {"checks": checks, "hardware": hw, "quick": quick, "seconds": total,
+    report = {"checks": checks, "machine": hw, "hardware": hw, "quick": quick, "seconds": total,
               "ok": not failed}
     if json_path:
         with open(json_path, "w") as f:
