@@ -11,6 +11,7 @@ import torch
 import transformers  # a hard dependency: missing is a failure, not a skip
 
 from llmlab.inference import LLM, SamplingParams
+from llmlab.inference.hf_baseline import hf_greedy
 
 MAX_TOKENS = 8
 VOCAB = 128
@@ -47,23 +48,9 @@ def _prompts(n: int = 64, seed: int = 0) -> list[list[int]]:
 
 
 def _hf_greedy(path, prompts) -> list[list[int]]:
-    """HF generate, batched by prompt length (no padding needed), cut after the first EOS."""
+    """HF generate (fp64), batched by prompt length (no padding needed), cut after the first EOS."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
-    eos = model.generation_config.eos_token_id
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    out = [None] * len(prompts)
-    with torch.no_grad():
-        for L, idx in by_len.items():
-            ids = torch.tensor([prompts[i] for i in idx])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
-            for row, i in zip(gen[:, L:].tolist(), idx):
-                if eos in row:
-                    row = row[:row.index(eos) + 1]
-                out[i] = row
-    return out
+    return hf_greedy(model, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import transformers  # a hard dependency: missing is a failure, not a skip
 from llmlab.cli import main
 from llmlab.inference import LLM, SamplingParams
 from llmlab.inference import tensor_parallel
+from llmlab.inference.hf_baseline import hf_greedy
 
 PROMPTS = [[5, 9, 17, 33, 2, 71], [100, 4], list(range(10, 47)), [64] * 17]
 
@@ -28,14 +29,7 @@ def _checkpoint(path):
 
 def _hf_greedy(path, prompts, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            row = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, pad_token_id=0)[0, len(p):].tolist()
-            out.append(row[:row.index(3) + 1] if 3 in row else row)
-    return out
+    return hf_greedy(model, prompts, n, eos_token_id=3)
 
 
 def test_generate_tensor_parallel_2_gives_hf_greedy_tokens(tmp_path):

@@ -43,6 +43,30 @@ def load_hf(path, device: str = "cpu"):
 
 
 @torch.no_grad()
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int,
+              eos_token_id: int | list[int] | None = None) -> list[list[int]]:
+    """Hugging Face's greedy tokens (``generate(do_sample=False)``) for each prompt: prompts of one
+    length run as one batch (no padding), each output cut after its first end-of-sequence token
+    (``eos_token_id``, default the model's generation config's). The reference the engine's
+    temperature-0 tokens are compared with."""
+    eos = hf_model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    dev = next(hf_model.parameters()).device
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    out: list = [None] * len(prompts)
+    for n, idx in by_len.items():
+        ids = torch.tensor([prompts[i] for i in idx], device=dev)
+        gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, pad_token_id=0)
+        for row, i in zip(gen[:, n:].tolist(), idx):
+            cut = next((j for j, t in enumerate(row) if t in eos), None)
+            out[i] = row if cut is None else row[:cut + 1]
+    return out
+
+
+@torch.no_grad()
 def hf_generate_batch(hf_model, prompts: list[list[int]], num_new: int, pad_token_id: int = 0,
                       streamer=None) -> list[list[int]]:
     """Static batch: left-padded ``prompts``, exactly ``num_new`` greedy tokens for every row."""

@@ -34,23 +34,16 @@ def _prompts(n: int, vocab: int = 128) -> list[list[int]]:
 
 
 def check_engine_greedy_vs_hf(quick: bool) -> dict:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise Skip("transformers is not installed") from None
+    import transformers  # a hard dependency of llmlab
+
     from llmlab.inference import LLM, SamplingParams
+    from llmlab.inference.hf_baseline import hf_greedy
     n, new = (6, 6) if quick else (24, 12)
     with tempfile.TemporaryDirectory() as d:
         path = _random_llama(d)
         prompts = _prompts(n)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-        want = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                row = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=new, pad_token_id=0)[0, len(p):].tolist()
-                want.append(row[:row.index(3) + 1] if 3 in row else row)
+        want = hf_greedy(hf, prompts, new, eos_token_id=3)
         llm = LLM(path, device="cpu", dtype=torch.float64, block_size=4)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new))
         got = [o.outputs[0].token_ids for o in outs]

@@ -52,19 +52,20 @@ class MixedPrecisionOptimizer:
 
     ``params``: the model's 16-bit parameters (their ``.grad`` is filled by backward).
     ``make_optimizer(master_params)`` builds the inner optimizer over the fp32 masters.
-    ``step()`` copies the 16-bit gradients into fp32 (unscaled when a ``scaler`` is given and
-    all-reduced over ``overflow_group`` for the overflow check), steps the inner optimizer, and
-    writes the masters back into the model in 16 bits; on overflow it skips the update.
+    ``step()`` copies the 16-bit gradients into fp32 (unscaled when a ``scaler`` is given), steps
+    the inner optimizer, and writes the masters back into the model in 16 bits; on overflow it
+    skips the update. That is one process's decision: the trainer calls :meth:`unscale` and
+    :meth:`apply` itself around one overflow decision for the whole job
+    (:func:`llmlab.training.grad_norm.global_grad_norm`).
     ``state`` is the inner optimizer's plus the masters, so
     :func:`llmlab.metrics.memory.optimizer_state_bytes` counts 12 bytes per parameter for Adam.
     """
 
-    def __init__(self, params, make_optimizer, scaler: DynamicLossScaler | None = None,
-                 overflow_group=None):
+    def __init__(self, params, make_optimizer, scaler: DynamicLossScaler | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.optimizer = make_optimizer(self.master)
-        self.scaler, self.overflow_group = scaler, overflow_group
+        self.scaler = scaler
         self.last_step_skipped = False
 
     @property
@@ -102,19 +103,14 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """Unscale, check for overflow (all-reduced over ``overflow_group``), update.
+        """Unscale, check this process's gradients for overflow, update.
 
-        Returns ``True`` if the update was applied, ``False`` if skipped (overflow). The trainer
-        uses :meth:`unscale` and :meth:`apply` with one overflow decision for the whole job
-        (:mod:`llmlab.training.grad_norm`).
+        Returns ``True`` if the update was applied, ``False`` if skipped (overflow).
         """
         self.unscale()
         if self.scaler is not None:
-            finite = all(bool(torch.isfinite(m.grad).all()) for m in self.master if m.grad is not None)
-            flag = torch.tensor([0.0 if finite else 1.0])
-            if self.overflow_group is not None and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(flag, group=self.overflow_group)
-            overflow = flag.item() > 0
+            overflow = not all(bool(torch.isfinite(m.grad).all()) for m in self.master
+                               if m.grad is not None)
             self.scaler.update(overflow)
             if overflow:
                 self.last_step_skipped = True

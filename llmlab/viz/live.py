@@ -48,7 +48,50 @@ def use_style() -> None:
     matplotlib.rcParams.update(STYLE)
 
 
-class LivePlot:
+class LiveFigure:
+    """What every llmlab live plot shares: ``self.fig`` is shown once (``display_id``) and redrawn
+    in place by the subclass's ``_draw`` at most every ``interval`` seconds while work runs; with
+    ``LLMLAB_LIVE=0`` only :meth:`finish` draws (nbval keeps one static figure)."""
+
+    def _show(self, fig, interval: float) -> None:
+        import matplotlib.pyplot as plt
+        self.fig, self.interval, self._last = fig, interval, 0.0
+        plt.close(fig)  # the inline backend must not show it a second time
+        self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
+        self.handle = None
+        if _in_notebook():
+            from IPython.display import display
+            self.handle = display(fig, display_id=True)
+
+    def _maybe_draw(self) -> None:
+        if self.live and time.monotonic() - self._last >= self.interval:
+            self._draw()
+
+    def _publish(self) -> None:
+        """End of a ``_draw``: lay out and push the figure to its display."""
+        self.fig.tight_layout()
+        if self.handle is not None:
+            self.handle.update(self.fig)
+        self._last = time.monotonic()
+
+    def _draw(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""
+        self._draw()
+
+
+def pyplot():
+    """``matplotlib.pyplot``, on the Agg backend outside notebooks (no window, no display)."""
+    import matplotlib
+    if not _in_notebook():
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+class LivePlot(LiveFigure):
     """Line plots of named series against ``step``, one panel per series, redrawn while work runs.
 
     ``update(record)`` takes a dict with ``step`` (or the key named by ``x``) and any of the series
@@ -69,13 +112,9 @@ class LivePlot:
                  ncols: int = 3, logx: bool = False, markers: bool = False,
                  xticks: dict[float, str] | None = None):
         import math
-
-        import matplotlib
-        if not _in_notebook():
-            matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         use_style()
-        self.series, self.interval, self.logy = list(series), interval, set(logy)
+        self.series, self.logy = list(series), set(logy)
         self.ylabels, self.x, self.xlabel = UNITS | dict(ylabels or {}), x, xlabel or x
         self.logx, self.markers, self.xticks = logx, markers, dict(xticks or {})
         self.data: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -83,28 +122,21 @@ class LivePlot:
         nrows = math.ceil(len(series) / ncols)
         if figsize is None:
             figsize = (min(WIDTH, 3.6 * ncols), 2.8 * nrows + (0.3 if title else 0.0))
-        self.fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
+        fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
         flat = list(axes.flat)
         for ax in flat[len(series):]:
             ax.set_visible(False)
         self.axes = dict(zip(series, flat))
         if title:
-            self.fig.suptitle(title)
-        plt.close(self.fig)  # the inline backend must not show it a second time
-        self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
-        self.handle = None
-        self._last = 0.0
-        if _in_notebook():
-            from IPython.display import display
-            self.handle = display(self.fig, display_id=True)
+            fig.suptitle(title)
+        self._show(fig, interval)
 
     def update(self, record: dict, label: str = "") -> None:
         for name in self.series:
             if name in record and record[name] is not None:
                 self.data[name][label].append((record.get(self.x, len(self.data[name][label]) + 1),
                                                record[name]))
-        if self.live and time.monotonic() - self._last >= self.interval:
-            self._draw()
+        self._maybe_draw()
 
     def _draw(self) -> None:
         for name, ax in self.axes.items():
@@ -128,20 +160,13 @@ class LivePlot:
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
                 ax.legend(fontsize=8)
-        self.fig.tight_layout()
-        if self.handle is not None:
-            self.handle.update(self.fig)
-        self._last = time.monotonic()
+        self._publish()
 
     def _decorate(self, name: str, ax) -> None:
         """Subclasses add to panel ``name`` after its lines are drawn (reference lines, markers)."""
 
-    def finish(self) -> None:
-        """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""
-        self._draw()
 
-
-class LiveBars:
+class LiveBars(LiveFigure):
     """Stacked bars, one per group, drawn as each group's values arrive (e.g. the memory per rank
     of each configuration as its run finishes), with an optional reference mark per group (the
     formula). Same display mechanics as :class:`LivePlot`.
@@ -153,30 +178,20 @@ class LiveBars:
     def __init__(self, kinds: list[str], title: str | None = None, ylabel: str = "",
                  figsize: tuple[float, float] | None = None, interval: float = 0.0,
                  reference_label: str = "formula"):
-        import matplotlib
-        if not _in_notebook():
-            matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        plt = pyplot()
         use_style()
         self.kinds, self.title, self.ylabel = list(kinds), title, ylabel
-        self.interval, self.reference_label = interval, reference_label
+        self.reference_label = reference_label
         self.groups: dict[str, dict[str, float]] = {}
         self.refs: dict[str, float] = {}
-        self.fig, self.ax = plt.subplots(figsize=figsize or (7.0, 3.2))
-        plt.close(self.fig)
-        self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
-        self.handle = None
-        self._last = 0.0
-        if _in_notebook():
-            from IPython.display import display
-            self.handle = display(self.fig, display_id=True)
+        fig, self.ax = plt.subplots(figsize=figsize or (7.0, 3.2))
+        self._show(fig, interval)
 
     def update(self, group: str, values: dict, reference: float | None = None) -> None:
         self.groups[group] = {k: float(values.get(k, 0.0)) for k in self.kinds}
         if reference is not None:
             self.refs[group] = float(reference)
-        if self.live and time.monotonic() - self._last >= self.interval:
-            self._draw()
+        self._maybe_draw()
 
     def _draw(self) -> None:
         ax = self.ax
@@ -197,11 +212,4 @@ class LiveBars:
         if names:
             ax.legend(loc="upper right")
             ax.tick_params(axis="x", labelsize=8)
-        self.fig.tight_layout()
-        if self.handle is not None:
-            self.handle.update(self.fig)
-        self._last = time.monotonic()
-
-    def finish(self) -> None:
-        """Draw the final state (always, even with ``LLMLAB_LIVE=0``)."""
-        self._draw()
+        self._publish()

@@ -4,38 +4,25 @@
 model (they carry ``tokens_per_expert``: ``[layers][experts]`` token counts of that step, see
 :func:`llmlab.model.moe.collect_moe_stats`) and redraws, in place, the heat-map of the step's
 routing next to the load imbalance (max/mean tokens per expert, mean over layers) so far. Same display-handle
-mechanism as :class:`llmlab.viz.live.LivePlot`, so it passes nbval.
+mechanism as every llmlab live plot (:class:`llmlab.viz.live.LiveFigure`), so it passes nbval.
 """
 from __future__ import annotations
 
-import os
-import time
-
-from llmlab.viz.live import _in_notebook
+from llmlab.viz.live import LiveFigure, pyplot
 
 
-class RoutingHeatmap:
+class RoutingHeatmap(LiveFigure):
     """Heat-map ``layers x experts`` of the last step's token counts, plus imbalance vs step."""
 
     def __init__(self, title: str | None = None, interval: float = 0.25):
-        import matplotlib
-        if not _in_notebook():
-            matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-        self.fig, (self.ax_map, self.ax_imb) = plt.subplots(1, 2, figsize=(9, 3.2),
+        fig, (self.ax_map, self.ax_imb) = pyplot().subplots(1, 2, figsize=(9, 3.2),
                                                             gridspec_kw={"width_ratios": [1, 1.3]})
         if title:
-            self.fig.suptitle(title)
-        plt.close(self.fig)
-        self.interval, self._last = interval, 0.0
-        self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
+            fig.suptitle(title)
         self.steps: list[int] = []
         self.imbalance: list[float] = []
         self.counts = None
-        self.handle = None
-        if _in_notebook():
-            from IPython.display import display
-            self.handle = display(self.fig, display_id=True)
+        self._show(fig, interval)
 
     def update(self, record: dict) -> None:
         if "tokens_per_expert" not in record:
@@ -43,8 +30,7 @@ class RoutingHeatmap:
         self.counts = record["tokens_per_expert"]
         self.steps.append(record.get("step", len(self.steps) + 1))
         self.imbalance.append(record["imbalance"])
-        if self.live and time.monotonic() - self._last >= self.interval:
-            self._draw()
+        self._maybe_draw()
 
     def _draw(self) -> None:
         if self.counts is None:
@@ -62,10 +48,4 @@ class RoutingHeatmap:
         self.ax_imb.axhline(1.0, color="gray", lw=0.8, ls="--")
         self.ax_imb.set_xlabel("step")
         self.ax_imb.set_title("imbalance (max/mean, mean over layers)")
-        self.fig.tight_layout()
-        if self.handle is not None:
-            self.handle.update(self.fig)
-        self._last = time.monotonic()
-
-    def finish(self) -> None:
-        self._draw()
+        self._publish()
