@@ -67,11 +67,18 @@ def test_mfu_peak_is_the_peak_of_the_run_dtype(monkeypatch):
     from llmlab.metrics import throughput as tp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert tp.peak_flops("cuda", "bf16") == 989e12
-    assert tp.peak_flops("cuda", "fp32") == 67e12
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert tp.peak_flops("cuda", "fp32") == 495e12
+    # allow_tf32 is a property of torch's cuBLAS module: set and restored by hand (pytest 9.2's
+    # monkeypatch deletes such an attribute on undo, which fails and leaves the mocks above in place)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert tp.peak_flops("cuda", "bf16") == 989e12
+        assert tp.peak_flops("cuda", "fp32") == 67e12
+        matmul.allow_tf32 = True
+        assert tp.peak_flops("cuda", "fp32") == 495e12
+    finally:
+        matmul.allow_tf32 = before
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
     assert tp.peak_flops("cuda", "bf16") is None and tp.peak_flops("cuda", "fp16") == 125e12
     assert tp.peak_flops("cpu", "fp32") is None
