@@ -26,7 +26,9 @@ Layout of ``--checkpoint-dir``::
   a tensor-parallel shard, none for a whole tensor). Loading assembles the full tensors and cuts
   the slices the *new* layout needs, so a checkpoint saved at dp2×tp2 resumes at tp4 or on one rank.
   Optimizer states (Adam ``exp_avg``, ``exp_avg_sq``, ``step``, and fp32 master weights under
-  mixed precision) travel the same way.
+  mixed precision) travel the same way. Across precisions too: a run resumes its weights from the
+  fp32 masters when the checkpoint has them (a 16-bit run wrote it), else from the fp32 weights,
+  so bf16 -> fp32 and fp32 -> bf16 start every layout from the same weights as one device.
 * Extensible: a new kind of state is more named tensors in the shards (``<param>::<state>``) with
   its slice in ``metadata.json``; the loader assembles whatever names it finds.
 * Resume is exact: the data of step ``s`` depends only on (seed, s), so continuing at the next step
@@ -179,10 +181,21 @@ def _collect_zero(engine) -> tuple[dict, dict]:
     return tensors, slices
 
 
+def _weights(full: dict, name: str) -> torch.Tensor:
+    """The weights to resume ``name`` from: the fp32 master when the checkpoint has one (it was
+    written by a 16-bit run), else the tensor itself (an fp32 run: it is the master). Whatever
+    the new run's dtype, its masters get these fp32 values and its 16-bit weights their rounding,
+    so a 16-bit checkpoint resumed in fp32 (or the reverse) starts from the same weights on every
+    layout as on one device."""
+    return full.get(f"{name}::master", full[name])
+
+
 @torch.no_grad()
 def _load_zero(engine, full: dict, path) -> None:
     """Install full tensors into a ZeRO engine: each rank cuts its tp slice of every parameter,
-    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments."""
+    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments.
+    The parameters (the whole flat buffer under stages 1-2) come from the masters
+    (:func:`_weights`), so every data-parallel replica holds the same weights."""
     names = full_names(engine.model)
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
     inner = engine.optimizer.optimizer
@@ -195,8 +208,8 @@ def _load_zero(engine, full: dict, path) -> None:
             if name not in full:
                 raise CheckpointError(f"{path} has no tensor {name!r} (different model?)")
             spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
-            for suffix in ("", "::master", "::exp_avg", "::exp_avg_sq"):
-                t = full.get(name + suffix, full[name] if suffix == "::master" else None)
+            for suffix in ("", "::exp_avg", "::exp_avg_sq"):
+                t = _weights(full, name) if suffix == "" else full.get(name + suffix)
                 if t is None:
                     continue
                 flat = flats.setdefault(suffix, torch.zeros(b.padded, dtype=torch.float32))
@@ -205,9 +218,9 @@ def _load_zero(engine, full: dict, path) -> None:
                 step = full[f"{name}::step"]
         if stage3:
             b.local_shard.copy_(flats[""][lo:hi].to(b.local_shard.dtype))
-        else:  # stages 1-2 hold the whole parameters
+        else:  # stages 1-2 hold the whole parameters: every replica the same, from the masters
             b.alias.copy_(flats[""].to(b.alias.dtype))
-        m.copy_(flats["::master"][lo:hi].to(m.device, m.dtype))
+        m.copy_(flats[""][lo:hi].to(m.device, m.dtype))
         if step is not None and "::exp_avg" in flats:
             inner.state[m] = {"step": step.clone().reshape(()),
                               "exp_avg": flats["::exp_avg"][lo:hi].clone().to(m.device),
@@ -396,9 +409,10 @@ def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
         if n not in full:
             raise CheckpointError(f"{path} has no tensor {n!r} (different model?)")
         spec = slice_spec(p.shape, engine.full_shapes[n], tp_i, tp)
-        p.copy_(_cut(full[n], spec).to(p.dtype))
+        weights = _cut(_weights(full, n), spec)
+        p.copy_(weights.to(p.dtype))
         if target is not p:
-            target.copy_(_cut(full.get(f"{n}::master", full[n]), spec).to(target.dtype))
+            target.copy_(weights.to(target.dtype))
         state = {}
         for key in ("step", "exp_avg", "exp_avg_sq"):
             t = full.get(f"{n}::{key}")
