@@ -121,3 +121,21 @@ def test_an_fp32_checkpoint_resumed_in_bf16_gets_fp32_masters(tmp_path):
             assert torch.equal(masters[:flat.numel()], flat)
         else:
             assert all(torch.equal(m.detach(), w) for m, w in zip(engine.optimizer.master, want))
+
+
+def test_resume_refuses_a_changed_schedule_naming_the_flag_unless_overridden(tmp_path, capsys):
+    from llmlab.cli import main
+    kw = dict(checkpoint_dir=str(tmp_path), **RESUME)
+    llmlab.train(TrainConfig(steps=2, **kw), progress=False)
+    with pytest.raises(ValueError, match="--lr-schedule is 'cosine'.*made with --lr-schedule 'constant'"):
+        llmlab.train(TrainConfig(steps=3, lr_schedule="cosine", resume=True, **kw), progress=False)
+    with pytest.raises(ValueError, match="--lr is 0.01"):
+        llmlab.train(TrainConfig(steps=3, lr=0.01, resume=True, **kw), progress=False)
+    assert main(["train", "--steps", "3", "--no-progress", "--checkpoint-dir", str(tmp_path),
+                 "--global-batch-size", "4", "--seq-len", "32", "--seed", "7",
+                 "--warmup-steps", "2", "--resume"]) == 2
+    assert "--warmup-steps" in capsys.readouterr().err
+    # a longer constant-rate run may continue; the override takes the new schedule
+    m = llmlab.train(TrainConfig(steps=3, lr_schedule="cosine", resume=True,
+                                 override_opt_param_scheduler=True, **kw), progress=False)
+    assert [s["step"] for s in m["steps"]] == [3] and m["steps"][0]["lr"] == 0.0   # cosine's end

@@ -59,6 +59,31 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that cannot be mapped onto this model."""
 
 
+# The flags that set the learning rate of every step (and so the optimizer's trajectory): a resumed
+# run must use the checkpoint's values unless --override-opt-param-scheduler says otherwise.
+SCHEDULE_FLAGS = ("lr_schedule", "lr", "min_lr", "warmup_steps", "steps")
+
+
+def check_resume_flags(cfg, meta: dict, path) -> None:
+    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) other than those the
+    checkpoint at ``path`` was made with: ``ValueError`` naming the flag and both values, unless
+    ``cfg.override_opt_param_scheduler`` (then this run's values are taken, as Megatron's
+    ``--override-opt_param-scheduler``). ``--steps`` counts only for a decaying schedule (linear,
+    cosine: the decay ends at the last step); extending a constant-rate run is allowed. A
+    checkpoint of an older llmlab without the record is not checked."""
+    saved = meta.get("schedule_flags")
+    if not saved or getattr(cfg, "override_opt_param_scheduler", False):
+        return
+    for k in SCHEDULE_FLAGS:
+        if k == "steps" and cfg.lr_schedule == saved.get("lr_schedule") == "constant":
+            continue
+        if k in saved and saved[k] != getattr(cfg, k):
+            flag = "--" + k.replace("_", "-")
+            raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} was "
+                             f"made with {flag} {saved[k]!r}; resume with the same value, or pass "
+                             f"--override-opt-param-scheduler to take the new one")
+
+
 # --------------------------------------------------------------------------------------------
 # Names and slices
 # --------------------------------------------------------------------------------------------
@@ -278,6 +303,8 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
                 "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
                 # the schedule's position (its rate is a function of the step) and the fp16 scaler
                 "lr_schedule": {"step": step, "lr": getattr(engine, "last", {}).get("lr")},
+                # the flags the schedule and optimizer were made with (checked on resume)
+                "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
                 "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) else None}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)

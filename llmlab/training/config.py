@@ -94,6 +94,10 @@ class TrainConfig:
     checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
                                       "(a checkpoint is always written after the last step)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    override_opt_param_scheduler: bool = option(
+        False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
+               "--steps instead of refusing values that differ from the checkpoint's (Megatron's "
+               "--override-opt_param-scheduler)")
     device: str = option("auto", "where ranks run (auto: one GPU per rank if enough, else CPU)",
                          choices=("auto", "cpu", "cuda"))
     metrics_json: str | None = option(None, "write the run's metrics (docs/CONTRACT.md) to this file")

@@ -384,6 +384,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     rank fails.
     """
     validate(cfg)
+    if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
+        from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
+        found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
+        if found is not None:
+            check_resume_flags(cfg, found[1], found[0])
     bar = None
     if progress:
         from tqdm.auto import tqdm
