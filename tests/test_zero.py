@@ -259,6 +259,11 @@ def _fp16_skips(configs):
     g = torch.full((8,), 10000.0, dtype=torch.float16)
     group = mesh.groups.get("dp")
     out.append({"pre": mean_over_ranks(g, group).tolist(), "post": mean_over_ranks(g, group, predivide=False).tolist()})
+    # partial gradients (the TP rule): +40000 on ranks 0-3, -40000 on 4-7, true sum 0 (a plain
+    # fp16 all-reduce over gloo returns +-inf here: its running sum passes 65504)
+    from llmlab.parallel.grad_reduce import all_reduce_sum_
+    part = torch.full((8,), 4e4 if mesh.rank < 4 else -4e4, dtype=torch.float16)
+    out[-1]["partial_sum"] = all_reduce_sum_(part, group).tolist()
     return out
 
 
@@ -275,6 +280,7 @@ def test_fp16_zero_at_dp8_skips_exactly_the_steps_ddp_skips():
         assert_same_loss_n(z["losses"], ddp["losses"], rtol=1e-3)
     assert all(abs(v - 1e4) < 10 for v in demo["pre"]), demo  # 8 x 1250, summed in fp16: finite
     assert all(v == float("inf") for v in demo["post"])      # 8 x 10000 > 65504: inf, / 8 still inf
+    assert demo["partial_sum"] == [0.0] * 8     # fp16 partial gradients summed in fp32: no inf on the way
 
 
 def assert_same_loss_n(losses, ref, rtol):
