@@ -33,7 +33,7 @@ def _metrics_files_follow_the_schema():
     write = trainer.write_metrics
 
     def validated(metrics, path):
-        validate_train_metrics(json.loads(json.dumps(metrics)))  # as a reader will see it
+        validate_train_metrics(json.loads(json.dumps(metrics, allow_nan=False)))  # strict JSON, as a reader sees it
         write(metrics, path)
 
     with pytest.MonkeyPatch.context() as mp:

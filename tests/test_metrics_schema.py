@@ -75,3 +75,17 @@ def test_extra_fields_are_allowed_so_the_schema_can_grow(pipeline_run):
     ok["ranks"][0]["coords"]["cp"] = "zero"   # but a coordinate is still an integer
     with pytest.raises(jsonschema.ValidationError):
         validate_train_metrics(ok)
+
+
+def test_metrics_are_strict_json_nonfinite_values_null_and_flagged(pipeline_run):
+    from llmlab.metrics.schema import strict_json
+    bad = copy.deepcopy(pipeline_run)
+    bad["steps"][0]["loss"] = float("nan")
+    with pytest.raises(ValueError):
+        json.dumps(bad, allow_nan=False)              # a bare NaN is not JSON
+    ok = json.loads(json.dumps(strict_json(bad), allow_nan=False))
+    assert ok["steps"][0]["loss"] is None and ok["steps"][0]["nonfinite"] == {"loss": "nan"}
+    validate_train_metrics(ok)
+    ok["steps"][0]["nonfinite"] = {"loss": "big"}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_train_metrics(ok)

@@ -236,3 +236,54 @@ def test_formula_reproduces_paper_example():
     # the seed's 8B model in fp32: 32 + 32 + 64 GB on one GPU
     f = zero_model_state_bytes(8e9, 0, 1, "fp32")
     assert (f["params"], f["grads"], f["optimizer_states"]) == (32e9, 32e9, 64e9)
+
+
+def _fp16_skips(configs):
+    """Inside a rank: for each config, ``(losses, skipped)`` per step, and the fp16 mean of a
+    gradient of 10000 on every rank by :func:`mean_over_ranks`, divided before and after the sum."""
+    from llmlab.data import BatchLoader
+    from llmlab.parallel.grad_reduce import mean_over_ranks
+    from llmlab.runtime.mesh import Mesh
+    from llmlab.training.trainer import Engine, global_loss
+    mesh = Mesh.build(dp=configs[0].dp)
+    out = []
+    for cfg in configs:
+        engine = Engine(cfg, mesh, torch.device("cpu"))
+        loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+        rec = {"losses": [], "skipped": []}
+        for step in range(1, cfg.steps + 1):
+            micro = loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
+            rec["losses"].append(global_loss(engine.train_step(micro, step), mesh, torch.device("cpu")))
+            rec["skipped"].append(engine.last["skipped"])
+        out.append(rec)
+    g = torch.full((8,), 10000.0, dtype=torch.float16)
+    group = mesh.groups.get("dp")
+    out.append({"pre": mean_over_ranks(g, group).tolist(), "post": mean_over_ranks(g, group, predivide=False).tolist()})
+    # partial gradients (the TP rule): +40000 on ranks 0-3, -40000 on 4-7, true sum 0 (a plain
+    # fp16 all-reduce over gloo returns +-inf here: its running sum passes 65504)
+    from llmlab.parallel.grad_reduce import all_reduce_sum_
+    part = torch.full((8,), 4e4 if mesh.rank < 4 else -4e4, dtype=torch.float16)
+    out[-1]["partial_sum"] = all_reduce_sum_(part, group).tolist()
+    return out
+
+
+def test_fp16_zero_at_dp8_skips_exactly_the_steps_ddp_skips():
+    """Each bucket is divided by N before its reduce-scatter (as DDP divides before its
+    all-reduce), so at dp 8 the fp16 sum cannot overflow where no rank's gradient does. Before,
+    ZeRO summed first and skipped step 1, which DDP does not, and its losses left DDP's."""
+    kw = dict(dp=8, dtype="fp16", global_batch_size=8, seq_len=32, steps=3)
+    ddp, *zeros, demo = llmlab.launch(_fp16_skips, 8, [TrainConfig(zero=z, **kw) for z in (0, 1, 2, 3)],
+                                      backend="gloo")[0]
+    assert ddp["skipped"][0] is False, ddp
+    for stage, z in enumerate(zeros, 1):
+        assert z["skipped"] == ddp["skipped"], (stage, z["skipped"], ddp["skipped"])
+        assert_same_loss_n(z["losses"], ddp["losses"], rtol=1e-3)
+    assert all(abs(v - 1e4) < 10 for v in demo["pre"]), demo  # 8 x 1250, summed in fp16: finite
+    assert all(v == float("inf") for v in demo["post"])      # 8 x 10000 > 65504: inf, / 8 still inf
+    assert demo["partial_sum"] == [0.0] * 8     # fp16 partial gradients summed in fp32: no inf on the way
+
+
+def assert_same_loss_n(losses, ref, rtol):
+    assert len(losses) == len(ref)
+    for step, (a, b) in enumerate(zip(losses, ref), 1):
+        assert abs(a - b) / abs(b) < rtol, f"step {step}: {a} vs {b}"

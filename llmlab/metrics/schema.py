@@ -11,6 +11,7 @@ need it): the tests validate every metrics file they write.
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,3 +30,21 @@ def validate_train_metrics(metrics: dict) -> None:
     import jsonschema
     cls = jsonschema.validators.validator_for(train_metrics_schema())
     cls(train_metrics_schema()).validate(metrics)
+
+
+def strict_json(obj):
+    """A copy of ``obj`` (dicts, lists, numbers, strings) that ``json.dumps(..., allow_nan=False)``
+    accepts: every non-finite float becomes ``None``, and a dict that held one gets a
+    ``"nonfinite"`` entry naming the key and what it was, e.g. ``{"loss": None, "nonfinite":
+    {"loss": "nan"}}``. In a list, a non-finite element becomes ``None`` only."""
+    if isinstance(obj, dict):
+        out = {k: strict_json(v) for k, v in obj.items()}
+        bad = {k: str(v).lower() for k, v in obj.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad:
+            out["nonfinite"] = dict(out.get("nonfinite") or {}) | bad
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

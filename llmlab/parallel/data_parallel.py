@@ -25,6 +25,11 @@ All three broadcast the parameters from the group's first rank when wrapping, of
 and ``finish_grad_sync()`` (called once per step before the optimizer: wait for every reduction
 and leave averaged gradients in ``p.grad``).
 
+Every mode divides each gradient by the group size *before* the sum (the torch.div in
+``Bucket.copy_in``), so the sum is the mean and a 16-bit sum cannot overflow where no rank's
+gradient does: the rule every gradient reduction follows, ZeRO's too
+(:mod:`llmlab.parallel.grad_reduce`).
+
 Parameters marked ``p.expert_parallel = True`` (expert parallelism) are averaged over
 ``mesh.groups["edp"]`` instead of ``mesh.groups["dp"]``: buckets are kept per process group.
 
@@ -42,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
+from llmlab.parallel.grad_reduce import predivide_
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -162,7 +168,7 @@ class NaiveDataParallel(_DataParallelBase):
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(size)  # before the sum, so 16-bit gradients cannot overflow
+            predivide_(p.grad, size)  # before the sum, so 16-bit gradients cannot overflow
             comm.all_reduce(p.grad, group=self.mesh.groups[key])
 
 
@@ -199,7 +205,7 @@ class Bucket:
         elif g.data_ptr() != v.data_ptr():
             torch.div(g, self.size, out=v)
         else:  # accumulated in place into the bucket (p.grad kept from the last step)
-            v.div_(self.size)
+            predivide_(v, self.size)
 
     def copy_out(self) -> None:
         """Hand the reduced buffer back: ``p.grad`` becomes a view of the bucket."""

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from llmlab.model.moe import MoE, moe_layers
+from llmlab.parallel.grad_reduce import predivide_
 from llmlab.runtime import comm
 
 
@@ -146,9 +147,8 @@ def sync_moe_grads(model: nn.Module, mesh) -> None:
             continue
         name = "edp" if getattr(p, "expert_parallel", False) else "dp"
         group = mesh.groups.get(name)
-        if group is not None:
-            comm.all_reduce(p.grad, group=group)
-            p.grad /= mesh.size(name)
+        if group is not None:   # divided before the sum (llmlab.parallel.grad_reduce)
+            comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
 
 
 def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:

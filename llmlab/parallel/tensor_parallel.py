@@ -89,7 +89,7 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
             grad_total = gi if grad_total is None else grad_total + gi
             g2 = g.reshape(-1, g.shape[-1])
             out += [g2.t() @ flat, g2.sum(0) if has_b else None]
-        return (reduce_scatter_along(grad_total, 1, ctx.group), None, *out)
+        return (reduce_scatter_along(grad_total, 1, ctx.group, grad=True), None, *out)
 
 
 def column_parallel_linears(x: torch.Tensor, layers: list["ColumnParallelLinear"], group,

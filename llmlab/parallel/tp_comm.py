@@ -24,7 +24,9 @@ followed by an all-gather, so the bytes moved are the same, but between them the
 
 Hidden states here are ``[B, T, h]`` (batch first, unlike Megatron's ``[T, B, h]``), so the
 sequence dimension is 1; the vocabulary/feature dimension is the last one. Every collective goes
-through :mod:`llmlab.runtime.comm`, so its bytes are counted. ``group`` is a tensor-parallel
+through :mod:`llmlab.runtime.comm`, so its bytes are counted. The backward sums of partial
+gradients follow :mod:`llmlab.parallel.grad_reduce`: in fp16 they run in fp32 (twice the bytes),
+so they overflow only where the gradient itself does. ``group`` is a tensor-parallel
 process group (``mesh.groups["tp"]``); ``None`` means a single rank, and every operator is then the
 identity.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llmlab.parallel.grad_reduce import all_reduce_sum_, reduce_scatter_sum
 from llmlab.runtime import comm
 
 
@@ -62,8 +65,10 @@ def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's ``1/tp`` slice along ``dim`` (bytes = input)."""
+def reduce_scatter_along(x: torch.Tensor, dim: int, group, grad: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's ``1/tp`` slice along ``dim`` (bytes = input).
+    ``grad=True``: ``x`` holds partial gradients, summed by
+    :func:`~llmlab.parallel.grad_reduce.reduce_scatter_sum` (fp16 in fp32)."""
     n = comm.group_size(group)
     if n == 1:
         return x
@@ -71,16 +76,24 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"tp={n} must divide dimension {dim} of size {x.shape[dim]}")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
-    comm.reduce_scatter_tensor(out, moved, group=group)
+    if grad:
+        reduce_scatter_sum(out, moved, group)
+    else:
+        comm.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``x`` over ranks (a new tensor; the input is left untouched)."""
+def all_reduce(x: torch.Tensor, group, grad: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ranks (a new tensor; the input is left untouched). ``grad=True``: ``x``
+    holds partial gradients, summed by :func:`~llmlab.parallel.grad_reduce.all_reduce_sum_`
+    (fp16 in fp32, so the sum overflows only where the gradient itself does)."""
     if comm.group_size(group) == 1:
         return x
     out = x.contiguous().clone()
-    comm.all_reduce(out, group=group)
+    if grad:
+        all_reduce_sum_(out, group)
+    else:
+        comm.all_reduce(out, group=group)
     return out
 
 
@@ -92,7 +105,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce(g, ctx.group), None
+        return all_reduce(g, ctx.group, grad=True), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -135,7 +148,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_scatter_along(g, 1, ctx.group), None
+        return reduce_scatter_along(g, 1, ctx.group, grad=True), None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmlab.model.llama import MLP, LlamaForCausalLM, RMSNorm
+from llmlab.parallel.grad_reduce import all_reduce_sum_
 from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                              RowParallelLinear, VocabParallelEmbedding, _tp_rank,
                                              check_shardable, vocab_parallel_cross_entropy)
@@ -42,7 +43,7 @@ class SumOverTP:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=self.group)
+        all_reduce_sum_(flat, self.group)   # partial gradients: fp16 summed in fp32
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
@@ -65,7 +66,7 @@ class SumOverKVReplicas:
         a0 = self.attns[0]
         buf = grads[0].new_zeros(a0.kv_num_shards, sum(g.numel() for g in grads))
         buf[a0.kv_shard] = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(buf, group=self.group)
+        all_reduce_sum_(buf, self.group)
         for g, part in zip(grads, buf[a0.kv_shard].split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 

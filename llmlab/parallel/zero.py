@@ -39,6 +39,10 @@ stages 2 and 3 reduce-scatter after every micro-batch (as DeepSpeed does) so tha
 never accumulate; ``no_sync()`` is accepted and changes nothing for them. Communication is then
 ``(M + 1)Ψ`` (stage 2) and ``(2M + M)Ψ`` (stage 3) for ``M`` micro-batches.
 
+Every bucket is divided by N *before* it is reduce-scattered, so the sum is already the mean and
+an fp16 sum cannot overflow where no rank's gradient does (the one rule for every gradient
+reduction, DDP's too: :mod:`llmlab.parallel.grad_reduce`).
+
 Every collective goes through :mod:`llmlab.runtime.comm`, so the bytes are counted per rank. The
 table's formulas are :func:`llmlab.formulas.memory.zero_model_state_bytes` and
 :func:`llmlab.formulas.communication.zero_comm_bytes_per_step`.
@@ -54,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
@@ -130,7 +135,8 @@ class ZeroDataParallel(nn.Module):
     the model (its tp slice, its pipeline stage, its experts) and ZeRO shards it over the
     data-parallel group of that slice, as Megatron's distributed optimizer does; parameters
     marked ``expert_parallel`` are sharded over the expert-data-parallel group ``edp`` instead
-    (the other holders of the same experts). Gradients are averaged over the bucket's group.
+    (the other holders of the same experts). Gradients are averaged over the bucket's group,
+    divided by its size before the reduce-scatter (:mod:`llmlab.parallel.grad_reduce`).
     Parameters with ``requires_grad=False`` are left out: never sharded, reduced or updated.
 
     Follows the trainer's LocalModule protocol: ``forward(*args)`` runs ``module``;
@@ -218,22 +224,23 @@ class ZeroDataParallel(nn.Module):
 
     @torch.no_grad()
     def finish_grad_sync(self):
-        """Reduce-scatter what is left, wait, and divide the gradient shards by N."""
+        """Reduce-scatter what is left and wait: the gradient shards hold the mean over N.
+
+        Every bucket is divided by N *before* its reduce-scatter (:func:`predivide_`, the rule of
+        :mod:`llmlab.parallel.grad_reduce`, as DDP does), so an fp16 sum cannot overflow where no
+        rank's gradient does."""
         if self.stage == 1:
             for b in self.buckets:
                 out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
                 self._log("reduce_scatter", b.name, "step")
-                comm.reduce_scatter_tensor(out, b.grad_full, group=b.group)
+                comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group)
                 a, e = b.shard_range
-                b.grad_full[a:e].copy_(out.div_(b.world))
+                b.grad_full[a:e].copy_(out)
             return
         if self._next_launch:
             self._end_of_backward()
         while self._pending:
             self._retire()
-        for b in self.buckets:
-            if b.world > 1:
-                b.grad_shard.div_(b.world)
         if self.stage == 3:
             for i in range(len(self.units)):
                 self._free_unit(i)
@@ -307,7 +314,8 @@ class ZeroDataParallel(nn.Module):
     def _launch(self, b: FlatBucket, phase: str):
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
         self._log("reduce_scatter", b.name, phase)
-        work = comm.reduce_scatter_tensor(out, b.grad_full, group=b.group, async_op=True)
+        work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
+                                          async_op=True)
         self._pending.append((b, out, work, b.grad_full))
         b.grad_full, b.num_ready = None, 0
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory

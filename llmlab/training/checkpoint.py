@@ -26,7 +26,9 @@ Layout of ``--checkpoint-dir``::
   a tensor-parallel shard, none for a whole tensor). Loading assembles the full tensors and cuts
   the slices the *new* layout needs, so a checkpoint saved at dp2×tp2 resumes at tp4 or on one rank.
   Optimizer states (Adam ``exp_avg``, ``exp_avg_sq``, ``step``, and fp32 master weights under
-  mixed precision) travel the same way.
+  mixed precision) travel the same way. Across precisions too: a run resumes its weights from the
+  fp32 masters when the checkpoint has them (a 16-bit run wrote it), else from the fp32 weights,
+  so bf16 -> fp32 and fp32 -> bf16 start every layout from the same weights as one device.
 * Extensible: a new kind of state is more named tensors in the shards (``<param>::<state>``) with
   its slice in ``metadata.json``; the loader assembles whatever names it finds.
 * Resume is exact: the data of step ``s`` depends only on (seed, s), so continuing at the next step
@@ -55,6 +57,31 @@ SHARD = re.compile(r"^rank\d{5}\.safetensors$")
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that cannot be mapped onto this model."""
+
+
+# The flags that set the learning rate of every step (and so the optimizer's trajectory): a resumed
+# run must use the checkpoint's values unless --override-opt-param-scheduler says otherwise.
+SCHEDULE_FLAGS = ("lr_schedule", "lr", "min_lr", "warmup_steps", "steps")
+
+
+def check_resume_flags(cfg, meta: dict, path) -> None:
+    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) other than those the
+    checkpoint at ``path`` was made with: ``ValueError`` naming the flag and both values, unless
+    ``cfg.override_opt_param_scheduler`` (then this run's values are taken, as Megatron's
+    ``--override-opt_param-scheduler``). ``--steps`` counts only for a decaying schedule (linear,
+    cosine: the decay ends at the last step); extending a constant-rate run is allowed. A
+    checkpoint of an older llmlab without the record is not checked."""
+    saved = meta.get("schedule_flags")
+    if not saved or getattr(cfg, "override_opt_param_scheduler", False):
+        return
+    for k in SCHEDULE_FLAGS:
+        if k == "steps" and cfg.lr_schedule == saved.get("lr_schedule") == "constant":
+            continue
+        if k in saved and saved[k] != getattr(cfg, k):
+            flag = "--" + k.replace("_", "-")
+            raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} was "
+                             f"made with {flag} {saved[k]!r}; resume with the same value, or pass "
+                             f"--override-opt-param-scheduler to take the new one")
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,10 +206,21 @@ def _collect_zero(engine) -> tuple[dict, dict]:
     return tensors, slices
 
 
+def _weights(full: dict, name: str) -> torch.Tensor:
+    """The weights to resume ``name`` from: the fp32 master when the checkpoint has one (it was
+    written by a 16-bit run), else the tensor itself (an fp32 run: it is the master). Whatever
+    the new run's dtype, its masters get these fp32 values and its 16-bit weights their rounding,
+    so a 16-bit checkpoint resumed in fp32 (or the reverse) starts from the same weights on every
+    layout as on one device."""
+    return full.get(f"{name}::master", full[name])
+
+
 @torch.no_grad()
 def _load_zero(engine, full: dict, path) -> None:
     """Install full tensors into a ZeRO engine: each rank cuts its tp slice of every parameter,
-    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments."""
+    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments.
+    The parameters (the whole flat buffer under stages 1-2) come from the masters
+    (:func:`_weights`), so every data-parallel replica holds the same weights."""
     names = full_names(engine.model)
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
     inner = engine.optimizer.optimizer
@@ -195,8 +233,8 @@ def _load_zero(engine, full: dict, path) -> None:
             if name not in full:
                 raise CheckpointError(f"{path} has no tensor {name!r} (different model?)")
             spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
-            for suffix in ("", "::master", "::exp_avg", "::exp_avg_sq"):
-                t = full.get(name + suffix, full[name] if suffix == "::master" else None)
+            for suffix in ("", "::exp_avg", "::exp_avg_sq"):
+                t = _weights(full, name) if suffix == "" else full.get(name + suffix)
                 if t is None:
                     continue
                 flat = flats.setdefault(suffix, torch.zeros(b.padded, dtype=torch.float32))
@@ -205,9 +243,9 @@ def _load_zero(engine, full: dict, path) -> None:
                 step = full[f"{name}::step"]
         if stage3:
             b.local_shard.copy_(flats[""][lo:hi].to(b.local_shard.dtype))
-        else:  # stages 1-2 hold the whole parameters
+        else:  # stages 1-2 hold the whole parameters: every replica the same, from the masters
             b.alias.copy_(flats[""].to(b.alias.dtype))
-        m.copy_(flats["::master"][lo:hi].to(m.device, m.dtype))
+        m.copy_(flats[""][lo:hi].to(m.device, m.dtype))
         if step is not None and "::exp_avg" in flats:
             inner.state[m] = {"step": step.clone().reshape(()),
                               "exp_avg": flats["::exp_avg"][lo:hi].clone().to(m.device),
@@ -265,6 +303,8 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
                 "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
                 # the schedule's position (its rate is a function of the step) and the fp16 scaler
                 "lr_schedule": {"step": step, "lr": getattr(engine, "last", {}).get("lr")},
+                # the flags the schedule and optimizer were made with (checked on resume)
+                "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
                 "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) else None}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -396,9 +436,10 @@ def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
         if n not in full:
             raise CheckpointError(f"{path} has no tensor {n!r} (different model?)")
         spec = slice_spec(p.shape, engine.full_shapes[n], tp_i, tp)
-        p.copy_(_cut(full[n], spec).to(p.dtype))
+        weights = _cut(_weights(full, n), spec)
+        p.copy_(weights.to(p.dtype))
         if target is not p:
-            target.copy_(_cut(full.get(f"{n}::master", full[n]), spec).to(target.dtype))
+            target.copy_(weights.to(target.dtype))
         state = {}
         for key in ("step", "exp_avg", "exp_avg_sq"):
             t = full.get(f"{n}::{key}")

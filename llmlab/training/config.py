@@ -80,6 +80,10 @@ class TrainConfig:
     min_lr: float = option(0.0, "learning rate at the last step (linear/cosine schedules)")
     grad_clip: float | None = option(None, "clip the global gradient norm (all ranks, replicated "
                                            "parameters counted once) to this value")
+    max_consecutive_skips: int = option(10, "stop with an error after this many steps in a row "
+                                            "whose gradient was non-finite (each one skipped, not "
+                                            "applied; fp16 counts them once its loss scale is at "
+                                            "the minimum); 0 never stops")
     seed: int = option(0, "seed for weights and data order (same seed, same run)")
     dtype: str = option("fp32", "compute dtype; bf16/fp16 keep fp32 master weights "
                                 "(fp16 adds loss scaling)", choices=("fp32", "bf16", "fp16"))
@@ -90,6 +94,10 @@ class TrainConfig:
     checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
                                       "(a checkpoint is always written after the last step)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    override_opt_param_scheduler: bool = option(
+        False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
+               "--steps instead of refusing values that differ from the checkpoint's (Megatron's "
+               "--override-opt_param-scheduler)")
     device: str = option("auto", "where ranks run (auto: one GPU per rank if enough, else CPU)",
                          choices=("auto", "cpu", "cuda"))
     metrics_json: str | None = option(None, "write the run's metrics (docs/CONTRACT.md) to this file")
@@ -221,6 +229,8 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"ep={cfg.ep} must divide num_experts={mc.num_experts}")
     if cfg.ep > 1 and not mc.num_experts:
         raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if cfg.max_consecutive_skips < 0:
+        raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
     if cfg.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:

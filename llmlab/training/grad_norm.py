@@ -19,8 +19,8 @@ adds them up. Ownership makes every element count exactly once:
   gradient *shard* it holds, and the shards are disjoint.
 
 The same all-reduce carries a count of non-finite elements over *everything* a rank holds
-(duplicates included), so one overflow anywhere makes every rank skip the fp16 step
-(Micikevicius et al. 2018, §3.2) and halve its scale: one decision per step for the model.
+(duplicates included), so one overflow anywhere makes every rank skip the step, in every dtype
+(fp16 also halves its scale, Micikevicius et al. 2018, §3.2): one decision per step for the model.
 
 The all-reduce (two float64 numbers) goes straight to ``torch.distributed``, like the loss
 bookkeeping, so the strategies' communication counters keep matching their formulas.
@@ -71,7 +71,11 @@ def global_grad_norm(pieces: list[tuple[torch.Tensor, bool]], device) -> tuple[f
 @torch.no_grad()
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: float) -> float:
     """Scale ``grads`` in place by ``max_norm / (norm + 1e-6)`` when that is below 1 (as
-    ``torch.nn.utils.clip_grad_norm_``); returns the factor applied (1.0 if none)."""
+    ``torch.nn.utils.clip_grad_norm_``); returns the factor applied (1.0 if none). Raises
+    ``FloatingPointError`` for a non-finite ``norm`` (that step must be skipped, not clipped:
+    multiplying by ``max_norm / inf = 0`` or ``nan`` would write zeros or NaN everywhere)."""
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"clip_ got a non-finite gradient norm {norm}: skip the step")
     coef = max_norm / (norm + 1e-6)
     if coef >= 1.0:
         return 1.0

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
+from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
@@ -143,6 +144,7 @@ class Engine:
             self.pipeline.attach(self.wrapper)
         self.local = local
         self.force_overflow_at = _force_overflow(mesh.rank)
+        self.consecutive_skips = 0
         self.last: dict = {}
         self.grad_bytes = 0
         self.activation_peak = 0
@@ -198,10 +200,32 @@ class Engine:
             return self.optimizer.grad_pieces()
         return [(p.grad, p) for p in self.local.parameters() if p.grad is not None]
 
+    def _count_skip(self, skipped: bool) -> None:
+        """Book a step whose gradient was non-finite somewhere in the job (skipped, not applied).
+
+        fp16: the loss scaler lowers its scale (the normal way fp16 finds its range); such a skip
+        counts towards the limit only once the scale is already at its minimum. bf16/fp32: every
+        skip counts. After ``--max-consecutive-skips`` skips in a row the run stops with a
+        ``FloatingPointError`` (on every rank: the decision is the job's), as Megatron's NaN
+        check and DeepSpeed's overflow limits do, instead of training on without updates.
+        """
+        counts = skipped
+        if self.scaler is not None:
+            counts = skipped and self.scaler.scale <= self.scaler.min_scale
+            self.scaler.update(skipped)
+        self.consecutive_skips = self.consecutive_skips + 1 if counts else 0
+        limit = self.cfg.max_consecutive_skips
+        if limit and self.consecutive_skips >= limit:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite (inf/nan) gradient and "
+                f"were skipped (--max-consecutive-skips {limit}); the run is diverging: lower --lr, "
+                f"set --grad-clip, or use --dtype bf16/fp32")
+
     def train_step(self, micro, step: int | None = None) -> float | None:
         """One optimizer step over the micro-batches ``micro``; ``step`` (1-based) sets the learning
         rate from the schedule. Sets ``self.last``: ``grad_norm`` (global, before clipping, loss
-        scale removed; ``None`` on a skipped step), ``lr``, ``skipped``."""
+        scale removed; ``None`` on a skipped step), ``lr``, ``skipped`` (a non-finite gradient
+        element on any rank, in any dtype: the update is not applied, :meth:`_count_skip`)."""
         from llmlab.training.grad_norm import clip_, global_grad_norm, owns
         from llmlab.training.lr_schedule import lr_at
         cfg = self.cfg
@@ -222,9 +246,8 @@ class Engine:
         sharded = cfg.zero > 0
         norm, finite = global_grad_norm([(g, owns(p, self.mesh, sharded)) for g, p in pieces],
                                         self.device)
-        skipped = self.scaler is not None and not finite
-        if self.scaler is not None:
-            self.scaler.update(not finite)
+        skipped = not finite       # decided once for the job, in every dtype
+        self._count_skip(skipped)
         lr = lr_at(step or 1, cfg.lr, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
         if not skipped:
             for g in self.optimizer.param_groups:
@@ -267,7 +290,7 @@ def _fault_injection(rank: int) -> int | None:
 
 def _force_overflow(rank: int) -> int | None:
     """``LLMLAB_FORCE_OVERFLOW="R:S"`` writes an inf into one gradient element on rank R at step S
-    (after gradient sync): the tests use it to show that every rank skips that fp16 step."""
+    (after gradient sync): the tests use it to show that every rank skips that step (any dtype)."""
     spec = os.environ.get("LLMLAB_FORCE_OVERFLOW")
     if not spec:
         return None
@@ -361,6 +384,11 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     rank fails.
     """
     validate(cfg)
+    if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
+        from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
+        found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
+        if found is not None:
+            check_resume_flags(cfg, found[1], found[0])
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -386,12 +414,16 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
 
 
 def write_metrics(metrics: dict, path: str | Path) -> None:
-    """Write the metrics as JSON (format: llmlab/metrics/train_metrics.schema.json)."""
+    """Write the metrics as strict JSON (format: llmlab/metrics/train_metrics.schema.json; no
+    bare ``NaN``/``Infinity``: :func:`assemble_metrics` has made them ``null``). Raises
+    ``ValueError`` for a non-finite float left in ``metrics``."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(metrics, indent=1))
+    Path(path).write_text(json.dumps(metrics, indent=1, allow_nan=False))
 
 
 def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
+    """The CONTRACT metrics dict from the ranks' results; non-finite numbers become ``null`` with
+    a ``nonfinite`` flag beside them (:func:`llmlab.metrics.schema.strict_json`)."""
     metrics = {
         "config": cfg.to_dict(),
         "steps": results[0]["steps"],
@@ -405,4 +437,4 @@ def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
             "bubble_fraction_theory": pipes[0]["bubble_fraction_theory"],
         } | {k: v for k, v in pipes[0].items() if k not in ("bubble_fraction_measured", "bubble_fraction_theory")}
         metrics["pipeline"]["per_rank"] = pipes
-    return metrics
+    return strict_json(metrics)
