@@ -22,11 +22,17 @@ import argparse
 import json
 import sys
 
+from llmlab.inference.engine_config import add_engine_arguments, field_names, from_args
+
 PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
                "skip_special_tokens")
 CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
+# The engine flags: EngineConfig's fields, less the HTTP server's limits and the engine seed
+# (``--seed`` here seeds the requests).
+ENGINE_FLAGS = [n for n in field_names()
+                if n not in ("seed", "max_prompts_per_request", "max_request_body_bytes")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,19 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
                    help="stop strings")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
-                   "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of prompt prefixes already computed")
-    p.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the engine runs (auto: a GPU if there is one, else the CPU)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
+    add_engine_arguments(p, ENGINE_FLAGS, {"tensor_parallel_size": {
+        "help": "ranks the model is sharded over (spawned here, or the ranks torchrun started)"}})
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
@@ -177,11 +172,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel.run_worker(args.model, args.device)   # a torchrun rank other than 0
         return 0
     reqs = read_requests(args)
-    llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching,
-              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, config=from_args(args, ENGINE_FLAGS))
     fallback = {k: v for k, v in CLI_DEFAULTS.items() if k not in llm.engine.generation_defaults}
     outs, todo = [None] * len(reqs), []
     for i, r in enumerate(reqs):
