@@ -30,6 +30,7 @@ import torch
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig
+from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput, StepMetrics)
@@ -336,7 +337,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed in it. A forward
         pass that raises fails the requests of this step (``finish_reason="error"``, blocks
-        freed); a sampling error fails its request alone. Neither is raised."""
+        freed); a sampling error fails its request alone. Neither is raised; only
+        :class:`~llmlab.inference.errors.EngineDeadError` (the engine cannot step again) is."""
         t0 = time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
         cow_before = bm.stats["cow_copies"]
@@ -357,6 +359,8 @@ class LLMEngine:
             self.runner.swap_in(out.swap_in)
             self.runner.copy_blocks(out.copies)
             logits = self.runner.execute(out)
+        except EngineDeadError:
+            raise
         except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
             changed = self._fail_step(out, f"the forward pass failed: {type(e).__name__}: {e}")
             self._record(out, t0, cow_before, 0.0)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.inference.attention_context import AttentionBatch
+from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.runtime.messages import broadcast_message
@@ -140,7 +141,7 @@ class TensorParallelRunner(ModelRunner):
         for r, p in enumerate(self.procs, start=1):
             code = p.poll()
             if code is not None:
-                return RuntimeError(f"tensor-parallel rank {r} exited with code {code} (its "
+                return EngineDeadError(f"tensor-parallel rank {r} exited with code {code} (its "
                                     f"traceback, if any, is on stderr); the engine cannot step")
         return err
 

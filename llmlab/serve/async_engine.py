@@ -12,7 +12,8 @@ is applied before the next step and the request's KV blocks go back to the pool.
 
 The engine fails a request whose forward pass or sampling raises by itself (its error in its
 output). Should ``engine.step()`` itself raise, the requests in flight are failed and freed and
-the loop goes on; only :data:`MAX_CONSECUTIVE_STEP_FAILURES` failing steps in a row stop it
+the loop goes on; only :data:`MAX_CONSECUTIVE_STEP_FAILURES` failing steps in a row, or an
+:class:`~llmlab.inference.errors.EngineDeadError` (a tensor-parallel rank exited), stop it
 (``/health`` then answers 503).
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+
+from llmlab.inference.errors import EngineDeadError
 
 log = logging.getLogger("llmlab.serve")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -178,8 +181,9 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                     failures = 0
-                except Exception:
-                    failures += 1
+                except Exception as e:
+                    failures = (MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError)
+                                else failures + 1)
                     self._step_failed(traceback.format_exc(), failures)
                     continue
                 t1 = time.perf_counter()
