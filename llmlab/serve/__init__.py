@@ -8,7 +8,11 @@
 | ``router.py`` | data-parallel replicas: least-loaded routing |
 | ``responses.py`` | outputs -> OpenAI responses and server-sent-event chunks |
 | ``metrics.py`` | ``/metrics``: vLLM v1 names under ``llmlab:``, KV fragmentation, engine busy |
-| ``app.py`` | the FastAPI routes, API key, errors |
+| ``context.py`` | ``ServingContext``: engines, router, renderer, limits, the tokenizer thread |
+| ``middleware.py`` | API key (every route but ``/health``), body-size limit (413), error bodies |
+| ``routes/`` | the handlers: ``info`` (health, metrics, models), ``completions``, ``chat`` |
+| ``generation.py`` | one generation request: admit, answer whole or streamed, abort on disconnect |
+| ``app.py`` | assembles the app from the above |
 | ``server.py`` | uvicorn in the foreground or on a thread; clean shutdown |
 | ``cli.py`` | ``llmlab serve`` |
 

@@ -80,6 +80,8 @@ class ChatRenderer:
                                          add_generation_prompt=add_generation_prompt, **special)
         if continue_final_message:
             final = (messages[-1].get("content") or "") if messages else ""
+            if final and final not in text:          # a template that trims its contents
+                final = final.strip()
             i = text.rfind(final) if final else -1
             if i < 0:
                 raise ValueError("continue_final_message: the last message's content is not in "
