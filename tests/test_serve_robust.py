@@ -212,7 +212,7 @@ def test_echo_with_logprobs_covers_the_prompt(server, client, llm):
     assert len(lp.tokens) == len(ids) + 3
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     with torch.no_grad():   # the model's own prediction of each prompt token
-        logits = llm.engine.runner.model(torch.tensor(ids)[None])[0]
+        logits = llm.engine.runner.model(torch.tensor(ids, device=llm.engine.device)[None])[0].cpu()
     want = torch.log_softmax(logits.float(), -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:len(ids)]), want, atol=1e-4, rtol=0)
     assert lp.text_offset[:len(ids)] == list(range(len(ids)))       # one byte per token
