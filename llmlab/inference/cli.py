@@ -8,7 +8,8 @@ optional sampling fields (:data:`PER_REQUEST`, names of ``SamplingParams``).
 ``out.jsonl``: one line per request in input order: ``index``, ``prompt_token_ids``,
 ``token_ids``, ``text`` (null without a tokenizer), ``finish_reason`` (``length``/``stop``/
 ``error``), ``error`` (the message, or null), ``sampling_defaults`` (the fields the checkpoint's
-generation config filled), when requested ``logprobs`` and, for ``n`` > 1, ``outputs`` (one
+generation config filled), when requested ``logprobs`` and ``prompt_logprobs`` (null for the
+first prompt token) and, for ``n`` > 1, ``outputs`` (one
 ``token_ids``/``text``/``finish_reason`` per sample; the top-level fields are the first sample's).
 
 Sampling fields: a request's own value, else the flag's, else the checkpoint's
@@ -27,7 +28,7 @@ from llmlab.inference.engine_config import add_engine_arguments, field_names, fr
 PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
-               "skip_special_tokens")
+               "skip_special_tokens", "prompt_logprobs", "logit_bias")
 CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
 # The engine flags: EngineConfig's fields, less the HTTP server's limits and the engine seed
 # (``--seed`` here seeds the requests).
@@ -113,7 +114,8 @@ FIELD_TYPES = {"n": "int", "max_tokens": "int", "top_k": "int", "seed": "int", "
                "repetition_penalty": "float", "presence_penalty": "float",
                "frequency_penalty": "float", "ignore_eos": "bool",
                "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
-               "stop": "str or list of str", "stop_token_ids": "list of int"}
+               "stop": "str or list of str", "stop_token_ids": "list of int",
+               "prompt_logprobs": "int", "logit_bias": "object of token id: number"}
 
 
 def _check_type(name: str, v) -> None:
@@ -124,8 +126,12 @@ def _check_type(name: str, v) -> None:
           "bool": lambda: isinstance(v, bool),
           "str or list of str": lambda: isinstance(v, str) or (
               isinstance(v, list) and all(isinstance(x, str) for x in v)),
-          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v)}[want]()
-    if not ok and not (v is None and name in ("seed", "logprobs", "stop")):
+          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v),
+          "object of token id: number": lambda: isinstance(v, dict) and all(
+              str(k).isdigit() and isinstance(x, (int, float)) and not isinstance(x, bool)
+              for k, x in v.items())}[want]()
+    if not ok and not (v is None and name in ("seed", "logprobs", "stop", "prompt_logprobs",
+                                              "logit_bias")):
         raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
@@ -155,9 +161,15 @@ def _row(i: int, o) -> dict:
         row["outputs"] = [{"token_ids": s.token_ids, "text": s.text,
                            "finish_reason": s.finish_reason} for s in o.outputs]
     if c.logprobs is not None:
-        row["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
-                             "text": lp.decoded_token} for t, lp in d.items()] for d in c.logprobs]
+        row["logprobs"] = [_lp_list(d) for d in c.logprobs]
+    if o.prompt_logprobs is not None:
+        row["prompt_logprobs"] = [None if d is None else _lp_list(d) for d in o.prompt_logprobs]
     return row
+
+
+def _lp_list(d: dict) -> list[dict]:
+    return [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "text": lp.decoded_token}
+            for t, lp in d.items()]
 
 
 def run(args: argparse.Namespace) -> int:

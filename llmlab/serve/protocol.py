@@ -41,7 +41,8 @@ _NOT_BY_NAME = {"n", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos
 def param_of(message: str) -> str | None:
     """The field a ``SamplingParams``/engine error names: ``"top_p=2 must ..."`` -> ``top_p``."""
     m = re.match(r"([a-z_]+)(\[|=|:| )", message)
-    return m.group(1) if m else None
+    known = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+    return m.group(1) if m and m.group(1) in known else None
 
 
 class APIError(Exception):
