@@ -96,6 +96,13 @@ def test_out_of_range_and_non_finite_fields_are_400_naming_the_field(server, cli
                       {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                        "temperature": float("nan")})
     assert code == 400 and err["error"]["param"] == "temperature"
+    code, err = _post(server.url + "/v1/chat/completions",
+                      {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "bob"}]})
+    assert code == 400 and err["error"]["param"] == "messages.0.name"
+    ok = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": None,
+                                           "refusal": None}, {"role": "user", "content": "z"}])
+    assert ok.choices[0].finish_reason == "length"            # null fields, as clients echo them
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", temperature=1e-40)
     _still_serving(server, client, before)

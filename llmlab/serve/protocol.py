@@ -7,7 +7,8 @@ completions; for chat, what is left of ``max_model_len``), ``temperature`` 1.0, 
 sampling fields ``top_k``, ``stop_token_ids``, ``ignore_eos`` (sent by the ``openai`` client in
 ``extra_body``). Any other field the engine's :class:`SamplingParams` has (e.g. ``min_p``,
 ``repetition_penalty``, ``prompt_logprobs``) is passed on by name; any other field at all is
-refused with a 400 naming it (vLLM ignores them; a field dropped silently is a wrong answer).
+refused with a 400 naming it (vLLM ignores them; a field dropped silently is a wrong answer),
+and so is a message's own field other than ``role`` and ``content`` unless it is null.
 ``logit_bias``: ``{"token id": bias in [-100, 100]}`` (OpenAI). Completions: ``echo`` with
 ``logprobs`` also gives the prompt tokens' log-probabilities (vLLM: ``prompt_logprobs = logprobs``).
 Chat: ``add_generation_prompt`` (default true) and ``continue_final_message`` (the last message
@@ -160,6 +161,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None
 
+    def check_fields(self, i: int) -> None:
+        """Raise :class:`APIError` for a field of message ``i`` this server does not implement
+        (``name``, ``tool_calls``, ...); null values, as clients echo them back, are fine."""
+        for name, value in (self.model_extra or {}).items():
+            if value not in (None, [], ""):
+                raise APIError(f"messages[{i}].{name} is not supported by this server",
+                               param=f"messages.{i}.{name}")
+
     def text(self) -> str:
         """The content as one string (``{"type": "text"}`` parts joined). Only an assistant
         message may leave it out (as in the OpenAI API); raises ``APIError`` otherwise."""
@@ -196,6 +205,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_fields(self) -> None:
         super().check_fields()
+        for i, m in enumerate(self.messages):
+            m.check_fields(i)
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError("Cannot set both continue_final_message and add_generation_prompt to "
                            "true (continue the last message, or open a new one)",
