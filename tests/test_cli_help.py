@@ -35,3 +35,29 @@ def test_every_subcommand_flag_has_help_and_its_default_once():
         text = parser.format_help()
         assert "(default: None)" not in text and "(default: False)" not in text, name
     assert checked > 60, checked
+
+
+def test_engine_flags_are_generated_from_engine_config():
+    """serve, generate and bench serve declare no engine flag of their own: each is an
+    EngineConfig field, parsed back into the config (bad values name the flag)."""
+    import dataclasses
+
+    import pytest
+
+    from llmlab.inference import bench, cli as generate_cli
+    from llmlab.inference.engine_config import EngineConfig, field_names
+    from llmlab.serve import cli as serve_cli
+    commands = dict(_subparsers(build_parser()))
+    for name, fields in (("serve", field_names()), ("generate", generate_cli.ENGINE_FLAGS),
+                         ("bench serve", bench.ENGINE_FLAGS)):
+        dests = {a.dest for a in commands[name]._actions}
+        assert set(fields) <= dests, (name, set(fields) - dests)
+    assert not {"seed", "max_request_body_bytes"} & set(generate_cli.ENGINE_FLAGS)
+    args = build_parser().parse_args(["serve", "--max-n", "3", "--block-size", "8",
+                                      "--enable-prefix-caching"])
+    cfg = serve_cli.engine_config(args)
+    assert cfg == EngineConfig(max_n=3, block_size=8, enable_prefix_caching=True)
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(field_names()) == {
+        "dtype", "generation_defaults", "check_invariants", "on_step"}    # Python-only fields
+    with pytest.raises(ValueError, match="--max-n 0 must be >= 1"):
+        serve_cli.validate(build_parser().parse_args(["serve", "--max-n", "0"]))

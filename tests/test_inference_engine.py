@@ -261,3 +261,18 @@ def test_cli_generate_accepts_every_contract_request_field(tmp_path):
     assert rows[0]["token_ids"] == rows[0]["outputs"][0]["token_ids"]
     assert all(len(s["token_ids"]) == 3 and s["finish_reason"] == "length" for s in rows[0]["outputs"])
     assert rows[1]["prompt_token_ids"] == [72, 101] and len(rows[1]["token_ids"]) == 2
+
+
+def test_engine_takes_an_engine_config_or_its_fields():
+    from llmlab.inference import EngineConfig, LLMEngine
+    cfg = EngineConfig(block_size=8, num_gpu_blocks=40, max_num_seqs=4, max_n=2)
+    a, b = LLMEngine("shakespeare", config=cfg), LLMEngine("shakespeare", block_size=8,
+                                                           num_gpu_blocks=40, max_num_seqs=4, max_n=2)
+    assert a.config == b.config == cfg and a.num_gpu_blocks == 40 and a.block_size == 8
+    assert LLMEngine("shakespeare", config=cfg, block_size=4).block_size == 4   # keywords win
+    with pytest.raises(ValueError, match="n: 3 is over the limit max_n=2"):
+        a.add_request("ROMEO:", SamplingParams(n=3))
+    with pytest.raises(ValueError, match="block_size=0"):
+        EngineConfig(block_size=0).validate()
+    with pytest.raises(TypeError):
+        LLMEngine("shakespeare", blok_size=8)

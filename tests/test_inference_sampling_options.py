@@ -184,3 +184,25 @@ def test_seeded_sampling_with_every_option_is_batch_independent():
     alone = llm.generate("ROMEO:", sp)[0].outputs[0]
     both = llm.generate(["JULIET: hi", "ROMEO:"], [SamplingParams(seed=1, max_tokens=12), sp])
     assert both[1].outputs[0].token_ids == alone.token_ids and len(alone.logprobs) == 10
+
+
+def test_stop_matcher_finds_what_str_find_finds_and_holds_the_right_tail():
+    """The KMP matcher fed piece by piece equals a search of the whole text, and its held tail is
+    the longest stop-string prefix the text ends with."""
+    import random
+
+    from llmlab.inference.stop_checker import StopMatcher
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(3)]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        m, pos, got = StopMatcher(stops), 0, None
+        while pos < len(text) and got is None:
+            end = min(len(text), pos + rng.randint(1, 4))
+            got = m.feed(text[:end], pos)
+            pos = end
+        hits = [(i, s) for s in stops if (i := text[:pos].find(s)) >= 0]
+        assert got == (min(hits) if hits else None), (stops, text)
+        if got is None:
+            want = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            assert m.held == want, (stops, text)

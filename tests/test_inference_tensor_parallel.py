@@ -45,7 +45,7 @@ def test_generate_tensor_parallel_2_gives_hf_greedy_tokens(tmp_path):
     assert got == want
 
 
-def test_tensor_parallel_engine_matches_one_rank_and_frees_everything():
+def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, n=2, seed=0)
     prompts = ["ROMEO:", "JULIET: O Romeo", "KING"]
     ref = LLM("shakespeare", block_size=4).generate(prompts, params)
@@ -61,6 +61,15 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything():
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert sum(m.num_preemptions for m in llm.engine.step_metrics) > 0
+        import llmlab.inference.engine as engine_mod     # a failing sampler fails its request alone
+        real = engine_mod.sample_token
+        monkeypatch.setattr(engine_mod, "sample_token", lambda x, p, g: (
+            (_ for _ in ()).throw(ValueError("bad")) if p.seed == 666 else real(x, p, g)))
+        two = llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=12, seed=666),
+                                         SamplingParams(temperature=0, max_tokens=12)])
+        assert two[0].outputs[0].finish_reason == "error" and "bad" in two[0].error
+        assert two[1].outputs[0].token_ids == ref[1].outputs[0].token_ids
+        assert bm.num_free_blocks == bm.num_blocks
         runner.procs[0].kill()                    # a rank dies: the next step says which, no hang
         runner.procs[0].wait(30)
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):

@@ -226,7 +226,11 @@ def test_api_key_and_full_waiting_queue():
                       num_gpu_blocks=128, block_size=8) as s:
         assert _get(s.url + "/v1/models")[0] == 401
         assert _get(s.url + "/v1/models", {"Authorization": "Bearer wrong"})[0] == 401
-        assert _get(s.url + "/health")[0] == 200 and _get(s.url + "/metrics")[0] == 200
+        assert _get(s.url + "/health")[0] == 200
+        for route in ("/metrics", "/docs", "/redoc", "/openapi.json", "/nowhere"):
+            assert _get(s.url + route)[0] == 401, route           # only /health is open
+        key = {"Authorization": "Bearer sesame"}
+        assert _get(s.url + "/metrics", key)[0] == 200 and _get(s.url + "/openapi.json", key)[0] == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0, timeout=TIMEOUT)

@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from llmlab.inference.engine_config import add_engine_arguments
 from llmlab.inference.hf_baseline import (hf_continuous_available, load_hf, run_hf,  # noqa: F401
                                           run_hf_continuous)
 from llmlab.inference.metrics import RequestTiming, summarize
@@ -44,6 +45,7 @@ from llmlab.inference.workload import (WASTE_BLOCK_SIZES, poisson_arrivals,  # n
                                        sharegpt_workload, trace_waste)
 
 HF_BATCH_SIZES = (8, 16, 32, 64)
+ENGINE_FLAGS = ["block_size", "max_num_seqs", "quantization", "device"]   # EngineConfig fields
 
 
 # --- llmlab --------------------------------------------------------------------------------------
@@ -192,67 +194,96 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
                            sigma=length_sigma)
     arrivals = poisson_arrivals(num_requests, request_rate, seed)
     max_len = max(p + o for p, o in zip(wl["prompt_lens"], wl["output_lens"]))
-    blocks = (None if memory_matched_batch is None
-              else math.ceil(memory_matched_batch * max_len / block_size))
+    run = _BenchRun(str(path), wl, arrivals, ctx, max_len, device, block_size, max_num_seqs,
+                    quantization, blocks=(None if memory_matched_batch is None else
+                                          math.ceil(memory_matched_batch * max_len / block_size)))
     torch.manual_seed(seed)
     hf_model = load_hf(path, device) if baseline == "hf" else None
     cb_skip = None
     if hf_model is not None:
         cb_skip = "hf_continuous=False" if not hf_continuous else hf_continuous_available(hf_model)
-    if hf_model is not None and check:
-        check_equal_outputs(str(path), hf_model, wl, device=device)     # also warms both up
-    warmup_llmlab(str(path), wl, blocks, block_size, max_num_seqs, device, quantization)
-    cb_check = None
-    if hf_model is not None and cb_skip is None:
-        # the gate for HF's continuous batching (and its warm-up): its greedy tokens vs ours on
-        # the first requests; reported, not raised, since its kernels may round differently
-        k = min(4, num_requests)
-        sub = {key: v[:k] for key, v in wl.items()}
-        mine = run_llmlab(str(path), sub, [0.0] * k, device=device)["token_ids"]
-        theirs = run_hf_continuous(hf_model, sub, [0.0] * k, num_blocks=blocks or k * math.ceil(
-            max_len / block_size), block_size=block_size)["token_ids"]
-        cb_check = compare_outputs(mine, theirs)
-    # the systems take turns, ``repeats`` rounds; each reports its median-throughput round
+    run.gates(hf_model, check, cb_skip is None)
     sizes = ([] if hf_model is None else [memory_matched_batch] if memory_matched_batch is not None
              else sorted({min(b, num_requests) for b in hf_batch_sizes}))
-    r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
-    for _ in range(repeats):
-        r_ours.append(run_llmlab(str(path), wl, arrivals, num_gpu_blocks=blocks,
-                                 block_size=block_size, max_num_seqs=max_num_seqs, device=device,
-                                 quantization=quantization))
-        for b in sizes:
-            r_hf[b].append(run_hf(hf_model, wl, arrivals, b))
-        if hf_model is not None and cb_skip is None:
-            r_cb.append(run_hf_continuous(hf_model, wl, arrivals,
-                                          num_blocks=r_ours[-1]["num_gpu_blocks"],
-                                          block_size=block_size, max_num_seqs=max_num_seqs,
-                                          max_batch_tokens=max(2048, ctx)))
-    ours = _median_run(r_ours)
+    r_ours, r_hf, r_cb = run.rounds(hf_model, sizes, repeats, cb_skip is None)
     result = {"workload": {"num_requests": num_requests, "prompt_lens": wl["prompt_lens"],
                            "output_lens": wl["output_lens"]},
               "config": {"model": str(model), "request_rate": request_rate, "seed": seed,
                          "memory_matched_batch": memory_matched_batch, "block_size": block_size,
                          "max_len": max_len, "device": device, "quantization": quantization,
                          "length_sigma": length_sigma, "num_threads": torch.get_num_threads(),
-                         "repeats": repeats},
-              "llmlab": _public(ours)}
-    if hf_model is not None:
-        runs = [_median_run(r_hf[b]) for b in sizes]
-        best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
-        entry = _public(best, hf=True)
-        entry["sweep"] = [{"batch_size": r["batch_size"],
-                           "throughput_tokens_per_s": r["throughput_tokens_per_s"],
-                           "kv_cache_waste_fraction": r["kv_cache_waste_fraction"]} for r in runs]
-        entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], best["token_ids"])
-        result["hf"] = entry
-        if cb_skip is None:
-            cb = _median_run(r_cb)
-            cb_entry = _public(cb)
-            cb_entry["gate_vs_llmlab"] = cb_check
-            cb_entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], cb["token_ids"])
-            result["hf_continuous"] = cb_entry
-        else:
-            result["hf_continuous_skipped"] = cb_skip
+                         "repeats": repeats}}
+    result.update(_report(r_ours, r_hf, r_cb, sizes, hf_model is not None, cb_skip, run.cb_check))
+    return result
+
+
+class _BenchRun:
+    """One benchmark's fixed inputs, and its phases: the correctness gates (and warm-ups), then
+    the timed rounds in which the systems take turns."""
+
+    def __init__(self, path, wl, arrivals, ctx, max_len, device, block_size, max_num_seqs,
+                 quantization, blocks):
+        self.path, self.wl, self.arrivals, self.ctx, self.max_len = path, wl, arrivals, ctx, max_len
+        self.device, self.block_size, self.max_num_seqs = device, block_size, max_num_seqs
+        self.quantization, self.blocks = quantization, blocks
+        self.cb_check = None
+
+    def gates(self, hf_model, check: bool, with_cb: bool) -> None:
+        """Greedy tokens vs HF before timing (raised), then the engine's warm-up; for HF's
+        continuous batching the comparison on the first requests is reported, not raised (its
+        kernels may round differently)."""
+        if hf_model is not None and check:
+            check_equal_outputs(self.path, hf_model, self.wl, device=self.device)  # also warms up
+        warmup_llmlab(self.path, self.wl, self.blocks, self.block_size, self.max_num_seqs,
+                      self.device, self.quantization)
+        if hf_model is not None and with_cb:
+            k = min(4, len(self.wl["prompts"]))
+            sub = {key: v[:k] for key, v in self.wl.items()}
+            mine = run_llmlab(self.path, sub, [0.0] * k, device=self.device)["token_ids"]
+            theirs = run_hf_continuous(hf_model, sub, [0.0] * k, num_blocks=self.blocks or k * math.ceil(
+                self.max_len / self.block_size), block_size=self.block_size)["token_ids"]
+            self.cb_check = compare_outputs(mine, theirs)
+
+    def rounds(self, hf_model, sizes: list, repeats: int, with_cb: bool):
+        """``repeats`` rounds: llmlab, HF at each batch size, HF continuous; every run kept."""
+        r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
+        for _ in range(repeats):
+            r_ours.append(run_llmlab(self.path, self.wl, self.arrivals, num_gpu_blocks=self.blocks,
+                                     block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                                     device=self.device, quantization=self.quantization))
+            for b in sizes:
+                r_hf[b].append(run_hf(hf_model, self.wl, self.arrivals, b))
+            if hf_model is not None and with_cb:
+                r_cb.append(run_hf_continuous(hf_model, self.wl, self.arrivals,
+                                              num_blocks=r_ours[-1]["num_gpu_blocks"],
+                                              block_size=self.block_size,
+                                              max_num_seqs=self.max_num_seqs,
+                                              max_batch_tokens=max(2048, self.ctx)))
+        return r_ours, r_hf, r_cb
+
+
+def _report(r_ours, r_hf, r_cb, sizes, has_hf: bool, cb_skip, cb_check) -> dict:
+    """Each system's median round as the CONTRACT entries (HF: its best batch size)."""
+    ours = _median_run(r_ours)
+    result = {"llmlab": _public(ours)}
+    if not has_hf:
+        return result
+    runs = [_median_run(r_hf[b]) for b in sizes]
+    best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
+    entry = _public(best, hf=True)
+    entry["sweep"] = [{"batch_size": r["batch_size"],
+                       "throughput_tokens_per_s": r["throughput_tokens_per_s"],
+                       "kv_cache_waste_fraction": r["kv_cache_waste_fraction"]} for r in runs]
+    entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], best["token_ids"])
+    result["hf"] = entry
+    if cb_skip is None:
+        cb = _median_run(r_cb)
+        cb_entry = _public(cb)
+        cb_entry["gate_vs_llmlab"] = cb_check
+        cb_entry["outputs_vs_llmlab"] = compare_outputs(ours["token_ids"], cb["token_ids"])
+        result["hf_continuous"] = cb_entry
+    else:
+        result["hf_continuous_skipped"] = cb_skip
     return result
 
 
@@ -276,12 +307,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give the engine the KV blocks of B full-length sequences and run HF at "
                         "batch B (default: the engine sizes its cache, HF runs several batch sizes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
     p.add_argument("--prompt-len-median", type=float, default=32.0, help="median prompt tokens")
     p.add_argument("--output-len-median", type=float, default=32.0, help="median output tokens")
-    p.add_argument("--quantization", choices=["int8"], default=None,
-                   help="the engine stores linear weights in int8 (per-channel scales)")
     p.add_argument("--length-sigma", type=float, default=0.9,
                    help="lognormal shape of prompt and output lengths (0: all at the median)")
     p.add_argument("--num-threads", type=int, default=1,
@@ -290,7 +317,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds, systems taking turns; each reports its median round")
     p.add_argument("--no-hf-continuous", action="store_true",
                    help="with --baseline hf, skip transformers' continuous batching")
-    p.add_argument("--device", default="cpu", help="where every system runs: auto, cpu or cuda[:N]")
+    add_engine_arguments(p, ENGINE_FLAGS, {
+        "device": {"default": "cpu", "choices": None,
+                   "help": "where every system runs: auto, cpu or cuda[:N]"}})
     p.add_argument("--json", default=None, metavar="OUT", help="write every system's results here")
 
 

@@ -8,7 +8,8 @@ optional sampling fields (:data:`PER_REQUEST`, names of ``SamplingParams``).
 ``out.jsonl``: one line per request in input order: ``index``, ``prompt_token_ids``,
 ``token_ids``, ``text`` (null without a tokenizer), ``finish_reason`` (``length``/``stop``/
 ``error``), ``error`` (the message, or null), ``sampling_defaults`` (the fields the checkpoint's
-generation config filled), when requested ``logprobs`` and, for ``n`` > 1, ``outputs`` (one
+generation config filled), when requested ``logprobs`` and ``prompt_logprobs`` (null for the
+first prompt token) and, for ``n`` > 1, ``outputs`` (one
 ``token_ids``/``text``/``finish_reason`` per sample; the top-level fields are the first sample's).
 
 Sampling fields: a request's own value, else the flag's, else the checkpoint's
@@ -22,11 +23,17 @@ import argparse
 import json
 import sys
 
+from llmlab.inference.engine_config import add_engine_arguments, field_names, from_args
+
 PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
-               "skip_special_tokens")
+               "skip_special_tokens", "prompt_logprobs", "logit_bias")
 CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
+# The engine flags: EngineConfig's fields, less the HTTP server's limits and the engine seed
+# (``--seed`` here seeds the requests).
+ENGINE_FLAGS = [n for n in field_names()
+                if n not in ("seed", "max_prompts_per_request", "max_request_body_bytes")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,19 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
     p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
                    help="stop strings")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
-                   "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of prompt prefixes already computed")
-    p.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the engine runs (auto: a GPU if there is one, else the CPU)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is sharded over (spawned here, or the ranks torchrun started)")
+    add_engine_arguments(p, ENGINE_FLAGS, {"tensor_parallel_size": {
+        "help": "ranks the model is sharded over (spawned here, or the ranks torchrun started)"}})
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
@@ -118,7 +114,8 @@ FIELD_TYPES = {"n": "int", "max_tokens": "int", "top_k": "int", "seed": "int", "
                "repetition_penalty": "float", "presence_penalty": "float",
                "frequency_penalty": "float", "ignore_eos": "bool",
                "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
-               "stop": "str or list of str", "stop_token_ids": "list of int"}
+               "stop": "str or list of str", "stop_token_ids": "list of int",
+               "prompt_logprobs": "int", "logit_bias": "object of token id: number"}
 
 
 def _check_type(name: str, v) -> None:
@@ -129,8 +126,12 @@ def _check_type(name: str, v) -> None:
           "bool": lambda: isinstance(v, bool),
           "str or list of str": lambda: isinstance(v, str) or (
               isinstance(v, list) and all(isinstance(x, str) for x in v)),
-          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v)}[want]()
-    if not ok and not (v is None and name in ("seed", "logprobs", "stop")):
+          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v),
+          "object of token id: number": lambda: isinstance(v, dict) and all(
+              str(k).isdigit() and isinstance(x, (int, float)) and not isinstance(x, bool)
+              for k, x in v.items())}[want]()
+    if not ok and not (v is None and name in ("seed", "logprobs", "stop", "prompt_logprobs",
+                                              "logit_bias")):
         raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
@@ -160,9 +161,15 @@ def _row(i: int, o) -> dict:
         row["outputs"] = [{"token_ids": s.token_ids, "text": s.text,
                            "finish_reason": s.finish_reason} for s in o.outputs]
     if c.logprobs is not None:
-        row["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
-                             "text": lp.decoded_token} for t, lp in d.items()] for d in c.logprobs]
+        row["logprobs"] = [_lp_list(d) for d in c.logprobs]
+    if o.prompt_logprobs is not None:
+        row["prompt_logprobs"] = [None if d is None else _lp_list(d) for d in o.prompt_logprobs]
     return row
+
+
+def _lp_list(d: dict) -> list[dict]:
+    return [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "text": lp.decoded_token}
+            for t, lp in d.items()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,11 +184,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel.run_worker(args.model, args.device)   # a torchrun rank other than 0
         return 0
     reqs = read_requests(args)
-    llm = LLM(args.model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching,
-              enable_chunked_prefill=args.enable_chunked_prefill, device=args.device,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, config=from_args(args, ENGINE_FLAGS))
     fallback = {k: v for k, v in CLI_DEFAULTS.items() if k not in llm.engine.generation_defaults}
     outs, todo = [None] * len(reqs), []
     for i, r in enumerate(reqs):

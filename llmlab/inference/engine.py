@@ -18,6 +18,7 @@ finish times, seconds from ``time.perf_counter``), from which TTFT and TPOT foll
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -28,6 +29,8 @@ import torch
 
 from llmlab.inference import loader
 from llmlab.inference.block_manager import BlockManager
+from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig
+from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput, StepMetrics)
@@ -48,6 +51,7 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     sampling_defaults: dict = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,9 +68,6 @@ def _pick_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
-
-
 def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
                         swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
     """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
@@ -77,106 +78,108 @@ def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
     return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
 
 
+def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int,
+                       device: torch.device) -> int:
+    """Device blocks when ``num_gpu_blocks`` is not given: room for ``max_num_seqs`` full-length
+    sequences, capped by ``kv_cache_memory_bytes`` (64 MiB on CPU, 40% of free memory on CUDA),
+    and at least one full-length sequence."""
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None:
+        budget = (int(0.4 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda"
+                  else 64 * 2**20)
+    per_block = kv_bytes_per_block(model_config, cfg.block_size, cfg.dtype)
+    one_seq = math.ceil(max_model_len / cfg.block_size)
+    return max(one_seq, min(cfg.max_num_seqs * one_seq, budget // per_block))
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
-    Arguments (vLLM names): ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in the
-    device cache (default: room for ``max_num_seqs`` full-length sequences, capped by
-    ``kv_cache_memory_bytes``: 64 MiB on CPU, 40% of free memory on CUDA); ``num_host_blocks``
-    host blocks for swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
+    Settings: an :class:`~llmlab.inference.engine_config.EngineConfig` (``config``), or its
+    fields as keywords (``LLMEngine(model, block_size=8)``; with ``config`` too, they replace its
+    fields). Their meaning, vLLM's: ``block_size`` tokens per block; ``num_gpu_blocks`` blocks in
+    the device cache (default :func:`default_gpu_blocks`); ``num_host_blocks`` host blocks for
+    swap preemption (default when ``preemption_mode == "swap"``: as many as fit in
     ``swap_space_bytes``, 4 GiB like vLLM's ``swap_space``, and no more than the device blocks; the
-    host cache is pinned memory on CUDA, so mirroring a 40 GB device cache would pin 40 GB of
-    host RAM); ``max_num_seqs``,
-    ``max_num_batched_tokens`` (default ``max(2048, max_model_len)``), ``enable_prefix_caching``,
-    ``enable_chunked_prefill``, ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on
-    CUDA); ``max_model_len`` (default, and at most: the model's ``max_position_embeddings``);
-    ``dtype`` of
-    weights and cache (default fp32); ``quantization="int8"`` stores every linear weight but the
-    output head as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; weight bytes
-    about 1/4 of fp32, activations and cache stay in ``dtype``; a model object passed in is
-    quantised in place); ``seed`` for requests without one; ``check_invariants``
-    verifies the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    host cache is pinned memory on CUDA); ``max_num_seqs``, ``max_num_batched_tokens`` (default
+    ``max(2048, max_model_len)``), ``enable_prefix_caching``, ``enable_chunked_prefill``,
+    ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on CUDA); ``max_model_len``
+    (default, and at most: the model's ``max_position_embeddings``); ``dtype`` of weights and
+    cache (default fp32); ``quantization="int8"`` stores every linear weight but the output head
+    as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; a model object passed
+    in is quantised in place); ``seed`` for requests without one; ``check_invariants`` verifies
+    the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
-    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks).
+    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks); the
+    request limits ``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
+    ``max_tokens_limit``, checked by :meth:`add_request`.
 
     ``generation_defaults`` (default: the checkpoint's ``generation_config.json``, see
     :func:`~llmlab.inference.loader.generation_defaults`) fill the sampling fields a request
     leaves unset.
 
+    A request whose sampling or forward pass fails (an exception, non-finite logits) finishes
+    alone with ``finish_reason="error"`` and its ``error``; its blocks return to the pool and the
+    engine goes on with the others.
+
     Raises ``ValueError`` for inconsistent sizes and, in :meth:`add_request`, for requests that
-    can never run (empty prompt, longer than the context or than the whole cache, bad ids).
+    can never run (empty prompt, longer than the context or than the whole cache, bad ids, over
+    a limit).
     """
 
-    def __init__(self, model="shakespeare", tokenizer=None, *, block_size: int = 16,
-                 num_gpu_blocks: int | None = None, num_host_blocks: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = False,
-                 enable_chunked_prefill: bool = False, preemption_mode: str | None = None,
-                 device: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 kv_cache_memory_bytes: int | None = None, check_invariants: bool = False,
-                 on_step=None, quantization: str | None = None,
-                 generation_defaults: dict | None = None, tensor_parallel_size: int = 1,
-                 swap_space_bytes: int = SWAP_SPACE_BYTES):
-        self.device = _pick_device(device)
-        if quantization not in (None, "int8"):
-            raise ValueError(f"quantization={quantization!r}: supported values are None and 'int8'")
+    def __init__(self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None,
+                 **engine_args):
+        cfg = (dataclasses.replace(config, **engine_args) if config is not None
+               else EngineConfig(**engine_args)).validate()
+        self.config = cfg
+        self.device = _pick_device(cfg.device)
         spec = model
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
-        self.generation_defaults = dict(defaults if generation_defaults is None else generation_defaults)
-        if tensor_parallel_size != 1:
+        self.generation_defaults = dict(defaults if cfg.generation_defaults is None
+                                        else cfg.generation_defaults)
+        if cfg.tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
-            tensor_parallel.validate(model.config, tensor_parallel_size, quantization)
-        if quantization == "int8":
+            tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
+        if cfg.quantization == "int8":
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
-        self.quantization = quantization
-        cfg = model.config
-        self.model_config = cfg
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
+        self.quantization = cfg.quantization
+        mc = self.model_config = model.config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be >= 1")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
-        if num_gpu_blocks is None:
-            if kv_cache_memory_bytes is None:      # 64 MiB on CPU; 40% of free memory on CUDA
-                kv_cache_memory_bytes = (int(0.4 * torch.cuda.mem_get_info(self.device)[0])
-                                         if self.device.type == "cuda" else 64 * 2**20)
-            per_block = kv_bytes_per_block(cfg, block_size, dtype)
-            want = max_num_seqs * math.ceil(self.max_model_len / block_size)
-            num_gpu_blocks = max(math.ceil(self.max_model_len / block_size),
-                                 min(want, kv_cache_memory_bytes // per_block))
-        if num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks={num_gpu_blocks} must be >= 1")
-        preemption_mode = preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, self.max_model_len,
+                                                                  self.device)
+        preemption_mode = cfg.preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
+        num_host_blocks = cfg.num_host_blocks
         if num_host_blocks is None:
-            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(cfg, block_size, dtype),
-                                                   swap_space_bytes) if preemption_mode == "swap" else 0)
-        self.block_size = block_size
+            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(
+                mc, cfg.block_size, cfg.dtype), cfg.swap_space_bytes) if preemption_mode == "swap" else 0)
+        self.block_size = cfg.block_size
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, self.max_model_len),
-            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode).validate()
-        self.block_manager = BlockManager(num_gpu_blocks, block_size, enable_prefix_caching,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, self.max_model_len),
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            preemption_mode=preemption_mode).validate()
+        self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        if tensor_parallel_size == 1:
-            self.runner = ModelRunner(model, num_gpu_blocks, block_size, self.device, dtype,
+        if cfg.tensor_parallel_size == 1:
+            self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
                                       num_host_blocks)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
-                model, spec, tensor_parallel_size, self.device,
-                dict(num_blocks=num_gpu_blocks, block_size=block_size, dtype=dtype,
+                model, spec, cfg.tensor_parallel_size, self.device,
+                dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
                      num_host_blocks=num_host_blocks))
-        self.tensor_parallel_size = tensor_parallel_size
-        self.check_invariants = check_invariants
+        self.tensor_parallel_size = cfg.tensor_parallel_size
+        self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
-        self.on_step = on_step
+        self.on_step = cfg.on_step
         self.step_metrics: list[StepMetrics] = []
         self.requests: dict[str, _Request] = {}
-        self._rng = random.Random(seed)
+        self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self._step = 0
 
@@ -216,6 +219,26 @@ class LLMEngine:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
+    def check_limits(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the first request limit of :attr:`config` that ``params``
+        exceed (``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
+        ``max_tokens_limit``), or a token id outside the vocabulary."""
+        cfg = self.config
+        checks = [("n", params.n, cfg.max_n, "max_n"),
+                  ("logprobs", params.logprobs or 0, cfg.max_logprobs, "max_logprobs"),
+                  ("prompt_logprobs", params.prompt_logprobs or 0, cfg.max_logprobs, "max_logprobs"),
+                  ("stop", len(params.stop), cfg.max_stop_strings, "max_stop_strings"),
+                  ("stop", max(map(len, params.stop), default=0), cfg.max_stop_string_chars,
+                   "max_stop_string_chars")]
+        if cfg.max_tokens_limit is not None:
+            checks.append(("max_tokens", params.max_tokens, cfg.max_tokens_limit, "max_tokens_limit"))
+        for name, value, limit, flag in checks:
+            if value > limit:
+                raise ValueError(f"{name}: {value} is over the limit {flag}={limit}")
+        params.check_vocab(self.model_config.vocab_size)
+        if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
+            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
+
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` if it can never be served.
@@ -224,7 +247,28 @@ class LLMEngine:
         request's outputs as ``sampling_defaults``)."""
         params, used = (params or SamplingParams()).with_defaults(self.generation_defaults)
         params.validate()
+        self.check_limits(params)
         text, ids = self.encode(prompt)
+        self._check_fits(ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        base = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        seq.generator = make_generator(base, "cpu")
+        seq.seed = base
+        self.stopper.start(seq)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` when the prompt ``ids`` can never run in this engine."""
         if not ids:
             raise ValueError("empty prompt: a request needs at least one prompt token")
         V = self.model_config.vocab_size
@@ -247,22 +291,26 @@ class LLMEngine:
                              f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget")
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {V})")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        now = time.perf_counter() if arrival_time is None else arrival_time
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
-        base = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        seq.generator = make_generator(base, "cpu")
-        seq.seed = base
-        self.stopper.start(seq)
-        self.requests[request_id] = _Request(request_id, text, ids, params, RequestMetrics(now),
-                                             [seq], sampling_defaults=used)
-        self.scheduler.add(seq)
-        return request_id
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then per token
+        ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
+        log-softmax of the model's prediction at the previous position (one plain forward of the
+        prompt, no cache; the output head runs on 256 positions at a time)."""
+        model = self.runner.model
+        x = torch.tensor(ids, device=self.device, dtype=torch.long)[None]
+        h = model.run_layers(model.embed(x))[0]
+        out: list[dict | None] = [None]
+        for a in range(0, len(ids) - 1, 256):
+            logits = model.head(h[a:min(a + 256, len(ids) - 1)]).float().cpu()
+            for j, row in enumerate(logits):
+                d = top_logprobs(row, ids[a + j + 1], k)
+                out.append({t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()})
+        return out
+
+    def _decode_one(self, t: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([t], skip_special_tokens=False)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool."""
@@ -287,7 +335,10 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of the requests that changed in it."""
+        """Run one iteration; returns the outputs of the requests that changed in it. A forward
+        pass that raises fails the requests of this step (``finish_reason="error"``, blocks
+        freed); a sampling error fails its request alone. Neither is raised; only
+        :class:`~llmlab.inference.errors.EngineDeadError` (the engine cannot step again) is."""
         t0 = time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
         cow_before = bm.stats["cow_copies"]
@@ -298,15 +349,22 @@ class LLMEngine:
                                    f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
                                    f"{bm.num_free_blocks}/{bm.num_blocks} blocks free")
             return []
-        self.runner.swap_out(out.swap_out)
-        self.runner.swap_in(out.swap_in)
-        self.runner.copy_blocks(out.copies)
         for seq, _ in out.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = t0
                 m = self.requests[seq.request_id].metrics
                 m.first_scheduled_time = m.first_scheduled_time or t0
-        logits = self.runner.execute(out)
+        try:
+            self.runner.swap_out(out.swap_out)
+            self.runner.swap_in(out.swap_in)
+            self.runner.copy_blocks(out.copies)
+            logits = self.runner.execute(out)
+        except EngineDeadError:
+            raise
+        except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
+            changed = self._fail_step(out, f"the forward pass failed: {type(e).__name__}: {e}")
+            self._record(out, t0, cow_before, 0.0)
+            return [self._output(r) for r in changed.values()]
         sched.update(out)
         now = time.perf_counter()
         changed, sample_s = {}, 0.0
@@ -314,43 +372,15 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue                                           # mid-prompt chunk: no token
             req = self.requests[seq.request_id]
-            group = [seq]
-            if seq.pending_fork > 1:
-                children = sched.fork(seq, seq.pending_fork)
-                for child in children:
-                    child.generator = make_generator(seq.seed + child.sample_index, "cpu")
-                    self.stopper.start(child)
-                req.seqs += children
-                group += children
-            row = logits[seq.seq_id]
-            # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
-            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
-                bad = "nan" if bool(torch.isnan(row).any()) else "inf"
-                req.error = (f"non-finite logits ({bad}) at output position "
-                             f"{seq.num_output_tokens}; the request was stopped")
-                for s in group:
-                    self._finish(s, "error", now)
-                changed[req.request_id] = req
-                continue
-            for s in group:
-                ts = time.perf_counter()
-                p = s.params
-                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
-                tok = sample_token(x, p, s.generator)
-                if p.logprobs is not None:
-                    lp = top_logprobs(row, tok, p.logprobs)
-                    s.logprobs.append(lp)
-                    s.cumulative_logprob += lp[tok][0]
-                s.append_token(tok)
-                sample_s += time.perf_counter() - ts
-                if s.first_token_time is None:
-                    s.first_token_time = now
-                    req.metrics.first_token_time = req.metrics.first_token_time or now
-                reason = self.stopper.check(s)
-                if reason is not None:
-                    self._finish(s, reason, now)
             changed[req.request_id] = req
+            group = self._fork(req, seq)
+            try:
+                sample_s += self._sample_group(req, group, logits[seq.seq_id], now)
+            except Exception as e:              # noqa: BLE001  (this request fails alone)
+                req.error = f"sampling failed: {type(e).__name__}: {e}"
+                for s in group:
+                    if not s.is_finished:
+                        self._finish(s, "error", now)
         for req in changed.values():
             if req.finished:
                 req.metrics.finish_time = now
@@ -358,6 +388,66 @@ class LLMEngine:
             bm.check_invariants([s for s in sched.live_sequences()])
         self._record(out, t0, cow_before, sample_s)
         return [self._output(r) for r in changed.values()]
+
+    def _fail_step(self, out, message: str) -> dict:
+        """Finish every request of a step whose forward pass failed, with ``message``."""
+        now, changed = time.perf_counter(), {}
+        for seq in [s for s, _ in out.scheduled] + list(out.preempted):
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            req.error = req.error or message
+            for s in req.seqs:
+                if not s.is_finished:
+                    self._finish(s, "error", now)
+            req.metrics.finish_time = now
+            changed[req.request_id] = req
+        return changed
+
+    def _fork(self, req: _Request, seq: Sequence) -> list[Sequence]:
+        """``seq`` and, right after its prompt, the other ``n - 1`` samples forked from it."""
+        group = [seq]
+        if seq.pending_fork > 1:
+            children = self.scheduler.fork(seq, seq.pending_fork)
+            for child in children:
+                child.generator = make_generator(seq.seed + child.sample_index, "cpu")
+                self.stopper.start(child)
+            req.seqs += children
+            group += children
+        return group
+
+    def _sample_group(self, req: _Request, group: list[Sequence], row: torch.Tensor,
+                      now: float) -> float:
+        """Sample the next token of each sequence of ``group`` from ``row [V]`` and check their
+        stops; returns the seconds spent sampling. Non-finite logits fail the request."""
+        # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
+        if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
+            bad = "nan" if bool(torch.isnan(row).any()) else "inf"
+            req.error = (f"non-finite logits ({bad}) at output position "
+                         f"{group[0].num_output_tokens}; the request was stopped")
+            for s in group:
+                self._finish(s, "error", now)
+            return 0.0
+        sample_s = 0.0
+        for s in group:
+            ts = time.perf_counter()
+            p = s.params
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
+            tok = sample_token(x, p, s.generator)
+            if p.logprobs is not None:
+                lp = top_logprobs(row, tok, p.logprobs)
+                s.logprobs.append(lp)
+                s.cumulative_logprob += lp[tok][0]
+            s.append_token(tok)
+            sample_s += time.perf_counter() - ts
+            if s.first_token_time is None:
+                s.first_token_time = now
+                req.metrics.first_token_time = req.metrics.first_token_time or now
+            reason = self.stopper.check(s)
+            if reason is not None:
+                self._finish(s, reason, now)
+        return sample_s
 
     def _record(self, out, t0: float, cow_before: int, sample_s: float) -> None:
         bm, sched, bs = self.block_manager, self.scheduler, self.block_size
@@ -395,13 +485,13 @@ class LLMEngine:
                 for s in seqs]
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
                              req.finished, m, error=req.error,
-                             sampling_defaults=dict(req.sampling_defaults))
+                             sampling_defaults=dict(req.sampling_defaults),
+                             prompt_logprobs=req.prompt_logprobs)
 
     def _logprobs(self, seq: Sequence) -> list[dict] | None:
         if seq.params.logprobs is None:
             return None
-        dec = (lambda t: None) if self.tokenizer is None else (
-            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        dec = self._decode_one
         return [{t: Logprob(v, r, dec(t)) for t, (v, r) in d.items()} for d in seq.logprobs]
 
     def block_tables(self) -> dict[str, list[int]]:
@@ -416,9 +506,3 @@ class LLMEngine:
         """Forget a finished request's bookkeeping (its blocks are already back in the pool)."""
         self.requests.pop(str(request_id), None)
 
-
-def __getattr__(name):          # ``from llmlab.inference.engine import LLM`` keeps working
-    if name == "LLM":
-        from llmlab.inference.llm import LLM
-        return LLM
-    raise AttributeError(name)

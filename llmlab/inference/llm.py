@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 from llmlab.inference.engine import LLMEngine
@@ -18,11 +19,15 @@ class LLM:
     """Offline generation, vLLM style: ``LLM(model, **engine_args).generate(prompts, params)``.
 
     ``model``: a preset with shipped weights (default ``"shakespeare"``), a checkpoint directory,
-    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``engine_args`` as :class:`LLMEngine`.
+    an ``LlamaForCausalLM`` or a ``ModelConfig``; ``config`` (an
+    :class:`~llmlab.inference.engine_config.EngineConfig`) and/or ``engine_args`` (its fields) as
+    :class:`LLMEngine`. A request the engine refuses, or whose forward pass or sampling fails,
+    gets an error output; the others complete.
     """
 
-    def __init__(self, model="shakespeare", tokenizer=None, **engine_args):
-        self.engine = LLMEngine(model, tokenizer, **engine_args)
+    def __init__(self, model="shakespeare", tokenizer=None, config=None, **engine_args):
+        self.engine = LLMEngine(model, tokenizer, config, **engine_args)
+        self._error_ids = itertools.count()
 
     def _add(self, prompts, sampling_params) -> list:
         """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
@@ -43,7 +48,7 @@ class LLM:
             try:
                 entries.append(self.engine.add_request(p, sp))
             except ValueError as e:
-                rid = f"error-{next(self.engine._ids)}"
+                rid = f"error-{next(self._error_ids)}"
                 entries.append(error_output(rid, p, str(e), time.perf_counter()))
         return entries
 

@@ -63,7 +63,9 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state. ``error``: why it failed (``finish_reason == "error"``: a bad request,
     or non-finite logits), else None. ``sampling_defaults``: the fields the checkpoint's
-    generation config filled because the request left them unset."""
+    generation config filled because the request left them unset. ``prompt_logprobs`` (when
+    requested): per prompt token ``{token_id: Logprob}`` of the top K and the actual token, None
+    for the first (vLLM's)."""
 
     request_id: str
     prompt: str | None
@@ -73,6 +75,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None
 
 
 def error_output(request_id: str, prompt, message: str, now: float) -> RequestOutput:

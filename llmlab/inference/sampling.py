@@ -3,7 +3,8 @@ semantics).
 
 A token is chosen from the model's logits in this order (vLLM's sampler):
 
-1. ``min_tokens``: until that many tokens are generated, EOS and the stop token ids are masked.
+1. ``min_tokens``: until that many tokens are generated, EOS and the stop token ids are masked;
+   then ``logit_bias`` (OpenAI's: ``{token id: bias in [-100, 100]}``) is added.
 2. Penalties: ``repetition_penalty`` over prompt and output tokens (Keskar et al. 2019, CTRL:
    a positive logit is divided by it, a negative one multiplied), then ``frequency_penalty`` x
    (count in the output) and ``presence_penalty`` x (in the output at all) subtracted (OpenAI).
@@ -11,7 +12,11 @@ A token is chosen from the model's logits in this order (vLLM's sampler):
    below ``min_p`` x the top probability (Nguyen et al. 2024), keep the top-k (Fan et al. 2018)
    and the nucleus / top-p (Holtzman et al., ICLR 2020), and draw.
 
-``logprobs`` are the model's raw log-softmax (before any of the above, vLLM's default
+Every float field must be finite and inside its range (:data:`RANGES`); a non-zero
+``temperature`` below :data:`MIN_TEMPERATURE` (e.g. a denormal 1e-40, which would overflow the
+logits to inf) is refused like a NaN, naming the field.
+
+``logprobs`` (and ``prompt_logprobs``) are the model's raw log-softmax (before any of the above, vLLM's default
 ``raw_logprobs``). Each sequence draws from its own ``torch.Generator`` (seeded from ``seed``, plus
 the sample index when ``n > 1``), so a seeded request produces the same tokens whatever else
 shares its batch and however often it is preempted.
@@ -19,6 +24,7 @@ shares its batch and however often it is preempted.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +33,20 @@ import torch
 # the value used when neither sets them (vLLM's defaults).
 DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "repetition_penalty": 1.0, "max_tokens": 16}
+
+MIN_TEMPERATURE = 1e-5   # vLLM's _SAMPLING_EPS; below it (but 0) refused: use 0 for greedy
+# field -> (lowest, highest) allowed, both finite and inclusive
+RANGES = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+          "repetition_penalty": (0.01, 100.0), "presence_penalty": (-2.0, 2.0),
+          "frequency_penalty": (-2.0, 2.0)}
+MAX_LOGIT_BIAS = 100.0   # the OpenAI API's range for a logit_bias value
+
+
+def _check_float(name: str, v, lo: float, hi: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name}={v!r} must be a number")
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise ValueError(f"{name}={v} must be a finite number in [{lo:g}, {hi:g}]")
 
 
 @dataclass
@@ -49,7 +69,9 @@ class SamplingParams:
     - ``stop_token_ids``: token ids that end generation (kept in ``token_ids``, not in ``text``).
     - ``ignore_eos``: keep going past the model's end-of-sequence token.
     - ``logprobs``: return the log-probabilities of the ``logprobs`` most likely tokens (and of
-      the sampled one) at every generated position (None: none).
+      the sampled one) at every generated position (None: none). ``prompt_logprobs``: the same
+      at every prompt position (the first has none: vLLM's ``prompt_logprobs``).
+    - ``logit_bias``: ``{token id: bias}`` added to the logits (OpenAI; bias in [-100, 100]).
     - ``skip_special_tokens``: leave special tokens out of the text.
 
     Fields in :data:`DEFAULTS` left unset (None) are filled from the checkpoint's
@@ -75,6 +97,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     _unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -86,34 +110,52 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(t): b for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
         self.validate()
 
     def validate(self) -> "SamplingParams":
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name}={v!r} must be an integer")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        for name, (lo, hi) in RANGES.items():
+            _check_float(name, getattr(self, name), lo, hi)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or in "
+                             f"[{MIN_TEMPERATURE:g}, {RANGES['temperature'][1]:g}]")
         if self.top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1, 0 (all tokens) or a positive count")
-        if not 0.0 < self.top_p <= 1.0:
+        if self.top_p == 0.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens="
                              f"{self.max_tokens}]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs} must be >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name}={v!r} must be an integer >= 0 or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        for t, b in (self.logit_bias or {}).items():
+            _check_float(f"logit_bias[{t}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` for ``stop_token_ids`` or ``logit_bias`` ids outside [0, V)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", list(self.logit_bias or ()))):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:8]} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     def is_set(self, name: str) -> bool:
         """Whether ``name`` was given (not left to the defaults)."""
@@ -151,6 +193,15 @@ def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: i
     logits = logits.clone()
     logits[ids] = float("-inf")
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict | None) -> torch.Tensor:
+    """``logits[t] += bias`` for each ``{t: bias}`` of ``logit_bias`` (OpenAI's ``logit_bias``)."""
+    if not logit_bias:
+        return logits
+    ids = torch.tensor(list(logit_bias), dtype=torch.long)
+    bias = torch.tensor(list(logit_bias.values()), dtype=logits.dtype)
+    return logits.index_add(0, ids, bias)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids, output_ids, repetition_penalty: float = 1.0,
@@ -197,9 +248,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids,
                    stop_ids) -> torch.Tensor:
-    """Steps 1-2 of the module docstring: ``min_tokens`` masking, then the penalties. ``logits``
-    ``[V]`` (any float dtype) -> fp32 ``[V]``."""
+    """Steps 1-2 of the module docstring: ``min_tokens`` masking and ``logit_bias``, then the
+    penalties. ``logits`` ``[V]`` (any float dtype) -> fp32 ``[V]``."""
     logits = apply_min_tokens(logits.float(), len(output_ids), params.min_tokens, stop_ids)
+    logits = apply_logit_bias(logits, params.logit_bias)
     return apply_penalties(logits, prompt_ids, output_ids, params.repetition_penalty,
                            params.presence_penalty, params.frequency_penalty)
 

@@ -54,11 +54,12 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Opaque slots for the engine: a torch.Generator, the incremental detokenizer and the text
-    # shown, the log-probabilities of each generated position.
+    # Opaque slots for the engine: a torch.Generator, the incremental detokenizer, the stop
+    # strings' matcher and the text shown, the log-probabilities of each generated position.
     generator: object = None
     seed: int = 0
     detokenizer: object = None
+    stop_matcher: object = None
     text: str = ""
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0

@@ -6,10 +6,64 @@ sequence (the text cut before it, or after it with ``include_stop_str_in_output`
 token id or EOS (its text left out unless ``include_stop_str_in_output``); then ``max_tokens`` and
 the context length (``"length"``). While a sequence runs, the tail of its text that could still
 become a stop string is held back, so the text shown only ever grows.
+
+Stop strings are matched by one Knuth-Morris-Pratt automaton per string (Knuth, Morris & Pratt
+1977) fed the characters each step adds: the work per step is linear in the new text (times the
+number of stop strings, which ``EngineConfig.max_stop_strings`` bounds), never in the text so far
+or in a stop string's length squared, and the automaton's state is also the tail to hold back.
 """
 from __future__ import annotations
 
 from llmlab.inference.detokenizer import IncrementalDetokenizer
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's prefix function: ``f[i]`` = length of the longest proper prefix of ``s[:i + 1]``
+    that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
+class StopMatcher:
+    """The stop strings of one sequence over its growing text. ``state[j]``: the length of the
+    longest prefix of ``stops[j]`` the text ends with."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.fail = [_failure(x) for x in self.stops]
+        self.state = [0] * len(self.stops)
+
+    def feed(self, text: str, start: int, report: bool = True):
+        """Advance over ``text[start:]``; returns ``(index, stop)`` of the earliest stop string
+        completed in it (None if none, or always None with ``report=False``)."""
+        best = None
+        for j, stop in enumerate(self.stops):
+            k, f = self.state[j], self.fail[j]
+            for i in range(start, len(text)):
+                c = text[i]
+                while k and c != stop[k]:
+                    k = f[k - 1]
+                if c == stop[k]:
+                    k += 1
+                if k == len(stop):
+                    if report:
+                        hit = (i - len(stop) + 1, stop)
+                        best = hit if best is None or hit < best else best
+                        break
+                    k = f[k - 1]
+            self.state[j] = k
+        return best
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that could still become a stop string."""
+        return max(self.state, default=0)
 
 
 class StopChecker:
@@ -25,6 +79,7 @@ class StopChecker:
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                      seq.params.skip_special_tokens)
+            seq.stop_matcher = StopMatcher(seq.params.stop) if seq.params.stop else None
 
     def check(self, seq) -> str | None:
         """After ``seq`` got a token: ``"stop"``, ``"length"`` or None (keep going)."""
@@ -38,11 +93,11 @@ class StopChecker:
             before = len(det.text)
             det.add(tok)
             seq.text = det.text
-            if p.stop and not early and len(det.text) > before:
-                found = [(i, s) for s in p.stop
-                         if (i := det.text.find(s, max(0, before - len(s) + 1))) >= 0]
+            m = seq.stop_matcher
+            if m is not None and len(det.text) > before:
+                found = m.feed(det.text, before, report=not early)
                 if found:
-                    i, s = min(found)
+                    i, s = found
                     seq.text = det.text[:i + len(s) if p.include_stop_str_in_output else i]
                     seq.detokenizer = None                  # the text is final
                     return "stop"
@@ -65,12 +120,7 @@ class StopChecker:
         if self.tokenizer is None:
             return None
         text = seq.text
-        if seq.is_finished or not seq.params.stop:
+        m = getattr(seq, "stop_matcher", None)
+        if seq.is_finished or m is None:
             return text
-        hold = 0
-        for s in seq.params.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return text[:len(text) - hold]
+        return text[:len(text) - m.held]

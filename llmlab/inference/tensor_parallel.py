@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.inference.attention_context import AttentionBatch
+from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.runtime.messages import broadcast_message
@@ -132,17 +133,20 @@ class TensorParallelRunner(ModelRunner):
             try:
                 broadcast_message(msg, src=0, group=self.group,
                                   device=_comm_device(self.group, self.device))
-            except RuntimeError as e:
+            except Exception as e:
                 raise self._rank_error(e) from e
 
     def _rank_error(self, err: Exception) -> Exception:
-        """A collective failed: name the worker rank that died, if one did."""
+        """A collective or rank 0's part of a step failed: name the worker rank that died, if
+        one did. Either way the ranks are out of step, so the engine cannot go on
+        (:class:`EngineDeadError`; a one-device engine fails only the step's requests)."""
         for r, p in enumerate(self.procs, start=1):
             code = p.poll()
             if code is not None:
-                return RuntimeError(f"tensor-parallel rank {r} exited with code {code} (its "
-                                    f"traceback, if any, is on stderr); the engine cannot step")
-        return err
+                return EngineDeadError(f"tensor-parallel rank {r} exited with code {code} (its "
+                                       f"traceback, if any, is on stderr); the engine cannot step")
+        return EngineDeadError(f"tensor-parallel step failed on rank 0 ({type(err).__name__}: "
+                               f"{err}); the ranks are out of step, the engine cannot go on")
 
     def copy_blocks(self, pairs):
         if pairs:
@@ -165,7 +169,7 @@ class TensorParallelRunner(ModelRunner):
         self._send(("step", [_as_dict(b) for b in batches], sample_rows))
         try:
             return super().forward(batches, sample_rows)
-        except RuntimeError as e:
+        except Exception as e:
             raise self._rank_error(e) from e
 
     # --- ranks > 0 ----------------------------------------------------------------------------

@@ -8,7 +8,11 @@
 | ``router.py`` | data-parallel replicas: least-loaded routing |
 | ``responses.py`` | outputs -> OpenAI responses and server-sent-event chunks |
 | ``metrics.py`` | ``/metrics``: vLLM v1 names under ``llmlab:``, KV fragmentation, engine busy |
-| ``app.py`` | the FastAPI routes, API key, errors |
+| ``context.py`` | ``ServingContext``: engines, router, renderer, limits, the tokenizer thread |
+| ``middleware.py`` | API key (every route but ``/health``), body-size limit (413), error bodies |
+| ``routes/`` | the handlers: ``info`` (health, metrics, models), ``completions``, ``chat`` |
+| ``generation.py`` | one generation request: admit, answer whole or streamed, abort on disconnect |
+| ``app.py`` | assembles the app from the above |
 | ``server.py`` | uvicorn in the foreground or on a thread; clean shutdown |
 | ``cli.py`` | ``llmlab serve`` |
 
@@ -33,20 +37,27 @@ def default_served_name(model) -> str:
 
 
 def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
-                  max_waiting_requests: int | None = None, metrics=None, **engine_args) -> list:
+                  max_waiting_requests: int | None = None, metrics=None, config=None,
+                  **engine_args) -> list:
     """``data_parallel_size`` :class:`AsyncEngine` replicas, each with its own
-    :class:`~llmlab.inference.LLMEngine` (weights and KV cache) built from ``engine_args``."""
+    :class:`~llmlab.inference.LLMEngine` (weights and KV cache) built from ``config`` (an
+    :class:`~llmlab.inference.EngineConfig`) and/or ``engine_args`` (its fields)."""
+    import dataclasses
+
     from llmlab.inference.engine import LLMEngine
+    from llmlab.inference.engine_config import EngineConfig
     from llmlab.serve.async_engine import AsyncEngine
+    config = (dataclasses.replace(config, **engine_args) if config is not None
+              else EngineConfig(**engine_args)).validate()
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
-    if data_parallel_size > 1 and engine_args.get("tensor_parallel_size", 1) > 1:
+    if data_parallel_size > 1 and config.tensor_parallel_size > 1:
         raise NotImplementedError("tensor_parallel_size > 1 with data_parallel_size > 1 is not "
                                   "supported (one tensor-parallel engine per server process)")
     engines = []
-    devices = _replica_devices(engine_args.get("device", "auto"), data_parallel_size)
+    devices = _replica_devices(config.device, data_parallel_size)
     for r in range(data_parallel_size):
-        eng = LLMEngine(model, **{**engine_args, "device": devices[r]})
+        eng = LLMEngine(model, config=dataclasses.replace(config, device=devices[r]))
         engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
                                    metrics=None if metrics is None else metrics.replica(str(r))))
     return engines
@@ -65,21 +76,25 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  chat_template: str | None = None, data_parallel_size: int = 1,
                  max_waiting_requests: int | None = None, shutdown_timeout: float = 5.0,
+                 public_metrics: bool = False, allow_special_tokens_in_chat: bool = False,
                  **engine_args):
     """Build the engines and the app and run them on a background thread; returns the started
-    :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit)."""
+    :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit).
+    ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``)."""
     from llmlab.serve.app import build_app
     from llmlab.serve.metrics import ServerMetrics
     from llmlab.serve.server import ServerThread
     import torch
     name = served_model_name or default_served_name(model)
-    device = str(engine_args.get("device", "auto"))
+    config = engine_args.get("config")
+    device = str(engine_args.get("device", "auto" if config is None else config.device))
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     metrics = ServerMetrics(name, device_type="cuda" if on_gpu else "cpu")
     engines = build_engines(model, data_parallel_size=data_parallel_size,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,
-                    metrics=metrics)
+                    metrics=metrics, public_metrics=public_metrics,
+                    allow_special_tokens_in_chat=allow_special_tokens_in_chat)
     server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout)
     server.app, server.metrics = app, metrics
     return server.start()

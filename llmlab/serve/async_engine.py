@@ -9,6 +9,12 @@ each changed :class:`RequestOutput` to the handler's ``asyncio.Queue`` with
 
 A handler that stops listening (client disconnected, task cancelled) aborts its request; the abort
 is applied before the next step and the request's KV blocks go back to the pool.
+
+The engine fails a request whose forward pass or sampling raises by itself (its error in its
+output). Should ``engine.step()`` itself raise, the requests in flight are failed and freed and
+the loop goes on; only :data:`MAX_CONSECUTIVE_STEP_FAILURES` failing steps in a row, or an
+:class:`~llmlab.inference.errors.EngineDeadError` (a tensor-parallel rank exited), stop it
+(``/health`` then answers 503).
 """
 from __future__ import annotations
 
@@ -21,7 +27,10 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from llmlab.inference.errors import EngineDeadError
+
 log = logging.getLogger("llmlab.serve")
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class QueueFullError(RuntimeError):
@@ -163,6 +172,7 @@ class AsyncEngine:
     # --- the engine loop (its own thread) ---------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        failures = 0
         while True:
             if not self._apply_commands():
                 break
@@ -170,11 +180,11 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 try:
                     outputs = engine.step()
-                except Exception:
-                    self.error = traceback.format_exc()
-                    log.error("engine step failed; aborting every request\n%s", self.error)
-                    self._abort_all(RuntimeError("the engine step failed; see the server log"))
-                    self._admitting = False
+                    failures = 0
+                except Exception as e:
+                    failures = (MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError)
+                                else failures + 1)
+                    self._step_failed(traceback.format_exc(), failures)
                     continue
                 t1 = time.perf_counter()
                 self.num_steps += 1
@@ -195,6 +205,18 @@ class AsyncEngine:
         stop = getattr(engine, "shutdown", None)      # tensor-parallel ranks, if any
         if stop is not None:
             stop()
+
+    def _step_failed(self, tb: str, failures: int) -> None:
+        """Fail and free every request in flight; stop after too many failing steps in a row."""
+        log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
+                  failures, tb)
+        self._abort_all(RuntimeError("the engine step failed; see the server log"))
+        for rid in [r for r, req in self.engine.requests.items() if not req.finished]:
+            self.engine.abort_request(rid)
+            self.engine.release(rid)
+        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self.error = tb
+            self._admitting = False
 
     def _apply_commands(self) -> bool:
         """Apply queued commands; False when told to stop."""

@@ -16,6 +16,8 @@ import errno
 import os
 import sys
 
+from llmlab.inference.engine_config import EngineConfig, add_engine_arguments, from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="shakespeare",
@@ -27,46 +29,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $LLMLAB_API_KEY; "
-                        "/health and /metrics stay open)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (and "
+                        "/metrics with --public-metrics) (default: $LLMLAB_API_KEY)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (default: the tokenizer's, else a plain 'role: text' one)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 when this many requests wait (default: no limit)")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, requests routed to the least-loaded (default 1)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is sharded over (default 1; not with --data-parallel-size > 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (info and debug also log each request)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: sized "
-                   "for max-num-seqs full-length sequences, at most 64 MiB on CPU)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of prompt prefixes already computed")
-    g.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="split long prompts' prefill over steps of --max-num-batched-tokens")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="store linear weights in int8 with per-channel scales")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that send none")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the engines run (auto: a GPU if there is one, else the CPU)")
+    p.add_argument("--allow-special-tokens-in-chat", action="store_true",
+                   help="parse special tokens written inside chat message content as the "
+                        "template's markers (default: off, so a message cannot forge a turn)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, let /metrics answer without the key (default: off)")
+    g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
+    add_engine_arguments(g, None, {"tensor_parallel_size": {
+        "help": "ranks the model is sharded over (not with --data-parallel-size > 1)"}})
 
 
-def engine_args(args) -> dict:
-    return {"block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks,
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-            "enable_chunked_prefill": args.enable_chunked_prefill, "quantization": args.quantization,
-            "seed": args.seed, "device": args.device,
-            "tensor_parallel_size": args.tensor_parallel_size}
+def engine_config(args) -> EngineConfig:
+    """The :class:`~llmlab.inference.engine_config.EngineConfig` of the engine flags."""
+    return from_args(args)
 
 
 def validate(args) -> None:
@@ -86,6 +73,11 @@ def validate(args) -> None:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    try:
+        engine_config(args)
+    except ValueError as e:   # name the flag: "max_n=0 must be ..." -> "--max-n 0 must be ..."
+        name, _, rest = str(e).partition("=")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}" if rest else str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     template = load_template(args.chat_template)
     name = args.served_model_name or default_served_name(args.model)
-    kw = engine_args(args)
+    config = engine_config(args)
     metrics = ServerMetrics(name, device_type=_device_type(args.device))
     try:  # before any model is loaded: a taken port fails at once, nothing to stop
         sock = bind_socket(args.host, args.port)
@@ -115,12 +107,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
                                 max_waiting_requests=args.max_waiting_requests, metrics=metrics,
-                                **kw)
+                                config=config)
     except BaseException:
         sock.close()
         raise
     app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
-                    metrics=metrics)
+                    metrics=metrics, public_metrics=args.public_metrics,
+                    allow_special_tokens_in_chat=args.allow_special_tokens_in_chat)
     host, port = sock.getsockname()[:2]
     server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:

@@ -6,9 +6,15 @@ completions; for chat, what is left of ``max_model_len``), ``temperature`` 1.0, 
 ``n`` 1, ``stop``, ``seed``, ``stream`` and ``stream_options.include_usage``; vLLM's extra
 sampling fields ``top_k``, ``stop_token_ids``, ``ignore_eos`` (sent by the ``openai`` client in
 ``extra_body``). Any other field the engine's :class:`SamplingParams` has (e.g. ``min_p``,
-``repetition_penalty``) is passed on by name. Unknown fields are ignored, as vLLM does.
+``repetition_penalty``, ``prompt_logprobs``) is passed on by name; any other field at all is
+refused with a 400 naming it (vLLM ignores them; a field dropped silently is a wrong answer),
+and so is a message's own field other than ``role`` and ``content`` unless it is null.
+``logit_bias``: ``{"token id": bias in [-100, 100]}`` (OpenAI). Completions: ``echo`` with
+``logprobs`` also gives the prompt tokens' log-probabilities (vLLM: ``prompt_logprobs = logprobs``).
+Chat: ``add_generation_prompt`` (default true) and ``continue_final_message`` (the last message
+is continued, not closed; not both).
 Log-probabilities: ``logprobs: K`` (completions) or ``logprobs: true, top_logprobs: K`` (chat),
-K <= :data:`MAX_LOGPROBS`, the model's raw log-softmax as the engine reports them.
+K <= the engine's ``max_logprobs``, the model's raw log-softmax as the engine reports them.
 
 Errors raised here are :class:`APIError` (HTTP status, OpenAI ``type``, ``param``); the app turns
 them into ``{"error": {"message", "type", "param", "code"}}``.
@@ -16,6 +22,7 @@ them into ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +31,19 @@ from llmlab.inference.sampling import SamplingParams
 
 MAX_LOGPROBS = 20          # the OpenAI API's limit for top_logprobs
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+# SamplingParams fields a request may not set by name (set from other fields, or internal)
+_NOT_BY_NAME = {"n", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+                "logit_bias"}
+
+
+def param_of(message: str) -> str | None:
+    """The field a ``SamplingParams``/engine error names: ``"top_p=2 must ..."`` -> ``top_p``."""
+    m = re.match(r"([a-z_]+)(\[|=|:| )", message)
+    known = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "messages"}
+    return m.group(1) if m and m.group(1) in known else None
 
 
 class APIError(Exception):
@@ -68,43 +87,47 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     best_of: int | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     def num_logprobs(self) -> int | None:
         """How many top log-probabilities each generated token reports (None: no logprobs)."""
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters; raises :class:`APIError` (400) naming the bad field."""
+    def check_fields(self) -> None:
+        """Raise :class:`APIError` (400) naming a field this server does not implement."""
+        names = {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")}
+        for name in self.model_extra or {}:
+            if name not in names or name in _NOT_BY_NAME:
+                raise APIError(f"{name} is not supported by this server", param=name)
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
                            param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
-        names = {f.name for f in dataclasses.fields(SamplingParams)}
+
+    def sampling_params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; raises :class:`APIError` (400) naming the bad field."""
+        self.check_fields()
         k = self.num_logprobs()
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise APIError(f"logprobs={k} must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "seed": self.seed,
                               "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
                               "ignore_eos": self.ignore_eos, "logprobs": k}
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if name in names and value is not None:
-                kw[name] = value
-            elif value not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported by this engine", param=name)
-        for name, value in (self.model_extra or {}).items():
-            if name in names and name not in kw:
-                kw[name] = value
+        kw.update(self.model_extra or {})
+        if prompt_logprobs is not None:
+            kw["prompt_logprobs"] = max(prompt_logprobs, kw.get("prompt_logprobs") or 0)
+        if self.logit_bias:
+            try:
+                kw["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
         try:
             return SamplingParams(**kw)
         except (TypeError, ValueError) as e:
-            param = str(e).split("=")[0] if "=" in str(e) else None
-            raise APIError(str(e), param=param) from None
+            raise APIError(str(e), param=param_of(str(e))) from None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -138,6 +161,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None
 
+    def check_fields(self, i: int) -> None:
+        """Raise :class:`APIError` for a field of message ``i`` this server does not implement
+        (``name``, ``tool_calls``, ...); null values, as clients echo them back, are fine."""
+        for name, value in (self.model_extra or {}).items():
+            if value not in (None, [], ""):
+                raise APIError(f"messages[{i}].{name} is not supported by this server",
+                               param=f"messages.{i}.{name}")
+
     def text(self) -> str:
         """The content as one string (``{"type": "text"}`` parts joined). Only an assistant
         message may leave it out (as in the OpenAI API); raises ``APIError`` otherwise."""
@@ -163,6 +194,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -170,6 +202,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        for i, m in enumerate(self.messages):
+            m.check_fields(i)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("Cannot set both continue_final_message and add_generation_prompt to "
+                           "true (continue the last message, or open a new one)",
+                           param="continue_final_message")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -68,9 +68,17 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
     """The completions API's ``logprobs`` of generated tokens: ``tokens`` (their text),
     ``token_logprobs``, ``top_logprobs`` (``{text: logprob}`` of the top K and the sampled
     token) and ``text_offset`` (where each token's text starts in the choice's text).
-    ``logprobs[i]``: the engine's ``{token_id: Logprob}`` of token ``i``."""
+    ``logprobs[i]``: the engine's ``{token_id: Logprob}`` of token ``i`` (None: the first prompt
+    token, which has no log-probability: ``null`` entries as vLLM's echo)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, d in zip(token_ids, logprobs):
+        if d is None:
+            text = decode([tid])
+            for key, v in (("tokens", text), ("token_logprobs", None), ("top_logprobs", None),
+                           ("text_offset", text_offset)):
+                out[key].append(v)
+            text_offset += len(text)
+            continue
         text = _token_text(d.get(tid), tid, decode)
         out["tokens"].append(text)
         out["token_logprobs"].append(d[tid].logprob if tid in d else None)
@@ -79,6 +87,21 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list) -> list:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in prompt_logprobs]
+
+
+def join_completion_logprobs(first: dict, then: dict | None) -> dict:
+    """Two completions ``logprobs`` objects one after the other (echoed prompt, then output)."""
+    if then is None:
+        return first
+    return {k: first[k] + then[k] for k in first}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], decode, top: int) -> dict:
@@ -105,7 +128,9 @@ def completion_response(request_id: str, model: str, choices: list[dict], prompt
                  "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
     else:
         body = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                 "finish_reason": c["finish_reason"]} for c in choices]
+                 "finish_reason": c["finish_reason"]}
+                | ({"prompt_logprobs": c["prompt_logprobs"]} if "prompt_logprobs" in c else {})
+                for c in choices]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": body,
             "usage": usage(prompt_tokens, completion_tokens)}

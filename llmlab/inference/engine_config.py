@@ -1,0 +1,141 @@
+"""``EngineConfig``: every setting of :class:`~llmlab.inference.engine.LLMEngine`, and the engine
+flags of ``llmlab serve``, ``llmlab generate`` and ``llmlab bench serve`` generated from it.
+
+The model is vLLM's ``EngineArgs`` (its names, where vLLM has the setting): one dataclass field per
+setting, with its default and ``--help`` text (:func:`option`). A CLI adds the flags of the fields
+it offers with :func:`add_engine_arguments` and builds the config back with :func:`from_args`, so a
+setting is declared once, here, as ``TrainConfig`` declares training's.
+
+The request limits (``max_logprobs`` ... ``max_request_body_bytes``) keep one request from taking
+a small machine down: each is a ``llmlab serve`` flag; the engine enforces those of a single
+request in ``add_request`` (so ``LLM.generate`` too), the HTTP server the others.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+import torch
+
+SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
+
+
+def option(default, help: str, choices=None, cli: bool = True):
+    """An :class:`EngineConfig` field: its default, ``--help`` text, allowed values and whether
+    a CLI may offer it as a flag (``cli=False``: Python-only, e.g. a callback or a dtype)."""
+    meta = {"help": help, "cli": cli} | ({"choices": tuple(choices)} if choices is not None else {})
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings (vLLM's names). Sizes in tokens, blocks or bytes as named.
+    :meth:`validate` raises ``ValueError`` naming the first bad field."""
+
+    # --- the KV cache and the scheduler ----------------------------------------------------------
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_gpu_blocks: int | None = option(
+        None, "KV-cache blocks (default: room for max-num-seqs full-length sequences, capped by "
+              "kv-cache-memory-bytes)")
+    num_host_blocks: int | None = option(
+        None, "host blocks for swap preemption (default with swap: what swap-space-bytes holds, at "
+              "most num-gpu-blocks)")
+    max_num_seqs: int = option(256, "sequences per step")
+    max_num_batched_tokens: int | None = option(None, "tokens per step (default: max(2048, "
+                                                      "max-model-len))")
+    max_model_len: int | None = option(None, "context length (default: the model's "
+                                             "max_position_embeddings)")
+    enable_prefix_caching: bool = option(False, "reuse the KV blocks of prompt prefixes already "
+                                                "computed")
+    enable_chunked_prefill: bool = option(False, "split long prompts' prefill over steps of "
+                                                 "max-num-batched-tokens")
+    preemption_mode: str | None = option(None, "how a sequence gives up its blocks when the cache "
+                                               "is full (default: swap on CUDA, else recompute)",
+                                         choices=("recompute", "swap"))
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes for the KV cache when num-gpu-blocks is not given (default: 64 MiB on CPU, "
+              "40%% of free memory on CUDA)")
+    swap_space_bytes: int = option(SWAP_SPACE_BYTES, "host memory for swapped blocks, bytes")
+    # --- the model --------------------------------------------------------------------------------
+    device: str = option("auto", "where the engine runs (auto: a GPU if there is one, else the CPU)",
+                         choices=("auto", "cpu", "cuda"))
+    dtype: torch.dtype = option(torch.float32, "weights and cache dtype", cli=False)
+    quantization: str | None = option(None, "store linear weights in int8 with per-channel scales",
+                                      choices=("int8",))
+    tensor_parallel_size: int = option(1, "ranks the model is sharded over")
+    seed: int = option(0, "seed for requests that send none")
+    generation_defaults: dict | None = option(
+        None, "sampling fields a request leaves unset (default: the checkpoint's "
+              "generation_config.json)", cli=False)
+    check_invariants: bool = option(False, "verify the block pool after every step", cli=False)
+    on_step: typing.Callable | None = option(None, "called with each StepMetrics", cli=False)
+    # --- request limits ---------------------------------------------------------------------------
+    max_logprobs: int = option(20, "most log-probabilities per token a request may ask for "
+                                   "(logprobs, top_logprobs, prompt_logprobs)")
+    max_n: int = option(16, "most samples per prompt (n)")
+    max_stop_strings: int = option(16, "most stop strings per request")
+    max_stop_string_chars: int = option(256, "longest stop string, characters")
+    max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
+                                                "(default: what the context leaves)")
+    max_prompts_per_request: int = option(64, "most prompts in one /v1/completions request")
+    max_request_body_bytes: int = option(2 * 2**20, "largest HTTP request body, bytes (413 above)")
+
+    def validate(self) -> "EngineConfig":
+        """Raise ``ValueError`` naming the first field out of its range."""
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_n",
+                     "max_stop_strings", "max_stop_string_chars", "max_prompts_per_request",
+                     "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len", "max_tokens_limit"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}={v} must be >= 1 (or None)")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
+        for name in ("quantization", "preemption_mode"):      # device: checked where it is used
+            v, choices = getattr(self, name), _FIELDS[name].metadata["choices"]
+            if v is not None and v not in choices:
+                raise ValueError(f"{name}={v!r}: supported values are None and "
+                                 + ", ".join(repr(c) for c in choices))
+        return self
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def field_names(cli_only: bool = True) -> list[str]:
+    """The config's field names (``cli_only``: those a CLI may offer as flags)."""
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.metadata["cli"] or not cli_only]
+
+
+def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | None = None) -> None:
+    """One flag per field in ``names`` (default: every CLI field), ``max_num_seqs`` ->
+    ``--max-num-seqs`` with the field's type, default, help and choices. ``overrides``:
+    ``{name: {"default": ..., "help": ..., "choices": ...}}`` where a CLI differs (e.g.
+    ``bench serve`` runs on the CPU by default)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for name in names if names is not None else field_names():
+        f, over = _FIELDS[name], (overrides or {}).get(name, {})
+        kind = hints[name]
+        args = typing.get_args(kind)
+        if args:                                               # X | None
+            kind = next(a for a in args if a is not type(None))
+        flag = "--" + name.replace("_", "-")
+        default = over.get("default", f.default)
+        help_ = over.get("help", f.metadata["help"])
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=default, help=help_)
+            continue
+        choices = over.get("choices", f.metadata.get("choices"))
+        p.add_argument(flag, type=kind, default=default, help=help_, choices=choices,
+                       metavar=None if choices else {int: "N", float: "X"}.get(kind))
+
+
+def from_args(args, names: list[str] | None = None, **extra) -> EngineConfig:
+    """The :class:`EngineConfig` of the flags :func:`add_engine_arguments` added (``names``),
+    plus ``extra`` fields. Raises ``ValueError`` naming a bad value."""
+    kw = {n: getattr(args, n) for n in (names if names is not None else field_names())
+          if hasattr(args, n)}
+    return EngineConfig(**{**kw, **extra}).validate()
