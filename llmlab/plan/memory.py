@@ -52,8 +52,10 @@ def model_state_bytes(model, lay, workload, stage: str) -> dict:
     return out
 
 
-def activation_bytes(model, lay, workload, stage: str) -> int:
-    """Peak bytes saved for backward on one rank of ``stage`` (see the module docstring)."""
+def activation_bytes(model, lay, workload, stage: str) -> tuple[int, int]:
+    """(peak bytes saved for backward on one rank of ``stage``, of which the one layer being
+    recomputed: its tensors are saved inside backward, where llmlab's ``SavedActivations``
+    does not look)."""
     db = dtype_bytes(workload.dtype)
     b = workload.global_batch_size // (lay.dp * lay.num_microbatches)
     s = workload.seq_len // lay.cp
@@ -67,11 +69,13 @@ def activation_bytes(model, lay, workload, stage: str) -> int:
     if lay.recompute == "full":
         kept = b * s * model.hidden * db // (lay.tp if lay.sequence_parallel else 1)
         act = layers * inflight * kept + one
+        transient = one
     else:
+        transient = 0
         act = layers * inflight * one
     if stage == "last" or lay.pp == 1:
         act += 2 * b * s * model.vocab // lay.tp * 4
-    return round(act)
+    return round(act), transient
 
 
 def buffer_bytes(model, lay, workload, cluster) -> int:
@@ -87,12 +91,13 @@ def buffer_bytes(model, lay, workload, cluster) -> int:
 
 def memory_per_gpu(model, lay, workload, cluster) -> dict:
     """Bytes on the busiest GPU: ``{"params", "grads", "optimizer_states", "model_states",
-    "activations", "buffers", "total", "stage"}`` (stage: which pipeline stage is busiest)."""
+    "activations", "recompute_transient", "buffers", "total", "stage"}`` (stage: which pipeline stage is busiest)."""
     best = None
     for stage in (("first", "last") if lay.pp > 1 else ("first",)):
         ms = model_state_bytes(model, lay, workload, stage)
-        act = activation_bytes(model, lay, workload, stage)
-        rec = {k: ms[k] for k in STATES} | {"model_states": ms["total"], "activations": act}
+        act, transient = activation_bytes(model, lay, workload, stage)
+        rec = {k: ms[k] for k in STATES} | {"model_states": ms["total"], "activations": act,
+                                            "recompute_transient": transient}
         rec["buffers"] = buffer_bytes(model, lay, workload, cluster)
         rec["total"] = rec["model_states"] + act + rec["buffers"]
         rec["stage"] = stage

@@ -35,7 +35,8 @@ BUCKET_BYTES = 25 * 2**20   # DDP's default gradient bucket
 def flop_rate(cluster, dtype: str, matmul_flops: float) -> float:
     """FLOP/s one GPU reaches: the calibrated table (log-log interpolation in the FLOPs of one
     matmul, clamped at its ends) when there is one, else peak × achievable fraction."""
-    table = (cluster.op_links or {}).get("matmul")
+    links = cluster.op_links or {}
+    table = links.get("model") or links.get("matmul")
     if not table:
         return cluster.peak(dtype) * cluster.achievable_fraction
     pts = sorted(table)
@@ -164,6 +165,13 @@ def step_time(model, lay, workload, cluster) -> dict:
     stage_work = c["compute"] + comm["tp"] + comm["ep"] + comm["cp"] + comm["pp"]
     bubble = pipeline_bubble_time(stage_work, lay.pp, lay.num_microbatches, lay.virtual_stages)
     exposed = sum(comm.values())
-    return {"step_time_s": c["compute"] + exposed + bubble, "compute_s": c["compute"],
+    total = c["compute"] + exposed + bubble
+    solo = (cluster.op_links or {}).get("solo_speedup", 1.0)
+    if solo > 1 and lay.pp > 1:   # ranks share cores: an idle stage lends its core to the others
+        fast = c["compute"] / solo + stage_work - c["compute"]
+        bubble = pipeline_bubble_time(fast, lay.pp, lay.num_microbatches, lay.virtual_stages)
+        total = max(c["compute"] + exposed, fast + bubble + comm["dp"])
+        bubble = total - c["compute"] - exposed
+    return {"step_time_s": total, "compute_s": c["compute"],
             "exposed_comm_s": exposed, "bubble_s": bubble, "comm_s": comm,
             "flop_rate": c["flop_rate"]}
