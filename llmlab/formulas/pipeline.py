@@ -9,7 +9,7 @@ and drains (GPipe, Huang et al. 2019, §2.2; Megatron-LM, Narayanan et al. 2021,
 Activations: GPipe runs every forward first, so a stage holds ``m`` micro-batches; 1F1B starts
 backward after ``p`` forwards, so the first stage holds ``min(m, p)``; interleaved 1F1B holds
 ``(1 + (p−1)/(p·v))`` times 1F1B's (Korthikanti et al. 2022, §4.2.3). The planner
-(:mod:`llmlab.plan`) uses both; the pipeline runner (:mod:`llmlab.parallel.pipeline_schedules`)
+(:mod:`llmlab.planner`) uses both; the pipeline runner (:mod:`llmlab.parallel.pipeline_schedules`)
 measures them.
 """
 from __future__ import annotations

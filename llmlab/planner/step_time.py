@@ -27,7 +27,7 @@ from llmlab.formulas.communication import (collective_time, p2p_time, tp_block_c
 from llmlab.formulas.memory import dtype_bytes
 from llmlab.formulas.pipeline import pipeline_bubble_time
 from llmlab.metrics.throughput import training_flops_per_token
-from llmlab.plan.memory import rank_params
+from llmlab.planner.memory import rank_params
 
 BUCKET_BYTES = 25 * 2**20   # DDP's default gradient bucket
 

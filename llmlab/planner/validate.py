@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import statistics
 
-from llmlab.plan.search import search
-from llmlab.plan.specs import Workload, from_preset
+from llmlab.planner.search import search
+from llmlab.planner.specs import Workload, from_preset
 
 MEMORY_QUANTITY = ("max over ranks of params + grads + optimizer_states + activations_peak "
                    "(metrics JSON ranks[*].memory_bytes) vs predicted model_states + activations - recompute_transient")

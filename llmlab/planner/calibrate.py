@@ -3,7 +3,7 @@
 * Matmul FLOP/s: every rank at once (so ranks sharing cores or a GPU share them as in training)
   multiplies ``[rows, hidden] @ [hidden, width]`` for the model's hidden size, MLP widths
   ``ffn/tp`` and a range of rows; the table maps the FLOPs of one matmul to FLOP/s per rank, and
-  :func:`llmlab.plan.step_time.flop_rate` interpolates it.
+  :func:`llmlab.planner.step_time.flop_rate` interpolates it.
 * The model itself: forward + backward of one tensor-parallel rank's slice of the preset at
   several micro-batch sizes, every rank at once and then rank 0 alone (how much faster a rank
   runs when the others idle, as in a pipeline bubble on a machine whose ranks share cores).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from llmlab.formulas.communication import ring_wire_factor
-from llmlab.plan.cluster import ClusterSpec
+from llmlab.planner.cluster import ClusterSpec
 
 
 def _rank_matmuls(shapes, dtype, iters, min_s=0.05):

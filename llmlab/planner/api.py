@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import time
 
-from llmlab.plan.cluster import GB, ClusterSpec, cluster_preset
-from llmlab.plan.search import search
-from llmlab.plan.specs import ModelSpec, Workload, from_hf_config, from_params, from_preset
+from llmlab.planner.cluster import GB, ClusterSpec, cluster_preset
+from llmlab.planner.search import search
+from llmlab.planner.specs import ModelSpec, Workload, from_hf_config, from_params, from_preset
 
 
 def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
@@ -39,7 +39,7 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
 
     Returns:
         ``{"model", "cluster", "workload", "num_layouts", "search_time_s", "layouts": [...]}``
-        with the layouts best first (:func:`llmlab.plan.search.evaluate` rows).
+        with the layouts best first (:func:`llmlab.planner.search.evaluate` rows).
 
     Raises:
         ValueError: an unknown preset, a shape or cluster that breaks a constraint, or no
@@ -55,7 +55,7 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
     t0 = time.perf_counter()
     rows = search(spec, workload, cluster, max_microbatches, zero_stages)
     if not rows:
-        from llmlab.plan.layout import Layout, why_invalid
+        from llmlab.planner.layout import Layout, why_invalid
         reason = why_invalid(Layout(dp=cluster.num_gpus), spec, workload, cluster.gpus_per_node)
         raise ValueError(f"no valid layout of {spec.name} on {cluster.num_gpus} GPUs"
                          + (f" (e.g. DP{cluster.num_gpus}: {reason})" if reason else ""))

@@ -7,9 +7,9 @@ recomputation, over peak FLOP/s), tokens/s and the days to train ``workload.toke
 from __future__ import annotations
 
 from llmlab.metrics.throughput import training_flops_per_token
-from llmlab.plan.layout import layouts
-from llmlab.plan.memory import memory_per_gpu
-from llmlab.plan.step_time import step_time
+from llmlab.planner.layout import layouts
+from llmlab.planner.memory import memory_per_gpu
+from llmlab.planner.step_time import step_time
 
 
 def evaluate(model, lay, workload, cluster) -> dict:
