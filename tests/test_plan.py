@@ -107,9 +107,9 @@ def test_validate_on_2_ranks(tmp_path):
     """Real calibration and training on 2 gloo ranks: memory within 10 %."""
     from llmlab.planner.calibrate import calibrate
     from llmlab.planner.validate import validate
-    c = calibrate(2, "tiny")
+    c = calibrate(2, "tiny", quick=True)
     assert c.op_links["all_reduce"]["bandwidth"] > 0 and c.op_links["model"]
-    v = validate(c, "tiny", count=3, steps=4, spread=1.2)
+    v = validate(c, "tiny", count=2, steps=3, warmup=1, spread=1.2)
     assert len(v["layouts"]) >= 2
     assert v["memory_max_rel_err"] < 0.10
     assert all(r["step_time_measured_s"] > 0 for r in v["layouts"])

@@ -137,7 +137,7 @@ def fit_alpha_beta(results: list[dict], world_size: int) -> dict:
 
 
 def calibrate(world_size: int, model: str = "tiny", seq_len: int = 256, dtype: str = "fp32",
-              backend: str = "auto", max_bytes: int = 4 * 2**20) -> ClusterSpec:
+              backend: str = "auto", max_bytes: int = 4 * 2**20, quick: bool = False) -> ClusterSpec:
     """Measure this machine on ``world_size`` ranks; returns the calibrated cluster. The step
     time's compute uses the model's measured FLOP/s (``op_links["model"]``), which folds in
     what a bare matmul (``op_links["matmul"]``) does not: norms, attention, per-op overhead."""
@@ -146,11 +146,13 @@ def calibrate(world_size: int, model: str = "tiny", seq_len: int = 256, dtype: s
     if world_size < 2:
         raise ValueError(f"--calibrate needs --num-gpus >= 2 ranks, got {world_size}")
     mc = get_preset(model)
-    matmul = measure_matmul(world_size, mc.hidden_size, [mc.intermediate_size // t for t in (1, 2, 4)],
-                            dtype=dtype, backend=backend)
-    table, solo = measure_model(world_size, mc, seq_len, backend=backend)
-    comm = bench_collectives(world_size, sizes=default_sizes(4096, max_bytes, 4), iters=5,
-                             warmup=2, backend=backend)
+    tps, rows = ((1, 2), (256, 1024)) if quick else ((1, 2, 4), (64, 256, 1024, 4096))
+    matmul = measure_matmul(world_size, mc.hidden_size, [mc.intermediate_size // t for t in tps],
+                            rows, dtype=dtype, backend=backend)
+    table, solo = measure_model(world_size, mc, seq_len, (1, 4) if quick else (1, 4, 16), tps,
+                                backend=backend)
+    comm = bench_collectives(world_size, sizes=default_sizes(4096, max_bytes // (4 if quick else 1), 4),
+                             iters=3 if quick else 5, warmup=1 if quick else 2, backend=backend)
     links = fit_alpha_beta(comm["results"], world_size)
     ag = links.get("all_gather", next(iter(links.values())))
     peak = max(r for _, r in matmul + table)
@@ -158,6 +160,6 @@ def calibrate(world_size: int, model: str = "tiny", seq_len: int = 256, dtype: s
                        peak_flops={dtype: peak}, intra_bandwidth=ag["bandwidth"],
                        inter_bandwidth=ag["bandwidth"], intra_latency=ag["latency"],
                        inter_latency=ag["latency"], achievable_fraction=1.0, reserved_bytes=0,
-                       name=f"this machine ({comm['backend']})",
+                       name=f"this machine ({comm['backend']})", overlap=comm["backend"] == "nccl",
                        op_links=links | {"matmul": matmul, "model": table, "solo_speedup": solo,
                                          "backend": comm["backend"]})

@@ -38,6 +38,7 @@ class ClusterSpec:
     achievable_fraction: float = 0.6
     reserved_bytes: float = 2e9
     name: str = "custom"
+    overlap: bool = True           # collectives can hide under compute (GPUs); not on CPU/gloo
     op_links: dict | None = None   # calibrated: {op: {"latency", "bandwidth"}} (one machine)
 
     def validate(self) -> "ClusterSpec":

@@ -16,7 +16,7 @@ def format_table(result: dict, top: int = 15) -> str:
     for i, r in enumerate(result["layouts"][:top], 1):
         lines.append(f"{i:>3} {r['name']:<22} {r['zero']:>4} {r['num_microbatches']:>4} "
                      f"{'full' if r['recompute'] == 'full' else '-':>4} "
-                     f"{r['memory_bytes_per_gpu'] / 1e9:>7.1f} {'yes' if r['fits'] else 'NO':<5} "
+                     f"{r['memory_bytes_per_gpu'] / 1e9:>7.3g} {'yes' if r['fits'] else 'NO':<5} "
                      f"{r['step_time_s']:>8.3g} {r['compute_s']:>8.3g} {r['exposed_comm_s']:>8.3g} "
                      f"{r['bubble_s']:>8.3g} {r['mfu']:>5.2f} {r['tokens_per_s']:>10.4g} "
                      f"{r['days_to_train']:>7.3g}")

@@ -15,7 +15,9 @@
   gradient reduction of DDP/ZeRO-1/2 (:func:`~llmlab.formulas.communication.
   zero_comm_bytes_per_step`) overlapped with the last micro-batch's backward, ZeRO-1/2's
   parameter all-gather after the optimizer step exposed, ZeRO-3's per-micro-batch gathers
-  overlapped with that micro-batch's forward and backward.
+  overlapped with that micro-batch's forward and backward. "Overlapped" means only the excess
+  over the compute shows, on a cluster with ``overlap=True`` (GPUs); a calibrated CPU machine
+  has ``overlap=False`` (gloo's collectives run on the cores the compute needs).
 * Bubble: :func:`llmlab.formulas.pipeline.pipeline_bubble_time` of a stage's work.
 """
 from __future__ import annotations
@@ -48,6 +50,13 @@ def flop_rate(cluster, dtype: str, matmul_flops: float) -> float:
             w = (x - math.log(f0)) / (math.log(f1) - math.log(f0))
             return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
     return pts[-1][1]
+
+
+def _exposed(comm: float, compute: float, cluster) -> float:
+    """What of ``comm`` seconds shows beside ``compute`` it overlaps with: the excess on a
+    cluster that overlaps (GPUs: collectives run on their own engines), all of it otherwise
+    (CPU ranks under gloo: the collective uses the same cores)."""
+    return max(0.0, comm - compute) if cluster.overlap else comm
 
 
 def _coll(cluster, op, nbytes, n, span, calls=1):
@@ -106,7 +115,8 @@ def moe_cp_times(model, lay, workload, cluster, attn_fwd_mb: float) -> tuple[flo
         kv = 2 * b * s * model.kv_heads * model.head_dim * db
         lat, bw = cluster.link(lay.tp * lay.cp, "all_gather")
         ring = (lay.cp - 1) * p2p_time(kv, bw, lat)
-        cp = layers * m * (max(0.0, ring - attn_fwd_mb) + max(0.0, 2 * ring - 2 * attn_fwd_mb))
+        cp = layers * m * (_exposed(ring, attn_fwd_mb, cluster)
+                            + _exposed(2 * ring, 2 * attn_fwd_mb, cluster))
     return ep, cp
 
 
@@ -138,14 +148,14 @@ def dp_time(model, lay, workload, cluster, fwd_mb: float, bwd_mb: float) -> floa
             units = model.num_layers // lay.pp + 2
             ag = _coll(cluster, "all_gather", pay["all_gather"] / 2, group, span, units)
             rs = _coll(cluster, "reduce_scatter", pay["reduce_scatter"], group, span, units)
-            exposed += m * (max(0.0, ag - fwd_mb) + max(0.0, ag + rs - bwd_mb))
+            exposed += m * (_exposed(ag, fwd_mb, cluster) + _exposed(ag + rs, bwd_mb, cluster))
             continue
         op = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         nbytes = pay[op]
         grad = _coll(cluster, op, nbytes, group, span, calls(nbytes))
         if lay.zero == 2:   # gradients are sharded: reduced after every micro-batch
-            exposed += (m - 1) * max(0.0, grad - bwd_mb)
-        exposed += max(0.0, grad - bwd_mb)
+            exposed += (m - 1) * _exposed(grad, bwd_mb, cluster)
+        exposed += _exposed(grad, bwd_mb, cluster)
         if lay.zero in (1, 2):
             exposed += _coll(cluster, "all_gather", pay["all_gather"], group, span,
                              calls(pay["all_gather"]))
