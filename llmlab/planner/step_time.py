@@ -181,7 +181,7 @@ def step_time(model, lay, workload, cluster) -> dict:
         fast = c["compute"] / solo + stage_work - c["compute"]
         bubble = pipeline_bubble_time(fast, lay.pp, lay.num_microbatches, lay.virtual_stages)
         total = max(c["compute"] + exposed, fast + bubble + comm["dp"])
-        bubble = total - c["compute"] - exposed
+        bubble = max(0.0, total - c["compute"] - exposed)
     return {"step_time_s": total, "compute_s": c["compute"],
             "exposed_comm_s": exposed, "bubble_s": bubble, "comm_s": comm,
             "flop_rate": c["flop_rate"]}
