@@ -1,7 +1,7 @@
 """The search: every valid layout, its predicted memory and step time, ranked.
 
-Ranking: layouts that fit first, fastest step first; then those that do not fit, smallest
-memory first. Each row also carries MFU (model FLOPs 6·N + 12·L·h·s per token, without
+Ranking: layouts that fit first, fastest step first (ties: less memory first); then those that
+do not fit, smallest memory first. Each row also carries MFU (model FLOPs 6·N + 12·L·h·s per token, without
 recomputation, over peak FLOP/s), tokens/s and the days to train ``workload.token_budget``.
 """
 from __future__ import annotations
@@ -38,5 +38,6 @@ def search(model, workload, cluster, max_microbatches: int = 64, zero_stages=(0,
     rows = [evaluate(model, lay, workload, cluster)
             for lay in layouts(model, workload, cluster.num_gpus, cluster.gpus_per_node,
                                max_microbatches, zero_stages)]
-    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["fits"] else r["memory_bytes_per_gpu"]))
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["fits"] else 0.0,
+                             r["memory_bytes_per_gpu"]))
     return rows

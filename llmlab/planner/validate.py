@@ -98,8 +98,10 @@ def measure(row: dict, model: str, workload, steps: int, warmup: int) -> dict:
 
 
 def validate(cluster, model: str = "tiny", seq_len: int = 256, global_batch_size: int = 16,
-             count: int = 6, spread: float = 1.25, steps: int = 6, warmup: int = 2) -> dict:
+             count: int = 6, spread: float = 1.25, steps: int = 6, warmup: int = 2,
+             on_result=None) -> dict:
     """Train up to ``count`` layouts on ``cluster.num_gpus`` local ranks; see the module doc.
+    ``on_result(run)`` is called with each layout's comparison as soon as it is measured.
 
     Raises ``ValueError`` if fewer than 2 layouts can run (no correlation to compute)."""
     if steps <= warmup:
@@ -111,7 +113,11 @@ def validate(cluster, model: str = "tiny", seq_len: int = 256, global_batch_size
     if len(picked) < 2:
         raise ValueError(f"only {len(picked)} layout(s) of {model} on {cluster.num_gpus} ranks "
                          f"can be trained and told apart; validation needs 2")
-    runs = [measure(r, model, workload, steps, warmup) for r in picked]
+    runs = []
+    for r in picked:
+        runs.append(measure(r, model, workload, steps, warmup))
+        if on_result is not None:
+            on_result(runs[-1])
     return {"world_size": cluster.num_gpus, "backend": (cluster.op_links or {}).get("backend", "?"),
             "model": model, "seq_len": seq_len, "global_batch_size": global_batch_size,
             "steps": steps, "warmup_steps": warmup, "memory_quantity": MEMORY_QUANTITY,
