@@ -113,3 +113,37 @@ def test_validate_on_2_ranks(tmp_path):
     assert len(v["layouts"]) >= 2
     assert v["memory_max_rel_err"] < 0.10
     assert all(r["step_time_measured_s"] > 0 for r in v["layouts"])
+
+
+def test_hf_config_gives_the_published_count(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from llmlab.planner.specs import LARGE_MODELS, from_hf_config
+    spec = from_hf_config(tmp_path / "config.json")
+    assert spec.num_params() == 8_030_261_248 == LARGE_MODELS["llama3-8b"].num_params()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_hf_config(tmp_path / "missing.json")
+
+
+def test_alpha_beta_fit_recovers_known_link():
+    """Rows made with the α-β model itself (α = 50 µs, β = 2 GB/s on 4 ranks) are fitted back."""
+    from llmlab.planner.calibrate import fit_alpha_beta
+    rows = [{"op": op, "size_bytes": s, "time_s": collective_time(op, s, 4, 2e9, 5e-5)}
+            for op in ("all_reduce", "all_gather") for s in (4096, 65536, 2**20, 2**22)]
+    fit = fit_alpha_beta(rows, 4)
+    for op in ("all_reduce", "all_gather"):
+        assert fit[op]["latency"] == pytest.approx(5e-5, rel=1e-6)
+        assert fit[op]["bandwidth"] == pytest.approx(2e9, rel=1e-6)
+
+
+def test_moe_layouts_split_experts_and_pay_all_to_all():
+    r = llmlab.plan("mixtral-8x7b", cluster="h100", num_gpus=16, zero_stages=(1,), max_microbatches=8)
+    ep = [x for x in r["layouts"] if x["ep"] > 1]
+    assert ep and all(x["dp"] % x["ep"] == 0 and 8 % x["ep"] == 0 for x in ep)
+    assert all(x["comm_s"]["ep"] > 0 for x in ep)
+    a = next(x for x in r["layouts"] if (x["dp"], x["tp"], x["ep"], x["pp"]) == (16, 1, 8, 1))
+    b = next(x for x in r["layouts"] if (x["dp"], x["tp"], x["ep"], x["pp"]) == (16, 1, 1, 1)
+             and x["num_microbatches"] == a["num_microbatches"] and x["recompute"] == a["recompute"])
+    assert a["memory"]["params"] < b["memory"]["params"]   # experts split 8 ways
