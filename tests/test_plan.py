@@ -95,6 +95,10 @@ def test_invalid_input_names_the_constraint():
     r = subprocess.run([sys.executable, "-m", "llmlab", "plan", "--params", "8e9", "--seq-len",
                         "1000", "--global-batch-tokens", "4096"], capture_output=True, text=True)
     assert r.returncode == 2 and "--seq-len 1000 must divide" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmlab", "plan", "--model", "tiny", "--num-gpus", "3",
+                        "--validate"], capture_output=True, text=True)   # refused before calibrating
+    assert r.returncode == 2 and "dp=3 must divide the global batch of 16" in r.stderr
+    assert "calibrated" not in r.stdout
 
 
 def test_spearman():

@@ -48,14 +48,17 @@ def _rank_matmuls(shapes, dtype, iters, min_s=0.05):
 
 
 def _time_model(model, x, reps, sync):
-    loss = model(x, x)
-    loss.backward()
+    """The fastest of ``reps`` forward + backward passes (after one warm-up): on a loaded
+    machine the minimum is the least disturbed measurement."""
+    model(x, x).backward()
     sync()
-    t0 = time.perf_counter()
+    best = float("inf")
     for _ in range(reps):
+        t0 = time.perf_counter()
         model(x, x).backward()
-    sync()
-    return (time.perf_counter() - t0) / reps
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _rank_model(mc_dict, cases, seq_len, reps):
@@ -90,7 +93,7 @@ def _rank_model(mc_dict, cases, seq_len, reps):
 
 
 def measure_model(world_size: int, mc, seq_len: int, batches=(1, 4, 16), tps=(1, 2, 4),
-                  reps: int = 2, backend: str = "auto") -> tuple[list, float]:
+                  reps: int = 3, backend: str = "auto") -> tuple[list, float]:
     """The model's own forward + backward FLOP/s per rank (``6N + 12·L·h·s`` per token), for
     each tensor-parallel slice and micro-batch size, every rank at once: ``([[matmul FLOPs,
     FLOP/s], ...], solo)`` where ``solo`` is how much faster one rank runs alone (> 1 when

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true", help="calibrate, then train the top layouts "
                    "of --model (an llmlab preset) on --num-gpus local ranks and compare")
     p.add_argument("--validate-layouts", type=int, default=6, help="layouts to train")
-    p.add_argument("--validate-steps", type=int, default=6, help="steps per layout (2 warm-up)")
+    p.add_argument("--validate-steps", type=int, default=8, help="steps per layout (2 warm-up)")
     p.add_argument("--json", default=None, metavar="F", help="write the plan (and validation) here")
 
 
@@ -77,21 +77,27 @@ def run(args: argparse.Namespace) -> int:
     if args.validate and (args.model is None or args.params is not None or args.config is not None):
         raise ValueError("--validate trains an llmlab preset: give --model tiny (or small, ...)")
     workload = Workload(args.seq_len, int(args.global_batch_tokens), args.dtype, "adam", args.tokens)
-    if args.calibrate or args.validate:
+    if args.validate:   # the miniature workload the runs use
+        workload = Workload(256, 256 * 16, "fp32", "adamw", args.tokens)
+        print("--validate plans (and trains) 16 sequences of 256 tokens per step, fp32, AdamW")
+    shape = dict(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_heads,
+                 kv_heads=args.num_kv_heads, vocab=args.vocab_size or 32000)
+    if args.calibrate or args.validate:   # refuse a plan with no layout before any rank starts
+        from llmlab.planner.cluster import cluster_preset
+        n = args.num_gpus
+        plan(args.model, params=args.params, config=args.config, workload=workload,
+             cluster=cluster_preset("a100", n, gpus_per_node=n), **shape)
+        from llmlab.model.config import PRESETS
         from llmlab.planner.calibrate import calibrate
-        model = args.model if args.model and not args.model[0].isdigit() else "tiny"
-        from llmlab.planner.specs import LARGE_MODELS
-        cluster = calibrate(args.num_gpus, "tiny" if model in LARGE_MODELS else model)
+        # the model whose FLOP/s is measured: the llmlab preset asked about, else tiny
+        cluster = calibrate(args.num_gpus, args.model if args.model in PRESETS else "tiny")
         print(f"calibrated {cluster.name}: all-reduce α {cluster.op_links['all_reduce']['latency'] * 1e6:.0f} µs, "
               f"β {cluster.op_links['all_reduce']['bandwidth'] / GB:.2f} GB/s; "
               f"model {max(r for _, r in cluster.op_links['model']) / 1e9:.1f} GFLOP/s per rank")
     else:
         cluster = _cluster(args)
-    if args.validate:   # the miniature workload the runs use
-        workload = Workload(256, 256 * 16, "fp32", "adamw", args.tokens)
     result = plan(args.model, params=args.params, config=args.config, cluster=cluster,
-                  workload=workload, num_layers=args.num_layers, hidden=args.hidden_size,
-                  heads=args.num_heads, kv_heads=args.num_kv_heads, vocab=args.vocab_size or 32000)
+                  workload=workload, **shape)
     print(format_table(result, args.top))
     if args.validate:
         from llmlab.planner.validate import validate
