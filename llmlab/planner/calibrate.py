@@ -118,6 +118,15 @@ def measure_matmul(world_size: int, hidden: int, widths, rows=(64, 256, 1024, 40
     return [[res[0][i][0], sum(r[i][1] for r in res) / len(res)] for i in range(len(shapes))]
 
 
+def _memory_per_rank(backend: str, world_size: int) -> float:
+    import os
+
+    import torch
+    if backend == "nccl":
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size
+
+
 def fit_alpha_beta(results: list[dict], world_size: int) -> dict:
     """Least-squares ``{op: {"latency", "bandwidth"}}`` from ``bench_collectives`` rows."""
     out = {}
@@ -143,7 +152,10 @@ def calibrate(world_size: int, model: str = "tiny", seq_len: int = 256, dtype: s
               backend: str = "auto", max_bytes: int = 4 * 2**20, quick: bool = False) -> ClusterSpec:
     """Measure this machine on ``world_size`` ranks; returns the calibrated cluster. The step
     time's compute uses the model's measured FLOP/s (``op_links["model"]``), which folds in
-    what a bare matmul (``op_links["matmul"]``) does not: norms, attention, per-op overhead."""
+    what a bare matmul (``op_links["matmul"]``) does not: norms, attention, per-op overhead.
+    Bare matmuls run in ``dtype``, the model's passes in fp32 (the trainer's CPU dtype); the
+    peak for ``dtype`` is the larger. Memory per rank: the GPU's, or the RAM / ranks on CPU.
+    ``quick``: fewer shapes and sizes (a test's budget). Raises ``ValueError`` under 2 ranks."""
     from llmlab.model.config import get_preset
     from llmlab.tools.comm_bench import bench_collectives, default_sizes
     if world_size < 2:
@@ -159,7 +171,8 @@ def calibrate(world_size: int, model: str = "tiny", seq_len: int = 256, dtype: s
     links = fit_alpha_beta(comm["results"], world_size)
     ag = links.get("all_gather", next(iter(links.values())))
     peak = max(r for _, r in matmul + table)
-    return ClusterSpec(num_gpus=world_size, gpus_per_node=world_size, gpu_memory_bytes=1e15,
+    return ClusterSpec(num_gpus=world_size, gpus_per_node=world_size,
+                       gpu_memory_bytes=_memory_per_rank(comm["backend"], world_size),
                        peak_flops={dtype: peak}, intra_bandwidth=ag["bandwidth"],
                        inter_bandwidth=ag["bandwidth"], intra_latency=ag["latency"],
                        inter_latency=ag["latency"], achievable_fraction=1.0, reserved_bytes=0,

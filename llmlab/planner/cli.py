@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         from llmlab.model.config import PRESETS
         from llmlab.planner.calibrate import calibrate
         # the model whose FLOP/s is measured: the llmlab preset asked about, else tiny
-        cluster = calibrate(args.num_gpus, args.model if args.model in PRESETS else "tiny")
+        cluster = calibrate(args.num_gpus, args.model if args.model in PRESETS else "tiny",
+                            dtype=workload.dtype)
         print(f"calibrated {cluster.name}: all-reduce α {cluster.op_links['all_reduce']['latency'] * 1e6:.0f} µs, "
               f"β {cluster.op_links['all_reduce']['bandwidth'] / GB:.2f} GB/s; "
               f"model {max(r for _, r in cluster.op_links['model']) / 1e9:.1f} GFLOP/s per rank")
