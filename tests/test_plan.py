@@ -75,6 +75,12 @@ def test_new_formulas():
     for p, m, v in ((4, 8, 1), (4, 8, 2), (1, 3, 1)):
         assert pipeline_bubble_fraction(p, m, v) == bubble_fraction_theory(
             "interleaved" if v > 1 else "1f1b", p, m, v)
+    from llmlab.formulas.communication import p2p_time
+    from llmlab.formulas.pipeline import pipeline_bubble_time
+    assert p2p_time(1e6, 1e9, 1e-5) == pytest.approx(1e-5 + 1e-3) and p2p_time(0, 1e9, 1e-5) == 0
+    assert pipeline_bubble_time(10.0, 4, 8) == pytest.approx(10 * 3 / 8)
+    assert pipeline_bubble_time(10.0, 4, 8, 2) == pytest.approx(10 * 3 / 16)
+    assert microbatches_in_flight("interleaved", 4, 8, 2) == pytest.approx(4 * (1 + 3 / 8))
     assert microbatches_in_flight("1f1b", 4, 8) == 4
     assert microbatches_in_flight("gpipe", 4, 8) == 8
     with pytest.raises(ValueError, match="unknown collective"):
