@@ -16,9 +16,10 @@ from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.result_auth import ForgedValueError
 from llmlab.training.config import TrainConfig
 from llmlab.training.trainer import train
+from llmlab.planner.api import plan  # noqa: E402  (llmlab.plan(...): the layout planner)
 from llmlab import inference  # noqa: E402  (llmlab.inference.LLM / SamplingParams)
 
 __version__ = "0.1.0"
 
-__all__ = ["launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
+__all__ = ["plan", "launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
            "LlamaForCausalLM", "TrainConfig", "train", "inference", "__version__"]

@@ -37,6 +37,8 @@ LAB_SIZES: dict[str, dict] = {
     "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),
     # an HTTP server: engine replicas of the shipped model in one process (a GPU each where there are several)
     "11_deployment": dict(max_ranks=2, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
+    # the planner validated in miniature: its layouts come from the search, checked by the trainer
+    "12_planner": dict(max_ranks=4, min_ranks=2, cpu_steps=4, gpu_steps=6),
 }
 
 

@@ -87,6 +87,37 @@ def ring_all_reduce_time(nbytes: float, world_size: int | None, bandwidth: float
     return 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
 
 
+def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float,
+                    latency: float = 0.0) -> float:
+    """Seconds for one ring ``op`` on ``nbytes`` of payload over ``world_size`` ranks (α-β model).
+
+    ``all_reduce`` is :func:`ring_all_reduce_time`, 2(N−1) steps; ``all_gather``,
+    ``reduce_scatter`` and ``all_to_all`` take N−1 steps, each α + S/(N·β):
+    ``t = (N−1)·(α + S/(N·β))``. ``nbytes`` is the payload convention (the gathered output, the
+    unsharded input, one rank's send buffer); ``bandwidth`` is busbw in bytes/s. One rank: 0 s.
+
+    Raises ``ValueError`` for an unknown ``op`` or as :func:`ring_all_reduce_time`.
+    Source: Thakur, Rabenseifner & Gropp 2005, §3-4; nccl-tests ``doc/PERFORMANCE.md``.
+    """
+    ring_wire_factor(op, world_size)
+    if op == "all_reduce":
+        return ring_all_reduce_time(nbytes, world_size, bandwidth, latency)
+    check_count("nbytes", nbytes, allow_zero=True)
+    check_count("bandwidth", bandwidth)
+    check_count("latency", latency, allow_zero=True)
+    return (world_size - 1) * (latency + nbytes / (world_size * bandwidth))
+
+
+def p2p_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds to send ``nbytes`` from one rank to another: ``α + S/β`` (0 for 0 bytes), as a
+    pipeline stage sends its activations forward and their gradients back. ``ValueError`` for a
+    negative size or latency or a non-positive bandwidth."""
+    check_count("nbytes", nbytes, allow_zero=True)
+    check_count("bandwidth", bandwidth)
+    check_count("latency", latency, allow_zero=True)
+    return latency + nbytes / bandwidth if nbytes else 0.0
+
+
 # ------------------------------------------------------------------------------------------
 # Data parallelism and ZeRO
 # ------------------------------------------------------------------------------------------

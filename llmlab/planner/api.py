@@ -1,0 +1,64 @@
+"""``llmlab.plan(...)``: the planner in one call (what ``llmlab plan`` runs)."""
+from __future__ import annotations
+
+import time
+
+from llmlab.planner.cluster import GB, ClusterSpec, cluster_preset
+from llmlab.planner.search import search
+from llmlab.planner.specs import ModelSpec, Workload, from_hf_config, from_params, from_preset
+
+
+def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
+    """A :class:`ModelSpec` from exactly one of a preset name / spec, a parameter count (with
+    optional ``num_layers``, ``hidden``, ``heads``, ``kv_heads``, ``vocab``) or a config.json."""
+    given = [x is not None for x in (model, params, config)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of --model PRESET, --params N or --config config.json")
+    if isinstance(model, ModelSpec):
+        return model
+    if model is not None:
+        return from_preset(model)
+    if config is not None:
+        return from_hf_config(config)
+    return from_params(params, **{k: v for k, v in shape.items() if v is not None})
+
+
+def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "a800",
+         num_gpus: int = 8, workload: Workload | None = None, max_microbatches: int = 64,
+         zero_stages=(0, 1, 2, 3), **overrides) -> dict:
+    """Rank every valid layout of a model on a cluster.
+
+    Args:
+        model: a preset name (``tiny``, ``llama3-70b``, ...) or a :class:`ModelSpec`; or
+            ``params=8e9`` (with shape keywords ``num_layers``, ``hidden``, ``heads``,
+            ``kv_heads``, ``vocab``), or ``config="config.json"``.
+        cluster: a node preset name (a100, a800, h100, h200) scaled to ``num_gpus``, or a
+            :class:`ClusterSpec`; keyword overrides of ClusterSpec fields (``gpu_memory_bytes``,
+            ``gpus_per_node``, ...) apply to a preset.
+        workload: sequence length, global batch in tokens, dtype, optimizer, token budget.
+
+    Returns:
+        ``{"model", "cluster", "workload", "num_layouts", "search_time_s", "layouts": [...]}``
+        with the layouts best first (:func:`llmlab.planner.search.evaluate` rows).
+
+    Raises:
+        ValueError: an unknown preset, a shape or cluster that breaks a constraint, or no
+            valid layout at all (the message names why the simplest one fails).
+    """
+    shape = {k: overrides.pop(k) for k in ("num_layers", "hidden", "heads", "kv_heads", "vocab")
+             if k in overrides}
+    spec = resolve_model(model, params, config, **shape)
+    if isinstance(cluster, str):
+        cluster = cluster_preset(cluster, num_gpus, **overrides)
+    cluster = cluster.validate()
+    workload = (workload or Workload()).validate()
+    t0 = time.perf_counter()
+    rows = search(spec, workload, cluster, max_microbatches, zero_stages)
+    if not rows:
+        from llmlab.planner.layout import Layout, why_invalid
+        reason = why_invalid(Layout(dp=cluster.num_gpus), spec, workload, cluster.gpus_per_node)
+        raise ValueError(f"no valid layout of {spec.name} on {cluster.num_gpus} GPUs"
+                         + (f" (e.g. DP{cluster.num_gpus}: {reason})" if reason else ""))
+    return {"model": spec.to_dict(), "cluster": cluster.to_dict(), "workload": vars(workload),
+            "num_layouts": len(rows), "search_time_s": time.perf_counter() - t0, "layouts": rows,
+            "units": {"memory": "bytes", "time": "seconds", "GB": GB}}
