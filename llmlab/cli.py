@@ -106,14 +106,30 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_} (default: {'none' if action.default is None else '%(default)s'})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (``"train"``, ``"bench comm"``), ``None`` when it names none
+    (``llmlab --help``, ``llmlab --version``): the first words that are not flags."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if not words:
+        return None
+    return " ".join(words) if words[0] == "bench" and len(words) > 1 else words[0]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``llmlab`` parser. With ``argv``, only the subcommand it names gets its flags (the
+    others only their one-line help), so ``llmlab --version`` and ``llmlab --help`` import no
+    subcommand module, hence not torch; without ``argv``, every subcommand gets its flags."""
     from llmlab import __version__
+    chosen = _chosen(argv) if argv is not None else None
+    full = argv is None
     parser = argparse.ArgumentParser(
         prog="llmlab", description="llmlab: train and serve large language models at scale on "
         "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
     parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks"))
+    train = sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks")
+    if full or chosen == "train":
+        add_train_arguments(train)
     bench = sub.add_parser("bench", help="benchmarks: serve, comm")
     bench_sub = bench.add_subparsers(dest="bench_what", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
@@ -121,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         # Other commands' flags show their defaults; train's help texts carry them already.
         p = parent.add_parser(name.split()[-1], help=help_, formatter_class=HelpFormatter)
         p.set_defaults(module=module)
-        importlib.import_module(module).add_arguments(p)
+        if full or chosen == name:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -138,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
     1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
     value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     from llmlab.runtime.launch import RankError
     from llmlab.runtime.result_auth import ForgedValueError
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if getattr(args, "bench_what", None):  # errors name the whole command: "llmlab bench comm"
         args.command = f"{args.command} {args.bench_what}"
     try:
