@@ -1,4 +1,4 @@
-"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``.
+"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``, ``classroom``.
 
 Thin by design: it parses, validates and calls the package. ``train``'s flags are generated from
 :class:`~llmlab.training.config.TrainConfig`; the other subcommands live next to what they run:
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, help). "bench <what>" entries become sub-subcommands of ``bench``.
+# name -> (module, help). "<group> <what>" entries become sub-subcommands of the group.
 SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
@@ -19,7 +19,10 @@ SUBCOMMANDS = {
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
     "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
     "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "classroom results": ("llmlab.classroom.results", "a room's exercise results as a table: who solved which exercise"),
 }
+# Commands that only group others ("bench serve", "classroom results").
+GROUPS = {"bench": "benchmarks: serve, comm", "classroom": "for the instructor of a room of learners: results"}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,7 +115,7 @@ def _chosen(argv: list[str]) -> str | None:
     words = [a for a in argv if not a.startswith("-")][:2]
     if not words:
         return None
-    return " ".join(words) if words[0] == "bench" and len(words) > 1 else words[0]
+    return " ".join(words) if words[0] in GROUPS and len(words) > 1 else words[0]
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -130,10 +133,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks")
     if full or chosen == "train":
         add_train_arguments(train)
-    bench = sub.add_parser("bench", help="benchmarks: serve, comm")
-    bench_sub = bench.add_subparsers(dest="bench_what", required=True)
+    groups = {}
+    for group, help_ in GROUPS.items():
+        groups[group] = sub.add_parser(group, help=help_).add_subparsers(dest="what", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
-        parent = bench_sub if name.startswith("bench ") else sub
+        parent = groups[name.split()[0]] if " " in name else sub
         # Other commands' flags show their defaults; train's help texts carry them already.
         p = parent.add_parser(name.split()[-1], help=help_, formatter_class=HelpFormatter)
         p.set_defaults(module=module)
@@ -159,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     from llmlab.runtime.launch import RankError
     from llmlab.runtime.result_auth import ForgedValueError
-    if getattr(args, "bench_what", None):  # errors name the whole command: "llmlab bench comm"
-        args.command = f"{args.command} {args.bench_what}"
+    if getattr(args, "what", None):  # errors name the whole command: "llmlab bench comm"
+        args.command = f"{args.command} {args.what}"
     try:
         if args.command == "train":
             return run_train(args)
