@@ -7,7 +7,8 @@ device sets (the CPU cores each process is pinned to, ``CUDA_VISIBLE_DEVICES``) 
 a third learner is refused (the node has two seats); then the first code cells of lab 00 (the copy
 in the learner's home) run in one learner's server through the Jupyter server's kernel REST and
 websocket API, behind the hub's proxy. The hub is given ``CUDA_VISIBLE_DEVICES=`` so the node is
-shared as a CPU-only node of two one-core seats wherever the test runs (CI has two cores, no GPU).
+shared as a CPU-only node, and runs on two of this machine's cores, so it has two one-core seats
+wherever the test runs (CI has two cores and no GPU).
 
 Every wait has a deadline; the hub and every process under it (proxy, culler, servers, kernels)
 are stopped at the end, killed if they do not stop.
@@ -129,12 +130,18 @@ def _server_devices(pid: int) -> tuple[set[int], dict]:
     return os.sched_getaffinity(pid), env
 
 
-def _stop(proc) -> None:
-    """SIGTERM the hub (it stops its servers and proxy), then kill whatever is left under it."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
+def _stop(proc, servers: list[int]) -> None:
+    """SIGTERM the hub (it stops its servers and proxy), then kill whatever is left under it, and
+    the servers seen (in case the hub died first and they were re-parented)."""
+    tree = []
+    for pid in [proc.pid, *servers]:
+        try:
+            p = psutil.Process(pid)
+            if pid != proc.pid and "jupyterhub" not in " ".join(p.cmdline()):
+                continue                          # that server is gone and its pid reused
+            tree += ([p] if pid != proc.pid else []) + p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -151,6 +158,7 @@ def _stop(proc) -> None:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two one-core seats need two cores")
 def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_the_hub(tmp_path):
     port, hub_port, api_port = _free_ports(3)
+    two = set(sorted(os.sched_getaffinity(0))[:2])  # the hub's node: two cores, so two one-core seats
     env = {**os.environ, "PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]),
            "LLMLAB_HUB_MODE": "demo", "LLMLAB_HUB_STATE_DIR": str(tmp_path),
            "LLMLAB_HUB_API_TOKEN": TOKEN, "LLMLAB_HUB_CORES_PER_LEARNER": "1",
@@ -160,8 +168,9 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
                              f"--port={port}", f"--JupyterHub.hub_port={hub_port}",
                              f"--ConfigurableHTTPProxy.api_url=http://127.0.0.1:{api_port}"],
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, two))
     hub = Hub(f"http://127.0.0.1:{port}")
+    server_pids: list[int] = []
     try:
         deadline = time.monotonic() + 120  # the hub imports torch (llmlab doctor's inventory)
         while not (_up(port) and hub.api("GET", "/hub/api/")[0] == 200):
@@ -174,6 +183,7 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
             assert status in (201, 202), body
         deadline = time.monotonic() + 120
         servers = {u: hub.wait_ready(u, proc, deadline) for u in ("alice", "bob")}
+        server_pids += [s["state"]["pid"] for s in servers.values()]
 
         devices = {u: _server_devices(s["state"]["pid"]) for u, s in servers.items()}
         (cores_a, env_a), (cores_b, env_b) = devices["alice"], devices["bob"]
@@ -207,6 +217,7 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
         status, body = hub.api("POST", "/hub/api/users/carol/server")  # bob's seat is free again
         assert status in (201, 202), body
         carol = hub.wait_ready("carol", proc, time.monotonic() + 90)
+        server_pids.append(carol["state"]["pid"])
         assert _server_devices(carol["state"]["pid"])[0] == cores_b
     except BaseException:
         log.flush()
@@ -214,7 +225,7 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
         print("\n".join(line for line in lines if "GET /hub/api/users/" not in line)[-8000:])
         raise
     finally:
-        _stop(proc)
+        _stop(proc, server_pids)
         log.close()
 
 

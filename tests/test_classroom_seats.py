@@ -53,7 +53,9 @@ def test_a_cpu_node_seats_cores_and_a_small_one_seats_one_learner(monkeypatch):
 def test_impossible_plans_are_refused_by_name(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ValueError, match="4 GPUs per learner but this node has 2"):
-        plan_room(_node(2, 16))
+        plan_room(_node(2, 16), gpus_per_learner=4)
+    one = plan_room(_node(1, 16))                 # fewer GPUs than lab 08 wants: one learner gets them
+    assert one.learners == 1 and one.seats[0].gpus == ("0",) and one.seats[0].cores == tuple(range(16))
     with pytest.raises(ValueError, match="cores_per_learner must be >= 1"):
         plan_room(_node(0, 16), cores_per_learner=0)
 

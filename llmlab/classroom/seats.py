@@ -92,11 +92,11 @@ def plan_room(inventory: dict, labs: list[str] | None = None, gpus_per_learner: 
     """Share the node of ``inventory`` (:func:`node_inventory`) among learners.
 
     GPU node with G GPUs: each learner gets ``gpus_per_learner`` (default: :func:`ranks_per_learner`
-    of ``labs``) disjoint GPUs, so G // that learners, and the usable cores divided evenly among
-    them. CPU-only node with C usable cores: ``cores_per_learner`` (default: the same rank count;
-    each gloo rank wants a core) disjoint cores each, so C // that learners, at least one (who then
-    gets every core). RAM is divided evenly. Raises ``ValueError`` when the node has fewer GPUs than
-    one learner needs, or for a count below 1.
+    of ``labs``, at most G) disjoint GPUs, so G // that learners, and the usable cores divided
+    evenly among them. CPU-only node with C usable cores: ``cores_per_learner`` (default: the same
+    rank count; each gloo rank wants a core) disjoint cores each, so C // that learners, at least
+    one (who then gets every core). RAM is divided evenly. Raises ``ValueError`` when the node has
+    fewer GPUs than ``gpus_per_learner`` asks, or for a count below 1.
     """
     need, lab = ranks_per_learner(labs)
     cores = list(inventory.get("usable_cores") or range(inventory["cpu_cores"]))
@@ -107,7 +107,7 @@ def plan_room(inventory: dict, labs: list[str] | None = None, gpus_per_learner: 
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if gpus:
-        per = gpus_per_learner or need
+        per = gpus_per_learner or min(need, len(gpus))  # a node with fewer: one learner, every GPU
         if per > len(gpus):
             raise ValueError(f"{per} GPUs per learner but this node has {len(gpus)}: set "
                              f"gpus_per_learner (LLMLAB_HUB_GPUS_PER_LEARNER) to at most {len(gpus)}")
