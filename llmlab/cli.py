@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    from llmlab.runtime.launch import RankError
     from llmlab.runtime.result_auth import ForgedValueError
     if getattr(args, "what", None):  # errors name the whole command: "llmlab bench comm"
         args.command = f"{args.command} {args.what}"
@@ -169,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return run_train(args)
         return int(importlib.import_module(args.module).run(args) or 0)
-    except RankError as e:
-        _report_rank_error(args.command, e)
-        return 1
     except ForgedValueError as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # A RankError can only come from llmlab.runtime.launch once imported (it imports torch:
+        # a command that launches no rank, such as ``classroom results``, does not pay for it).
+        launch = sys.modules.get("llmlab.runtime.launch")
+        if launch is None or not isinstance(e, launch.RankError):
+            raise
+        _report_rank_error(args.command, e)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,7 @@ PROBE = """
 import sys
 from llmlab.cli import main
 try:
-    main({argv!r})
+    code = main({argv!r})
 except SystemExit as e:
     code = e.code
 print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
@@ -45,3 +45,10 @@ def test_the_package_names_are_still_there():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "LLM", "[]"]
+
+
+def test_classroom_results_does_not_import_torch(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PROBE.format(argv=["classroom", "results", str(tmp_path)])],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == [f"no results in {tmp_path} yet", "NO-TORCH 0"]
