@@ -1,18 +1,21 @@
 """The classroom recipe for real: JupyterHub started with ``classroom/jupyterhub_config.py``.
 
-One hub (demo mode: the dummy authenticator, SimpleLocalProcessSpawner), ``configurable-http-proxy``
-from npm (``.ci/run`` installs it into ``.ci/node``), the instructor's API token from the config.
-Two learners are created and their servers started through the hub's REST API; their servers'
-device sets (the CPU cores each process is pinned to, ``CUDA_VISIBLE_DEVICES``) must be disjoint;
-a third learner is refused (the node has two seats); then the first code cells of lab 00 (the copy
-in the learner's home) run in one learner's server through the Jupyter server's kernel REST and
-websocket API, behind the hub's proxy. The hub is given ``CUDA_VISIBLE_DEVICES=`` so the node is
-shared as a CPU-only node, and runs on two of this machine's cores, so it has two one-core seats
-wherever the test runs (CI has two cores and no GPU).
+One hub (demo mode: JupyterHub's shared-password authenticator, SimpleLocalProcessSpawner),
+``configurable-http-proxy`` from npm (``.ci/run`` installs it into ``.ci/node``), the instructor's
+API token from the config. Two learners log in (one through the login form, a wrong password
+refused; one created by the instructor) and their servers are started through the hub's REST API;
+their servers' device sets (the CPU cores each process is pinned to, ``CUDA_VISIBLE_DEVICES``) must
+be disjoint; a third learner is refused (the node has two seats) until a server stops. The first
+code cells of lab 00 (the copy in the learner's home) then run in one learner's server through the
+Jupyter server's kernel REST and websocket API, behind the hub's proxy, with an exercise check
+whose outcome lands in the room's results. The hub is given ``CUDA_VISIBLE_DEVICES=`` and two of
+this machine's cores, so the node is shared as a CPU-only node of two one-core seats wherever the
+test runs (CI has two cores and no GPU).
 
 Every wait has a deadline; the hub and every process under it (proxy, culler, servers, kernels)
 are stopped at the end, killed if they do not stop.
 """
+import http.cookiejar
 import json
 import os
 import shutil
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -33,6 +37,7 @@ import websocket
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "classroom" / "jupyterhub_config.py"
 TOKEN = uuid.uuid4().hex
+PASSWORD = uuid.uuid4().hex[:12]
 
 
 def _chp_dir() -> str:
@@ -80,6 +85,21 @@ class Hub:
                 return server
             time.sleep(0.5)
         raise TimeoutError(f"{user}'s server was not ready in time")
+
+
+def _log_in(base: str, user: str, password: str) -> bool:
+    """A learner's login through the hub's form (the shared-password authenticator of demo mode);
+    True when the hub answers with its login cookie."""
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    opener.open(f"{base}/hub/login", timeout=20).read()           # sets the _xsrf cookie
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    form = urllib.parse.urlencode({"username": user, "password": password, "_xsrf": xsrf}).encode()
+    try:
+        opener.open(f"{base}/hub/login?next=", data=form, timeout=60).read()
+    except urllib.error.HTTPError:
+        pass                                  # the redirect to a server that is not started yet
+    return any(c.name == "jupyterhub-hub-login" for c in jar)
 
 
 def _run_cells(base: str, user: str, cells: list[str], timeout: float) -> list[dict]:
@@ -162,6 +182,7 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
     env = {**os.environ, "PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]),
            "LLMLAB_HUB_MODE": "demo", "LLMLAB_HUB_STATE_DIR": str(tmp_path),
            "LLMLAB_HUB_API_TOKEN": TOKEN, "LLMLAB_HUB_CORES_PER_LEARNER": "1",
+           "LLMLAB_HUB_PASSWORD": PASSWORD,
            "CUDA_VISIBLE_DEVICES": "", "LLMLAB_LIVE": "0"}
     log = open(tmp_path / "hub.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG), "--ip=127.0.0.1",
@@ -177,8 +198,10 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
             assert proc.poll() is None, "the hub exited:\n" + (tmp_path / "hub.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the hub did not answer in 120 s"
             time.sleep(0.3)
-        for user in ("alice", "bob"):  # log in (create) and start each learner's server
-            assert hub.api("POST", f"/hub/api/users/{user}")[0] == 201
+        assert not _log_in(hub.base, "alice", "wrong-password")
+        assert _log_in(hub.base, "alice", PASSWORD)              # alice logs in herself...
+        assert hub.api("POST", "/hub/api/users/bob")[0] == 201   # ...bob is added by the instructor
+        for user in ("alice", "bob"):                            # their servers start
             status, body = hub.api("POST", f"/hub/api/users/{user}/server")
             assert status in (201, 202), body
         deadline = time.monotonic() + 120
@@ -199,6 +222,8 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
         nb = json.loads((tmp_path / "home" / "alice" / "labs" / "00_three_walls.ipynb").read_text())
         code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"][:2]
         probe = ("import json, os, llmlab; from llmlab.runtime.hardware import usable_cores\n"
+                 "from llmlab import check; from llmlab.exercises import lab00\n"
+                 "assert check.training_memory_bytes(lab00.training_memory_bytes)\n"
                  "print(json.dumps({'cores': sorted(os.sched_getaffinity(0)), 'usable': usable_cores(),"
                  " 'size': size.as_dict(), 'file': llmlab.__file__}))")
         res = _run_cells(hub.base, "alice", code + [probe], timeout=180)
@@ -208,6 +233,8 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
         assert seen["cores"] == sorted(cores_a) and seen["usable"] == 1
         assert seen["size"]["cpu_cores"] == 1 and seen["size"]["device"] == "cpu"
         assert Path(seen["file"]).resolve() == ROOT / "llmlab" / "__init__.py"
+        solved = json.loads((tmp_path / "results" / "alice.json").read_text())   # the room's results
+        assert solved["learner"] == "alice" and solved["exercises"]["training_memory_bytes"]["solved"]
 
         assert hub.api("DELETE", "/hub/api/users/bob/server")[0] in (202, 204)
         deadline = time.monotonic() + 30
