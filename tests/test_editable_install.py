@@ -10,7 +10,7 @@ entry instead (its static-pth mode), and a regular package on the path beats a n
 
 This test runs the real thing rather than inspecting pyproject.toml: ``pip install -e`` of this
 checkout into a fresh virtual environment (``--no-deps --no-build-isolation``: the environment
-sees this interpreter's packages, so nothing is downloaded; about 5 s), then, from a folder holding
+sees this environment's packages, so nothing is downloaded; about 5 s), then, from a folder holding
 the checkout under the name ``llmlab``, ``import llmlab`` and ``python -m llmlab --version``.
 """
 import os
@@ -29,10 +29,15 @@ def _env() -> dict:
 
 def test_import_llmlab_from_the_folder_holding_a_clone_named_llmlab(tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     py = str(venv / "bin" / "python")
-    # The venv sees this interpreter's pip and setuptools (system site packages) and installs into itself.
+    # The venv sees this environment's packages (pip, setuptools, torch...) through a path file named
+    # to be read after the editable install's own, and installs into itself. (Not --system-site-packages:
+    # under a virtual environment those would be the base interpreter's, without pip or setuptools.)
+    site_dir = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    outer = [p for p in sys.path if p.endswith("-packages")]
+    Path(site_dir, "zz_outer_environment.pth").write_text("\n".join(outer) + "\n")
     pip = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
                           str(ROOT)], capture_output=True, text=True, timeout=180, env=_env(),
                          cwd=tmp_path)
