@@ -1,4 +1,4 @@
-"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``.
+"""``llmlab`` command line: ``train``, ``estimate``, ``generate``, ``serve``, ``bench``, ``doctor``, ``classroom``.
 
 Thin by design: it parses, validates and calls the package. ``train``'s flags are generated from
 :class:`~llmlab.training.config.TrainConfig`; the other subcommands live next to what they run:
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, help). "bench <what>" entries become sub-subcommands of ``bench``.
+# name -> (module, help). "<group> <what>" entries become sub-subcommands of the group.
 SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
@@ -20,7 +20,10 @@ SUBCOMMANDS = {
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
     "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
     "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
+    "classroom results": ("llmlab.classroom.results", "a room's exercise results as a table: who solved which exercise"),
 }
+# Commands that only group others ("bench serve", "classroom results").
+GROUPS = {"bench": "benchmarks: serve, comm", "classroom": "for the instructor of a room of learners: results"}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,22 +110,40 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_} (default: {'none' if action.default is None else '%(default)s'})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (``"train"``, ``"bench comm"``), ``None`` when it names none
+    (``llmlab --help``, ``llmlab --version``): the first words that are not flags."""
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if not words:
+        return None
+    return " ".join(words) if words[0] in GROUPS and len(words) > 1 else words[0]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``llmlab`` parser. With ``argv``, only the subcommand it names gets its flags (the
+    others only their one-line help), so ``llmlab --version`` and ``llmlab --help`` import no
+    subcommand module, hence not torch; without ``argv``, every subcommand gets its flags."""
     from llmlab import __version__
+    chosen = _chosen(argv) if argv is not None else None
+    full = argv is None
     parser = argparse.ArgumentParser(
         prog="llmlab", description="llmlab: train and serve large language models at scale on "
         "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
     parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks"))
-    bench = sub.add_parser("bench", help="benchmarks: serve, comm")
-    bench_sub = bench.add_subparsers(dest="bench_what", required=True)
+    train = sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks")
+    if full or chosen == "train":
+        add_train_arguments(train)
+    groups = {}
+    for group, help_ in GROUPS.items():
+        groups[group] = sub.add_parser(group, help=help_).add_subparsers(dest="what", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
-        parent = bench_sub if name.startswith("bench ") else sub
+        parent = groups[name.split()[0]] if " " in name else sub
         # Other commands' flags show their defaults; train's help texts carry them already.
         p = parent.add_parser(name.split()[-1], help=help_, formatter_class=HelpFormatter)
         p.set_defaults(module=module)
-        importlib.import_module(module).add_arguments(p)
+        if full or chosen == name:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -139,24 +160,29 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``llmlab <command>``. Exit codes: 0 done, 2 bad input (refused before any rank starts),
     1 a rank failed (reported as one error line, that rank's traceback and its log path), or a
     value in the job's rendezvous store was forged (reported as one line naming rank and key)."""
-    from llmlab.runtime.launch import RankError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     from llmlab.runtime.result_auth import ForgedValueError
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if getattr(args, "bench_what", None):  # errors name the whole command: "llmlab bench comm"
-        args.command = f"{args.command} {args.bench_what}"
+    if getattr(args, "what", None):  # errors name the whole command: "llmlab bench comm"
+        args.command = f"{args.command} {args.what}"
     try:
         if args.command == "train":
             return run_train(args)
         return int(importlib.import_module(args.module).run(args) or 0)
-    except RankError as e:
-        _report_rank_error(args.command, e)
-        return 1
     except ForgedValueError as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        # A RankError can only come from llmlab.runtime.launch once imported (it imports torch:
+        # a command that launches no rank, such as ``classroom results``, does not pay for it).
+        launch = sys.modules.get("llmlab.runtime.launch")
+        if launch is None or not isinstance(e, launch.RankError):
+            raise
+        _report_rank_error(args.command, e)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

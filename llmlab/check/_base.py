@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from llmlab.check import results
 from llmlab.runtime.launch import RankError, launch
 
 
@@ -47,17 +48,21 @@ def reported(name: str, check_fn):
     @functools.wraps(check_fn)
     def run(fn, *args, **kwargs) -> bool:
         try:
-            return check_fn(fn, *args, **kwargs)
+            ok = check_fn(fn, *args, **kwargs)
+            results.record(name, bool(ok))
+            return ok
         except NotImplementedError:
             err = stub_failure(name)
         except ExerciseFailed as e:
             err = e
         except Exception as e:  # the learner's function crashed in this process
             if strict():
+                results.record(name, False, f"{type(e).__name__}: {e}")
                 raise
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
             err = ExerciseFailed(f"{name}: the function raised {type(e).__name__}: {e}\n{tb[-1500:]}"
                                  f"  hint: run it by hand on a small input to see where it fails.")
+        results.record(name, False, str(err))
         if strict():
             raise err from None
         msg = str(err)

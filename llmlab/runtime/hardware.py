@@ -40,6 +40,15 @@ class LabSize:
         return asdict(self)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity set (a learner pinned to 4 cores of a
+    64-core node by the classroom's hub sees 4), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -63,7 +72,7 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
     reason; the largest fitting count from ``min(N, max_ranks)`` down to ``min_ranks`` is taken
     (3 GPUs give tp = 2 on 8 heads, not 3), and CPU ranks if none fits.
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     n = gpu_count()
     if force_cpu is None:
         force_cpu = os.environ.get("LLMLAB_DEVICE", "").lower() == "cpu"

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import multiprocessing as mp
 
+from llmlab.runtime.hardware import usable_cores
 from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
                                         _verified_torchrun, torchrun_secret)
 
@@ -248,7 +249,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     log_dir.mkdir(parents=True, exist_ok=True)
     store = _loopback_store()
     secret = secrets.token_bytes(32)  # travels to the ranks with the payload, over local pipes
-    threads = max(1, (os.cpu_count() or 1) // world_size) if backend == "gloo" else 1
+    threads = max(1, usable_cores() // world_size) if backend == "gloo" else 1
     env = dict(os.environ)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and _loopback_interface():
         env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # all ranks are local: not on the network

@@ -148,7 +148,9 @@ class AsyncEngine:
                                      else "the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, stream, added))
+        # The request's arrival is now, not when the engine thread picks the command up between two
+        # steps: TTFT and end-to-end latency include that wait (lab 11 compares them with the client's).
+        self._send(("add", request_id, prompt, params, stream, added, time.perf_counter()))
         await asyncio.wrap_future(added)
         return RequestStream(self, request_id, stream)
 
@@ -232,7 +234,7 @@ class AsyncEngine:
             elif cmd[0] == "stop":
                 return False
 
-    def _add(self, request_id, prompt, params, stream: _Stream, added) -> None:
+    def _add(self, request_id, prompt, params, stream: _Stream, added, arrival: float) -> None:
         engine = self.engine
         try:
             if not self._admitting:
@@ -241,7 +243,7 @@ class AsyncEngine:
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-waiting-requests="
                                      f"{self.max_waiting_requests}); retry later")
-            engine.add_request(prompt, params, request_id=request_id)
+            engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival)
         except Exception as e:          # ValueError for bad requests; answered, never fatal
             added.set_exception(e)
             return

@@ -84,6 +84,7 @@ def _one_request(ep: _Endpoint, model: str, prompt: list[int], max_tokens: int) 
     t_send = time.perf_counter()
     first = None
     tokens = None
+    rid = None
     try:
         c.request("POST", ep.base + "/v1/completions", body=body, headers=ep.headers)
         r = c.getresponse()
@@ -102,6 +103,7 @@ def _one_request(ep: _Endpoint, model: str, prompt: list[int], max_tokens: int) 
             msg = json.loads(data)
             if "error" in msg:
                 return {"error": msg["error"].get("message", str(msg))}
+            rid = rid or msg.get("id")
             if msg.get("choices") and first is None and msg["choices"][0].get("text"):
                 first = time.perf_counter()
             if msg.get("usage"):
@@ -113,7 +115,7 @@ def _one_request(ep: _Endpoint, model: str, prompt: list[int], max_tokens: int) 
         c.close()
     if first is None or tokens is None:
         return {"error": "the stream ended without tokens or usage"}
-    return {"send": t_send, "first": first, "end": end, "tokens": tokens}
+    return {"send": t_send, "first": first, "end": end, "tokens": tokens, "id": rid}
 
 
 def run_rate(ep: _Endpoint, model: str, workload: dict, arrivals: list[float],
@@ -121,7 +123,8 @@ def run_rate(ep: _Endpoint, model: str, workload: dict, arrivals: list[float],
              return_requests: bool = False) -> dict:
     """Send every request of ``workload`` at its arrival offset; the summary for one rate (with
     ``return_requests`` also ``"requests"``: ``{"send", "first_token", "finish",
-    "num_output_tokens"}`` of each completed request, seconds on the client's clock)."""
+    "num_output_tokens", "id"}`` of each completed request, seconds on the client's clock, ``id``
+    the response's id)."""
     results: list[dict | None] = [None] * len(arrivals)
 
     def worker(i):
@@ -149,7 +152,7 @@ def run_rate(ep: _Endpoint, model: str, workload: dict, arrivals: list[float],
                and (slo_tpot is None or t.tpot is None or t.tpot <= slo_tpot))
     dur = s["duration_s"]
     extra = ({"requests": [{"send": r["send"], "first_token": r["first"], "finish": r["end"],
-                            "num_output_tokens": r["tokens"]} for r in ok]}
+                            "num_output_tokens": r["tokens"], "id": r["id"]} for r in ok]}
              if return_requests else {})
     return {**extra, "completed": len(ok), "failed": len(errors), "errors": errors[:5],
             "duration_s": dur, "throughput_tokens_per_s": s["throughput_tokens_per_s"],

@@ -24,6 +24,8 @@ the tests and the lab, do not collide).
 from __future__ import annotations
 
 import collections
+
+import collections
 import threading
 import time
 
@@ -133,6 +135,9 @@ class ReplicaMetrics:
         self.generation_tokens = parent.generation_tokens.labels(*lab)
         self.ttft, self.tpot, self.e2e = (h.labels(*lab) for h in (parent.ttft, parent.tpot, parent.e2e))
         self._lab = lab
+        # The latest finished requests' own times (time.perf_counter seconds, the clock of an
+        # in-process client such as lab 11's): {"request_id", "arrival", "first_token", "finish"}.
+        self.recent: collections.deque = collections.deque(maxlen=1024)
 
     def on_step(self, step_metrics, start: float, end: float) -> None:
         """After ``engine.step()``: its :class:`StepMetrics` and wall-clock span."""
@@ -165,6 +170,8 @@ class ReplicaMetrics:
             self.tpot.observe(m.tpot)
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
+        self.recent.append({"request_id": output.request_id, "arrival": m.arrival_time,
+                            "first_token": m.first_token_time, "finish": m.finish_time})
         for c in output.outputs:
             self.parent.success.labels(*self._lab, c.finish_reason or "abort").inc()
 

@@ -157,6 +157,9 @@ class LivePlot(LiveFigure):
                 from matplotlib.ticker import NullLocator
                 ax.set_xticks(list(self.xticks), list(self.xticks.values()))
                 ax.xaxis.set_minor_locator(NullLocator())
+            elif self.x == "step" and not self.logx:  # steps are whole numbers: no tick at 2.5
+                from matplotlib.ticker import MaxNLocator
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
                 ax.legend(fontsize=8)
