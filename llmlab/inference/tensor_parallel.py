@@ -39,7 +39,8 @@ from llmlab.inference.attention_context import AttentionBatch
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.runtime.messages import broadcast_message
-from llmlab.model.llama import MLP, LlamaForCausalLM
+from llmlab.model.layers import MLP
+from llmlab.model.llama import LlamaForCausalLM
 
 TIMEOUT_S = 300
 

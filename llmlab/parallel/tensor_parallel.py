@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlab.model.llama import MLP, Attention, apply_rotary, causal_attention
+from llmlab.model.layers import MLP
+from llmlab.model.llama import Attention, apply_rotary, causal_attention
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
                                      reduce_from_tensor_model_parallel_region, reduce_scatter_along,

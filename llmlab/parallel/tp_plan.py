@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlab.model.llama import MLP, LlamaForCausalLM, RMSNorm
+from llmlab.model.layers import MLP, RMSNorm
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                              RowParallelLinear, VocabParallelEmbedding, _tp_rank,
                                              check_shardable, vocab_parallel_cross_entropy)
