@@ -222,7 +222,7 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 1:
             for b in self.buckets:
                 out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-                self._log("reduce_scatter", b.name, "step")
+                self.log_event("reduce_scatter", b.name, "step")
                 comm.reduce_scatter_tensor(out, b.grad_full, group=b.group)
                 a, e = b.shard_range
                 b.grad_full[a:e].copy_(out.div_(b.world))
@@ -306,7 +306,7 @@ class ZeroDataParallel(nn.Module):
 
     def _launch(self, b: FlatBucket, phase: str):
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-        self._log("reduce_scatter", b.name, phase)
+        self.log_event("reduce_scatter", b.name, phase)
         work = comm.reduce_scatter_tensor(out, b.grad_full, group=b.group, async_op=True)
         self._pending.append((b, out, work, b.grad_full))
         b.grad_full, b.num_ready = None, 0
@@ -326,7 +326,7 @@ class ZeroDataParallel(nn.Module):
             key = (i, j)
             if not b.is_full and key not in self._gathering:
                 b.allocate()
-                self._log("all_gather", b.name, phase)
+                self.log_event("all_gather", b.name, phase)
                 self._gathering[key] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
                                                                    group=b.group, async_op=True)
             if wait and key in self._gathering:
@@ -380,7 +380,8 @@ class ZeroDataParallel(nn.Module):
                 self._free_unit(i)
         return out
 
-    def _log(self, op, unit, phase):
+    def log_event(self, op: str, unit: str, phase: str) -> None:
+        """Record a collective (``op`` on bucket/unit ``unit`` during ``phase``) in ``events``."""
         if len(self.events) < self.max_events:      # bounded: a long run keeps the first ones
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
