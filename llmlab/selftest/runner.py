@@ -12,6 +12,7 @@ import tempfile
 import time
 from typing import Callable
 
+from llmlab.runtime.hardware import hardware
 from llmlab.selftest.common import FAIL, PASS, SKIP, Skip, _gpu
 from llmlab.selftest.engine import check_engine_device_vs_cpu, check_engine_greedy_vs_hf
 from llmlab.selftest.kernels import (check_flash_attention_bwd, check_flash_attention_fwd,
@@ -142,10 +143,9 @@ def format_line(name: str, r: dict) -> str:
 def run_selftest(quick: bool = False, json_path: str | None = None, only: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> dict:
     """Run the checks (``only``: a subset, by name) one process each; echo one line per check.
-    Returns ``{"checks", "machine", "hardware", "quick", "seconds", "ok"}`` (``machine`` is the
-    contract's name, ``hardware`` the same dict under its older name) and writes it to ``json_path``.
+    Returns ``{"checks", "machine", "quick", "seconds", "ok"}`` (``machine``: this machine's
+    inventory, :func:`llmlab.runtime.hardware.hardware`) and writes it to ``json_path``.
     Raises ``ValueError`` for an unknown check name."""
-    from llmlab.doctor import hardware
     names = list(only) if only else list(CHECKS)
     for n in names:
         if n not in CHECKS:
@@ -168,7 +168,7 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
     counts = {s: sum(r["status"] == s for r in checks.values()) for s in (PASS, FAIL, SKIP)}
     echo(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {total:.0f} s"
          + (f"; failed: {', '.join(failed)} (see docs/workshop.md, 'Self-test')" if failed else ""))
-    report = {"checks": checks, "machine": hw, "hardware": hw, "quick": quick, "seconds": total,
+    report = {"checks": checks, "machine": hw, "quick": quick, "seconds": total,
               "ok": not failed}
     if json_path:
         with open(json_path, "w") as f:
