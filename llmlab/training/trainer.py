@@ -71,7 +71,8 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 class Engine:
-    """One rank's model, optimizer and step; built by :func:`build_engine`."""
+    """One rank's model, optimizer and step: the strategies applied to the model in the order of
+    ``__init__``; :func:`rank_main` builds one per rank."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
