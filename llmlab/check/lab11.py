@@ -1,11 +1,11 @@
-"""Checks for the lab 11 exercises (:mod:`llmlab.exercises.lab11`)."""
+"""Checks for the lab 11 exercises (:mod:`llmlab.solutions.lab11`)."""
 from __future__ import annotations
 
 import math
 import random
 
 from llmlab.check._base import _fail, _ok
-from llmlab.exercises import lab11 as ex
+from llmlab.solutions import lab11 as ex
 
 
 def least_loaded(fn) -> bool:
