@@ -38,6 +38,7 @@ from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
+from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
@@ -376,7 +377,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
 
     try:
         results = launch(rank_main, cfg.world_size, cfg, on_metric=on_metric,
-                         backend="nccl" if resolve_device(cfg) == "cuda" else "gloo")
+                         backend=resolve_backend("auto", cfg.world_size, device=resolve_device(cfg)))
     finally:
         if bar is not None:
             bar.close()
