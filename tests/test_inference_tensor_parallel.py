@@ -62,12 +62,12 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything():
         assert bm.num_free_blocks == bm.num_blocks
         assert sum(m.num_preemptions for m in llm.engine.step_metrics) > 0
         runner.procs[0].kill()                    # a rank dies: the next step says which, no hang
-        runner.procs[0].wait(30)
+        runner.procs[0].join(30)
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate(["ROMEO:"], SamplingParams(max_tokens=4))
     finally:
         llm.engine.shutdown()
-    assert all(p.poll() is not None for p in runner.procs)   # the worker rank exited
+    assert all(p.exitcode is not None for p in runner.procs)   # the worker rank exited
     assert not torch.distributed.is_initialized()
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
@@ -311,7 +312,9 @@ class ParallelAttention(nn.Module):
 
     ``forward(x [B,T,h] or [B,T/tp,h] under SP, cos, sin) -> same shape``. q/k/v are one
     column-parallel group (one communication region), ``o_proj`` is row-parallel. Parameter names
-    are those of :class:`~llmlab.model.llama.Attention`.
+    are those of :class:`~llmlab.model.llama.Attention`; inside a serving engine's forward context
+    (tensor-parallel inference) the attention itself is the context's, over this rank's heads of
+    the paged KV cache, as in :class:`~llmlab.model.llama.Attention`.
     """
 
     def __init__(self, attn: Attention, group, sequence_parallel: bool = False):
@@ -319,6 +322,7 @@ class ParallelAttention(nn.Module):
         tp, r = comm.group_size(group), _tp_rank(group)
         H, KV = attn.num_heads, attn.num_kv_heads
         self.group, self.sequence_parallel, self.head_dim = group, sequence_parallel, attn.head_dim
+        self.layer_idx, self.sliding_window = attn.layer_idx, attn.sliding_window
         self.num_heads = H // tp
         self.kv_replicated = KV < tp
         self.num_kv_heads = 1 if self.kv_replicated else KV // tp
@@ -339,6 +343,13 @@ class ParallelAttention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = get_context()
+        if ctx is not None:      # serving: the engine's attention over this rank's paged KV heads
+            o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, self.num_heads, D),
+                              k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                              v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                              self.sliding_window)
+            return self.o_proj(o.reshape(B, T, self.num_heads * D))
         out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
