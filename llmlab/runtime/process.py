@@ -38,23 +38,24 @@ def pg_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("LLMLAB_PG_TIMEOUT", "300")))
 
 
-def resolve_backend(backend: str = "auto", ranks: int = 1, *, device: str | None = None,
+def resolve_backend(backend: str = "auto", ranks: int | None = 1, *, device: str | None = None,
                     what: str = "world_size", where: str = "") -> str:
     """The ``torch.distributed`` backend for ``ranks`` ranks on this node.
 
     ``auto``: with ``device`` given, NCCL for a CUDA device and gloo otherwise; without it, NCCL
-    when this node has at least ``ranks`` GPUs, else gloo. ``what``/``where`` name the count in
-    the error (e.g. ``LOCAL_WORLD_SIZE``, `` on this node``). Raises ``ValueError`` for an unknown
+    when this node has at least ``ranks`` GPUs, else gloo. ``ranks=None``: the count is not known
+    here (the launcher that starts the ranks checks it). ``what``/``where`` name the count in the
+    error (e.g. ``LOCAL_WORLD_SIZE``, `` on this node``). Raises ``ValueError`` for an unknown
     backend, or NCCL with more ranks than GPUs (NCCL cannot put two ranks on one GPU).
     """
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         if device is None:
-            return "nccl" if n >= ranks and n > 0 else "gloo"
+            return "nccl" if n >= (ranks or 1) and n > 0 else "gloo"
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
-    if backend == "nccl" and ranks > n:
+    if backend == "nccl" and ranks is not None and ranks > n:
         per = "local rank" if what != "world_size" else "rank"
         raise ValueError(f"backend='nccl' needs one GPU per {per}: {what}={ranks} > {n} GPUs{where}")
     return backend

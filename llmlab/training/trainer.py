@@ -377,7 +377,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
 
     try:
         results = launch(rank_main, cfg.world_size, cfg, on_metric=on_metric,
-                         backend=resolve_backend("auto", cfg.world_size, device=resolve_device(cfg)))
+                         backend=resolve_backend("auto", None, device=resolve_device(cfg)))
     finally:
         if bar is not None:
             bar.close()
