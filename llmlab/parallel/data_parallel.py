@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
+from llmlab.parallel.configs import DataParallelConfig
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -374,11 +375,11 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
     raise ValueError(f"data-parallel mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(c: DataParallelConfig, model_config) -> None:
     """Checks run before launch (called by ``llmlab.training.config.validate``)."""
-    if cfg.dp_mode not in MODES:
-        raise ValueError(f"--dp-mode {cfg.dp_mode!r}: expected one of {', '.join(MODES)}")
-    if cfg.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    if cfg.global_batch_size % cfg.dp:
-        raise ValueError(f"dp={cfg.dp} must divide --global-batch-size {cfg.global_batch_size}")
+    if c.mode not in MODES:
+        raise ValueError(f"--dp-mode {c.mode!r}: expected one of {', '.join(MODES)}")
+    if c.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {c.bucket_mb}")
+    if c.global_batch_size % c.dp:
+        raise ValueError(f"dp={c.dp} must divide --global-batch-size {c.global_batch_size}")

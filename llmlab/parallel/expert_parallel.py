@@ -39,6 +39,7 @@ from torch import nn
 
 from llmlab.model.moe import MoE, moe_layers
 from llmlab.runtime import comm
+from llmlab.parallel.configs import ExpertParallelConfig
 
 
 class _AllToAll(torch.autograd.Function):
@@ -157,7 +158,7 @@ def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: i
     return top_k * tokens * hidden * bytes_per_element
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: ExpertParallelConfig, model_config) -> None:
     """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint)."""
     E = model_config.num_experts
     if cfg.ep > 1 and not E:

@@ -33,18 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import device_clock
+from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
     B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
     build_schedule, check_schedule_args, message_key)
 from llmlab.runtime import comm
 
 
-def num_chunks(cfg) -> int:
-    """Model chunks per rank: ``virtual_stages`` for the interleaved schedule, else 1."""
-    return cfg.virtual_stages if cfg.pp_schedule == "interleaved" else 1
-
-
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: PipelineConfig, model_config) -> None:
     """Refuse, before any rank starts, what the pipeline cannot run. Raises ``ValueError``:
 
     * ``virtual_stages > 1`` without ``--pp > 1 --pp-schedule interleaved``;
@@ -58,8 +54,8 @@ def validate_layout(cfg, model_config) -> None:
                              f"--pp-schedule interleaved")
         return
     v = cfg.virtual_stages
-    check_schedule_args(cfg.pp_schedule, cfg.pp, cfg.num_microbatches, v)
-    L, S = model_config.num_hidden_layers, cfg.pp * num_chunks(cfg)
+    check_schedule_args(cfg.schedule, cfg.pp, cfg.num_microbatches, v)
+    L, S = model_config.num_hidden_layers, cfg.pp * cfg.num_chunks
     if L % S:
         what = f"pp*virtual_stages = {cfg.pp}*{v} = {S}" if S != cfg.pp else f"pp={cfg.pp}"
         raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
@@ -361,18 +357,17 @@ class PipelineRunner:
         }
 
 
-def build_pipeline(model: nn.Module, mesh, cfg) -> PipelineRunner:
+def build_pipeline(model: nn.Module, mesh, cfg: PipelineConfig) -> PipelineRunner:
     """Keep this rank's stages of ``model`` and return the runner (trainer protocol).
 
     ``model``: the full seeded :class:`~llmlab.model.llama.LlamaForCausalLM` (possibly already
-    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: a
-    :class:`~llmlab.training.config.TrainConfig` (``pp_schedule``, ``virtual_stages``,
-    ``num_microbatches``, ``seq_len``, ``sequence_parallel``, ``tp``). Raises ``ValueError`` if
-    the layout is invalid (:func:`validate_layout`).
+    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: its
+    :class:`~llmlab.parallel.configs.PipelineConfig` (``seq_len``: this rank's tokens per
+    sequence). Raises ``ValueError`` if the layout is invalid (:func:`validate_layout`).
     """
     validate_layout(cfg, model.config)
-    p, r, v = mesh.pp, mesh.coords["pp"], num_chunks(cfg)
-    sp = bool(getattr(cfg, "sequence_parallel", False)) and cfg.tp > 1
+    p, r, v = mesh.pp, mesh.coords["pp"], cfg.num_chunks
+    sp = cfg.sequence_parallel and cfg.tp > 1
     module = split_model(model, p, r, v, seq_len=cfg.seq_len if sp else None)
     h = model.config.hidden_size
 
@@ -381,4 +376,4 @@ def build_pipeline(model: nn.Module, mesh, cfg) -> PipelineRunner:
         return (b, T // cfg.tp if sp else T, h)
 
     return PipelineRunner(model, module, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
-                          cfg.pp_schedule, hidden_shape)
+                          cfg.schedule, hidden_shape)

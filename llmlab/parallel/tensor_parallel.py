@@ -48,6 +48,7 @@ from torch import nn
 from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
+from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
                                      reduce_from_tensor_model_parallel_region, reduce_scatter_along,
@@ -375,13 +376,12 @@ class ParallelMLP(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Which degrees can shard a model
 # --------------------------------------------------------------------------------------------
-def validate_layout(cfg, model_config) -> None:
-    """Raise ``ValueError`` naming the constraint when ``cfg.tp`` cannot shard ``model_config``.
+def validate_layout(c: TensorParallelConfig, model_config) -> None:
+    """Raise ``ValueError`` naming the constraint when ``c.tp`` cannot shard ``model_config``.
 
     Called by :func:`llmlab.training.config.validate` before any rank starts.
     """
-    check_shardable(model_config, cfg.tp, getattr(cfg, "sequence_parallel", False),
-                    getattr(cfg, "seq_len", None))
+    check_shardable(model_config, c.tp, c.sequence_parallel, c.seq_len)
 
 
 def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,

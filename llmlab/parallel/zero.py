@@ -54,27 +54,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.parallel.configs import ZeroConfig
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: ZeroConfig, model_config) -> None:
     """Refuse ZeRO layouts this version does not handle (``ValueError`` naming the constraint).
 
     ``--zero`` with ``--dp 1`` is allowed (N = 1: nothing is sharded, a baseline for the lab).
     ZeRO composes with ``--tp``, ``--pp`` and ``--ep``: it shards over the data-parallel group
     inside each tensor/pipeline slice, and expert parameters over their expert-data-parallel group.
     """
-    if cfg.cpu_offload and cfg.zero == 0:
+    if cfg.cpu_offload and cfg.stage == 0:
         raise ValueError("--cpu-offload offloads ZeRO optimizer states: it needs --zero 1, 2 or 3")
-    if cfg.zero == 0:
+    if cfg.stage == 0:
         return
-    if cfg.zero == 3 and model_config.tie_word_embeddings:
+    if cfg.stage == 3 and model_config.tie_word_embeddings:
         raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
                          "belong to two units, the embedding's and the LM head's, and be gathered "
                          "and reduced twice); untie the embeddings or use --zero 1 or 2")
-    if cfg.zero == 3 and cfg.save_model:
+    if cfg.stage == 3 and cfg.full_model_saved:
         raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
                          "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
@@ -386,12 +387,12 @@ class ZeroDataParallel(nn.Module):
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
-def build_zero(module: nn.Module, mesh, cfg, make_optimizer, scaler=None):
-    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.zero``/``cfg.dtype``.
+def build_zero(module: nn.Module, mesh, cfg: ZeroConfig, make_optimizer, scaler=None):
+    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage``/``cfg.dtype``.
 
     ``module`` is this rank's full replica (already on its device, fp32); ``make_optimizer``
     builds the torch optimizer from a list of tensors (the fp32 shard masters); ``scaler``: the
     fp16 :class:`~llmlab.training.precision.DynamicLossScaler` whose scale ``unscale`` removes.
     """
-    wrapper = ZeroDataParallel(module, mesh, stage=cfg.zero, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
+    wrapper = ZeroDataParallel(module, mesh, stage=cfg.stage, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
     return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload, scaler=scaler)

@@ -38,10 +38,10 @@ from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
-from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
-from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
+from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 
 
 class LocalModule(torch.nn.Module):
@@ -104,12 +104,13 @@ class Engine:
         self.model = model
         self.pipeline = None
         if cfg.pp > 1:
-            # Protocol: build_pipeline(model, mesh, cfg) -> runner with .module (this stage's
+            # Protocol: build_pipeline(model, mesh, PipelineConfig) -> runner with .module (this stage's
             # nn.Module), .run(microbatches) -> float | None (loss on the last stage) and
             # .stats() -> dict (CONTRACT "pipeline").
             from llmlab.parallel.pipeline_parallel import build_pipeline
             # With cp > 1 the stages exchange activations of this rank's seq_len/cp tokens.
-            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(cfg, seq_len=cfg.seq_len // cfg.cp))
+            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(
+                strategy_configs(cfg).pp, seq_len=cfg.seq_len // cfg.cp))
             local = self.pipeline.module
         else:
             local = model
@@ -123,10 +124,11 @@ class Engine:
             cast_model(local, cfg.dtype)
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         if cfg.zero > 0:
-            # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
+            # Protocol: build_zero(module, mesh, ZeroConfig, make_optimizer) -> (wrapper, optimizer); the
             # wrapper follows LocalModule's protocol and may offer grad_tensors().
             from llmlab.parallel.zero import build_zero
-            self.wrapper, self.optimizer = build_zero(local, dp_mesh, cfg, opt_factory, self.scaler)
+            self.wrapper, self.optimizer = build_zero(local, dp_mesh, strategy_configs(cfg).zero,
+                                                      opt_factory, self.scaler)
         else:
             if cfg.dp * cfg.cp > 1:
                 # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
