@@ -25,7 +25,7 @@ All three broadcast the parameters from the group's first rank when wrapping, of
 and ``finish_grad_sync()`` (called once per step before the optimizer: wait for every reduction
 and leave averaged gradients in ``p.grad``).
 
-Parameters marked ``p.expert_parallel = True`` (expert parallelism) are averaged over
+Parameters recorded ``expert_parallel`` (expert parallelism; :mod:`llmlab.parallel.records`) are averaged over
 ``mesh.groups["edp"]`` instead of ``mesh.groups["dp"]``: buckets are kept per process group.
 
 Every collective goes through :mod:`llmlab.runtime.comm`, so ``COUNTER`` reports the bytes: for
@@ -43,6 +43,7 @@ from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
 from llmlab.parallel.configs import DataParallelConfig
+from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -107,7 +108,7 @@ def ring_all_reduce(t: torch.Tensor, group=None, trace: list | None = None) -> t
 # Which group reduces a parameter
 # --------------------------------------------------------------------------------------------
 def _group_key(p: nn.Parameter) -> str:
-    return "edp" if getattr(p, "expert_parallel", False) else "dp"
+    return "edp" if param_record(p).expert_parallel else "dp"
 
 
 def broadcast_parameters(module: nn.Module, mesh) -> None:

@@ -37,7 +37,7 @@ residual adds) run on the shard. The column-parallel matmuls all-gather their in
 Korthikanti et al., save only the shard for backward, all-gathering it again to form the weight
 gradient (one extra all-gather per column group in backward). Norm weights (and row-parallel
 biases) then have partial gradients, summed over the tp group after backward by a
-``model.grad_finalizers`` entry. The model has no dropout, so there is no dropout region to shard.
+``grad_finalizers`` entry (:mod:`llmlab.parallel.records`). The model has no dropout, so there is no dropout region to shard.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
 from llmlab.parallel.configs import TensorParallelConfig
+from llmlab.parallel.records import param_record
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
                                      reduce_from_tensor_model_parallel_region, reduce_scatter_along,
@@ -184,7 +185,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True  # partial gradient: summed over tp after backward
+            # partial gradient: summed over tp after backward
+            param_record(self.bias).sequence_parallel = True
 
     @classmethod
     @torch.no_grad()

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.parallel.configs import ZeroConfig
+from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
@@ -96,7 +97,7 @@ def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsi
 
 
 def _is_expert(p: nn.Parameter) -> bool:
-    return bool(getattr(p, "expert_parallel", False))
+    return param_record(p).expert_parallel
 
 
 def _split_by_group(ps):
@@ -130,7 +131,7 @@ class ZeroDataParallel(nn.Module):
     On a mesh with tensor, pipeline or expert parallelism, ``module`` is this rank's shard of
     the model (its tp slice, its pipeline stage, its experts) and ZeRO shards it over the
     data-parallel group of that slice, as Megatron's distributed optimizer does; parameters
-    marked ``expert_parallel`` are sharded over the expert-data-parallel group ``edp`` instead
+    recorded ``expert_parallel`` (:mod:`llmlab.parallel.records`) are sharded over the expert-data-parallel group ``edp`` instead
     (the other holders of the same experts). Gradients are averaged over the bucket's group.
     Parameters with ``requires_grad=False`` are left out: never sharded, reduced or updated.
 

@@ -36,6 +36,7 @@ from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, op
                                    param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
+from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
@@ -81,10 +82,10 @@ class Engine:
         model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
         # Full-model shapes, before any sharding: checkpoints store slices of these.
         self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        model.grad_finalizers = []  # strategies append callables run after gradient sync
+        model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
         if cfg.tp > 1:
             # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
-            # only this rank's shards; may append to model.grad_finalizers.
+            # only this rank's shards; may append to model_record(model).grad_finalizers.
             from llmlab.parallel.tp_plan import apply_tensor_parallel
             model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
         if cfg.cp > 1:
@@ -94,7 +95,7 @@ class Engine:
         # Gradients are reduced over dp x cp (the mesh itself when cp == 1).
         dp_mesh = mesh.data_parallel_view()
         if cfg.ep > 1:
-            # Protocol: keeps this rank's experts; marks their parameters ``expert_parallel=True``
+            # Protocol: keeps this rank's experts; records their parameters ``expert_parallel``
             # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
             from llmlab.parallel.expert_parallel import apply_expert_parallel
             model = apply_expert_parallel(model, mesh)
@@ -214,7 +215,7 @@ class Engine:
         self.activation_peak = max(self.activation_peak, act.peak)
         self.wrapper.finish_grad_sync()
         grad_of = getattr(self.wrapper, "grad_of", None)  # ZeRO: the part of p in this rank's shard
-        for f in getattr(self.model, "grad_finalizers", []):
+        for f in model_record(self.model).grad_finalizers:
             f(grad_of) if grad_of is not None else f()
         grads = getattr(self.wrapper, "grad_tensors", None)
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads()) if grads else grad_bytes(self.parameters()))
