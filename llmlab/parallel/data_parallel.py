@@ -43,6 +43,7 @@ from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
 from llmlab.parallel.configs import DataParallelConfig
+from llmlab.parallel.protocols import replica_grads
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 
@@ -125,7 +126,8 @@ def broadcast_parameters(module: nn.Module, mesh) -> None:
 
 
 class _DataParallelBase(nn.Module):
-    """Shared parts: the replica, parameter broadcast, the ``no_sync`` flag."""
+    """Shared parts: the replica, parameter broadcast, the ``no_sync`` flag; the gradients are the
+    parameters' own (:class:`~llmlab.parallel.protocols.TrainedModule`)."""
 
     def __init__(self, module: nn.Module, mesh):
         super().__init__()
@@ -145,6 +147,12 @@ class _DataParallelBase(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        return p.grad
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return replica_grads(self.module)
 
 
 class NaiveDataParallel(_DataParallelBase):
@@ -362,8 +370,8 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
                        **kwargs) -> nn.Module:
     """Wrap ``module`` for data parallelism over ``mesh`` (``mode`` in naive, ddp, ring).
 
-    Returns a module with ``forward``, ``.module``, ``no_sync()`` and ``finish_grad_sync()``
-    (the protocol of :class:`llmlab.training.trainer.LocalModule`). Broadcasts the parameters
+    Returns a :class:`~llmlab.parallel.protocols.TrainedModule` (``forward``, ``.module``,
+    ``no_sync()``, ``finish_grad_sync()``, ``grad_of``, ``grad_tensors``). Broadcasts the parameters
     from each group's first rank; must be called on every rank. Raises ``ValueError`` for an
     unknown mode or ``bucket_mb <= 0``.
     """

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from llmlab.data import BatchLoader
-from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
+from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
+from llmlab.parallel.protocols import TrainedModule, TrainerOptimizer, replica_grads
 from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
@@ -46,11 +47,12 @@ from llmlab.training.config import TrainConfig, model_config, resolve_device, st
 
 
 class LocalModule(torch.nn.Module):
-    """The data-parallel protocol for one replica: no communication at all.
+    """:class:`~llmlab.parallel.protocols.TrainedModule` for one replica: no communication at all.
 
     Every wrapper (DDP, ZeRO) offers the same: ``forward``, ``module``, ``no_sync()`` (skip
-    gradient communication for all but the last micro-batch) and ``finish_grad_sync()`` (wait
-    until every gradient is reduced; called once per step before the optimizer).
+    gradient communication for all but the last micro-batch), ``finish_grad_sync()`` (wait
+    until every gradient is reduced; called once per step before the optimizer), ``grad_of(p)``
+    and ``grad_tensors()`` (the gradients this rank holds).
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -66,10 +68,55 @@ class LocalModule(torch.nn.Module):
     def finish_grad_sync(self):
         pass
 
+    def grad_of(self, p):
+        return p.grad
+
+    def grad_tensors(self):
+        return replica_grads(self.module)
+
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019), betas (0.9, 0.95), no weight decay."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+class FP32Optimizer:
+    """fp32 training without ZeRO: the torch ``optimizer`` itself, with the interface the trainer
+    calls on every optimizer (:class:`~llmlab.parallel.protocols.TrainerOptimizer`): the gradients
+    are the parameters' own (nothing to unscale) and ``apply`` is ``optimizer.step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def unscale(self) -> None:
+        pass
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p.grad, p) for g in self.optimizer.param_groups for p in g["params"]
+                if p.grad is not None]
+
+    def apply(self) -> None:
+        self.optimizer.step()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
 
 
 class Engine:
@@ -124,6 +171,8 @@ class Engine:
             from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
+        self.wrapper: TrainedModule
+        self.optimizer: TrainerOptimizer
         if cfg.zero > 0:
             # Protocol: build_zero(module, mesh, ZeroConfig, make_optimizer) -> (wrapper, optimizer); the
             # wrapper follows LocalModule's protocol and may offer grad_tensors().
@@ -143,8 +192,8 @@ class Engine:
                 from llmlab.training.precision import MixedPrecisionOptimizer
                 self.optimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
             else:
-                self.optimizer = opt_factory(local.parameters())
-        if self.pipeline is not None and hasattr(self.pipeline, "attach"):
+                self.optimizer = FP32Optimizer(opt_factory(local.parameters()))
+        if self.pipeline is not None:
             self.pipeline.attach(self.wrapper)
         self.local = local
         self.force_overflow_at = _force_overflow(mesh.rank)
@@ -199,9 +248,7 @@ class Engine:
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(gradient the optimizer will use, fp32 and unscaled; model parameter)`` pairs held by
         this rank, after the optimizer's ``unscale()``."""
-        if hasattr(self.optimizer, "grad_pieces"):
-            return self.optimizer.grad_pieces()
-        return [(p.grad, p) for p in self.local.parameters() if p.grad is not None]
+        return self.optimizer.grad_pieces()
 
     def train_step(self, micro, step: int | None = None) -> float | None:
         """One optimizer step over the micro-batches ``micro``; ``step`` (1-based) sets the learning
@@ -214,13 +261,10 @@ class Engine:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
         self.wrapper.finish_grad_sync()
-        grad_of = getattr(self.wrapper, "grad_of", None)  # ZeRO: the part of p in this rank's shard
         for f in model_record(self.model).grad_finalizers:
-            f(grad_of) if grad_of is not None else f()
-        grads = getattr(self.wrapper, "grad_tensors", None)
-        self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads()) if grads else grad_bytes(self.parameters()))
-        if hasattr(self.optimizer, "unscale"):
-            self.optimizer.unscale()
+            f(self.wrapper.grad_of)  # ZeRO: the part of p in this rank's shard
+        self.grad_bytes = max(self.grad_bytes, tensor_bytes(self.wrapper.grad_tensors()))
+        self.optimizer.unscale()
         pieces = self.grad_pieces()
         if step is not None and step == self.force_overflow_at and pieces:
             pieces[0][0].view(-1)[0] = float("inf")  # LLMLAB_FORCE_OVERFLOW: a test's fault
@@ -236,10 +280,7 @@ class Engine:
                 g["lr"] = lr
             if cfg.grad_clip:
                 clip_([g for g, _ in pieces], cfg.grad_clip, norm)
-            if hasattr(self.optimizer, "apply"):
-                self.optimizer.apply()
-            else:
-                self.optimizer.step()
+            self.optimizer.apply()
         self.optimizer.zero_grad(set_to_none=True)
         self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
