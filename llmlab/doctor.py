@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import shutil
-import subprocess
 import sys
 import time
 
 import torch
 
 from llmlab.lab_sizes import LAB_SIZES, lab_size_for
-from llmlab.runtime.hardware import gpu_count, lab_size
+from llmlab.runtime.hardware import gpu_count, hardware, lab_size
 
 LABS = list(LAB_SIZES)
 
@@ -99,33 +96,6 @@ def check_triton() -> dict:
     except Exception as e:  # noqa: BLE001
         out.update(ok=False, compiles=False, error=str(e)[:300], fix=FIXES["triton"])
     return out
-
-
-def hardware() -> dict:
-    n = gpu_count()
-    info = {"python": platform.python_version(), "platform": platform.platform(),
-            "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
-            "gpus": []}
-    try:
-        import transformers
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    if n:
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        for i in range(n):
-            p = torch.cuda.get_device_properties(i)
-            info["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
-                                 "peer_access": [j for j in range(n) if j != i
-                                                 and torch.cuda.can_device_access_peer(i, j)]})
-        if shutil.which("nvidia-smi"):
-            try:
-                info["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
-                                                  text=True, timeout=20).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-    return info
 
 
 def diagnose(comm_ranks: int = 2) -> dict:

@@ -1,4 +1,5 @@
-"""The layering of docs/ARCHITECTURE.md, checked on every import statement in llmlab/."""
+"""The layering of docs/ARCHITECTURE.md, checked on every import statement in llmlab/: imports point
+down, and the import graph (of modules, and of packages) has no cycle."""
 import ast
 import sys
 from pathlib import Path
@@ -76,3 +77,96 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
     assert sorted(_violations()) == ["llmlab/formulas/x.py:1 imports torch",
                                      "llmlab/parallel/probe.py:2 (parallel) imports llmlab.training"]
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the llmlab modules it imports (imports inside functions too). ``from a import b``
+    names the module ``a.b`` when that is a module, else ``a``; a package's ``__init__`` is the
+    package's name. Importing a submodule is not counted as importing its package's ``__init__``."""
+    mods = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for mod, path in mods.items():
+        graph[mod] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                         for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in mods:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    graph[mod].add(name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """llmlab package (or top-level module) -> the others it imports."""
+    def pkg(m):
+        return m.split(".")[1] if "." in m else m
+    out = {}
+    for m, targets in graph.items():
+        out.setdefault(pkg(m), set()).update(pkg(t) for t in targets if pkg(t) != pkg(m))
+    return out
+
+
+def test_no_import_cycle():
+    """No module imports itself round a circle, and no package does (of two packages that import
+    each other, one import runs back up)."""
+    graph = _module_graph(ROOT)
+    assert _cycles(graph) == []
+    assert _cycles(_package_graph(graph)) == []
+
+
+def test_the_checker_sees_an_import_cycle(tmp_path):
+    """The rule can fail: two modules importing each other (one inside a function), and two
+    packages importing each other, are reported."""
+    fake = tmp_path / "llmlab"
+    (fake / "model").mkdir(parents=True)
+    (fake / "model" / "__init__.py").write_text("")
+    (fake / "model" / "a.py").write_text("from llmlab.model.b import f\n")
+    (fake / "model" / "b.py").write_text("def f():\n    from llmlab.model import a\n")
+    (fake / "doctor.py").write_text("import llmlab.selftest.runner\n")
+    (fake / "selftest").mkdir()
+    (fake / "selftest" / "runner.py").write_text("from llmlab.doctor import hardware\n")
+    graph = _module_graph(fake)
+    assert _cycles(graph) == [["llmlab.doctor", "llmlab.selftest.runner"],
+                              ["llmlab.model.a", "llmlab.model.b"]]
+    assert _cycles(_package_graph(graph)) == [["doctor", "selftest"]]

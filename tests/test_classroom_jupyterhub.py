@@ -222,7 +222,7 @@ def test_jupyterhub_classroom_two_learners_disjoint_devices_and_lab00_through_th
         nb = json.loads((tmp_path / "home" / "alice" / "labs" / "00_three_walls.ipynb").read_text())
         code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"][:2]
         probe = ("import json, os, llmlab; from llmlab.runtime.hardware import usable_cores\n"
-                 "from llmlab import check; from llmlab.exercises import lab00\n"
+                 "from llmlab import check; from llmlab.solutions import lab00\n"
                  "assert check.training_memory_bytes(lab00.training_memory_bytes)\n"
                  "print(json.dumps({'cores': sorted(os.sched_getaffinity(0)), 'usable': usable_cores(),"
                  " 'size': size.as_dict(), 'file': llmlab.__file__}))")

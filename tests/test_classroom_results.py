@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from llmlab import check
-from llmlab.exercises.lab00 import ring_all_reduce_seconds, training_memory_bytes
+from llmlab.solutions.lab00 import ring_all_reduce_seconds, training_memory_bytes
 
 
 def _wrong(num_params, bytes_per_param=4, optimizer_states=2):

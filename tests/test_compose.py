@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import llmlab
-from llmlab.training.config import TrainConfig, validate
+from llmlab.training.config import TrainConfig, strategy_configs, validate
 from llmlab.training.lr_schedule import lr_at
 
 KW = dict(seed=2, global_batch_size=8, seq_len=32, steps=3)
@@ -149,10 +149,10 @@ def test_tied_embeddings_are_refused_clearly_where_they_would_be_wrong():
     from llmlab.parallel.zero import validate_layout as zero_layout
     tied = get_preset("tiny").replace(tie_word_embeddings=True)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        zero_layout(TrainConfig(dp=2, zero=3), tied)
+        zero_layout(strategy_configs(TrainConfig(dp=2, zero=3)).zero, tied)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        pp_layout(TrainConfig(dp=1, pp=2), tied)
-    zero_layout(TrainConfig(dp=2, zero=2), tied)   # stages 1-2 keep the parameter object: tied
+        pp_layout(strategy_configs(TrainConfig(dp=1, pp=2)).pp, tied)
+    zero_layout(strategy_configs(TrainConfig(dp=2, zero=2)).zero, tied)   # stages 1-2 keep the parameter object: tied
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import llmlab
+from llmlab.parallel.records import model_record
 from llmlab.training.config import TrainConfig, validate
 
 KW = dict(seed=3, global_batch_size=4, seq_len=128, lr=1e-2)
@@ -97,7 +98,7 @@ def _train_and_record(cfg, steps):
                                                        cfg.num_microbatches), mesh, cfg.cp_mode)
         local = engine.forward_backward(micro)
         engine.wrapper.finish_grad_sync()
-        for f in engine.model.grad_finalizers:
+        for f in model_record(engine.model).grad_finalizers:
             f()
         rec["loss"].append(global_loss(local, mesh, dev))
         if cfg.zero:

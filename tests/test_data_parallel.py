@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import llmlab
+from llmlab.parallel.records import param_record
 from llmlab.training.config import TrainConfig, validate
 
 STEPS, GBS, SEQ = 4, 8, 32
@@ -182,7 +183,7 @@ def _expert_groups():
         for p in model.parameters():
             p.fill_(float(rank))
     for p in model[1].parameters():
-        p.expert_parallel = True
+        param_record(p).expert_parallel = True
     dp = wrap_data_parallel(model, mesh, mode="ddp", bucket_mb=1.0)
     after = [p.detach().flatten()[0].item() for p in model.parameters()]
     for p in model.parameters():  # rank-dependent gradients, as if backward had produced them

@@ -131,7 +131,7 @@ def test_ring_all_reduce_time_is_one_alpha_beta_model():
 
 def test_lab00_and_lab01_time_the_same_all_reduce_alike():
     """The lab 00 exercise's reference solution and the formula lab 01 uses are the same model."""
-    from llmlab.exercises.lab00 import ring_all_reduce_seconds
+    from llmlab.solutions.lab00 import ring_all_reduce_seconds
     for args in ((112e9, 8, 64e9, 0.0), (4e6, 4, 1e9, 5e-5), (1024.0, 1, 1e9, 1e-6)):
         assert ring_all_reduce_seconds(*args) == pytest.approx(ring_all_reduce_time(*args))
 

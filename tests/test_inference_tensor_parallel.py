@@ -71,12 +71,12 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatc
         assert two[1].outputs[0].token_ids == ref[1].outputs[0].token_ids
         assert bm.num_free_blocks == bm.num_blocks
         runner.procs[0].kill()                    # a rank dies: the next step says which, no hang
-        runner.procs[0].wait(30)
+        runner.procs[0].join(30)
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate(["ROMEO:"], SamplingParams(max_tokens=4))
     finally:
         llm.engine.shutdown()
-    assert all(p.poll() is not None for p in runner.procs)   # the worker rank exited
+    assert all(p.exitcode is not None for p in runner.procs)   # the worker rank exited
     assert not torch.distributed.is_initialized()
 
 

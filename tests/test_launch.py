@@ -182,3 +182,18 @@ def test_torchrun_backend_needs_one_gpu_per_local_rank(monkeypatch):
         resolve_torchrun_backend("nccl")
     with pytest.raises(ValueError, match="expected 'auto'"):
         resolve_torchrun_backend("mpi")
+
+
+def test_one_backend_choice_for_launch_inference_and_the_trainer(monkeypatch):
+    """runtime.process.resolve_backend: by GPU count, or by the device; NCCL refused with more
+    ranks than GPUs unless the count is the launcher's to check (ranks=None)."""
+    from llmlab.runtime.process import resolve_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [resolve_backend("auto", n) for n in (1, 2, 3)] == ["nccl", "nccl", "gloo"]
+    assert resolve_backend("auto", 2, device="cpu") == "gloo"
+    assert resolve_backend("auto", None, device="cuda") == "nccl"     # the trainer: 16 ranks, 2 nodes
+    with pytest.raises(ValueError, match="needs one GPU per rank: world_size=3 > 2 GPUs"):
+        resolve_backend("auto", 3, device="cuda:0")
+    with pytest.raises(ValueError, match="expected 'auto'"):
+        resolve_backend("mpi", 1)

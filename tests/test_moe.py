@@ -12,6 +12,7 @@ from llmlab.data import BatchLoader
 from llmlab.model.config import get_preset
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.model.moe import MoE, collect_moe_stats, moe_layers
+from llmlab.parallel.records import param_record
 
 B, T, STEPS, LAYERS = 8, 16, 3, 2   # small: the CI box has 2 shared cores
 
@@ -170,7 +171,7 @@ def _ep_rank(cases, world, steps, batch, seq, layers):
             sync_moe_grads(model, mesh)
             if step == 1:
                 rec["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-                rec["expert_flags"] = {n: getattr(p, "expert_parallel", False)
+                rec["expert_flags"] = {n: param_record(p).expert_parallel
                                        for n, p in model.named_parameters()}
             rec["losses"].append(loss.item())
             rec["dropped"].append([m.dropped_tokens for m in moe_layers(model)])

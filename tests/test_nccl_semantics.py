@@ -128,7 +128,7 @@ def _pp_rank(folder, cases):
     from llmlab.model.llama import LlamaForCausalLM
     from llmlab.parallel.pipeline_parallel import build_pipeline
     from llmlab.runtime.mesh import Mesh
-    from llmlab.training.config import TrainConfig
+    from llmlab.training.config import TrainConfig, strategy_configs
     _install(folder)
     out = {}
     for schedule, m, v in cases:
@@ -137,7 +137,7 @@ def _pp_rank(folder, cases):
         names = {id(p): n for n, p in model.named_parameters()}
         cfg = TrainConfig(pp=2, pp_schedule=schedule, num_microbatches=m, virtual_stages=v,
                           global_batch_size=m, seq_len=8, device="cpu")
-        runner = build_pipeline(model, Mesh.build(pp=2), cfg)
+        runner = build_pipeline(model, Mesh.build(pp=2), strategy_configs(cfg).pp)
         micro = BatchLoader(global_batch_size=m, seq_len=8, seed=0).microbatches(1, 0, 1, m)
         loss = runner.run(micro)
         out[(schedule, m, v)] = (loss, {names[id(p)]: p.grad.clone()

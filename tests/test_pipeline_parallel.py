@@ -15,7 +15,7 @@ from llmlab.data import BatchLoader
 from llmlab.model.config import get_preset
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel import pipeline_schedules as ps
-from llmlab.training.config import TrainConfig, validate
+from llmlab.training.config import TrainConfig, strategy_configs, validate
 from llmlab.training.trainer import assemble_metrics, rank_main
 
 GB, T, STEPS = 8, 16, 3
@@ -156,7 +156,7 @@ def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
             model = LlamaForCausalLM(get_preset("tiny"), seed=0)
             names = {id(p): n for n, p in model.named_parameters()}
             sched = "gpipe" if kind == "ours_gpipe" else "1f1b"
-            runner = build_pipeline(model, mesh, cfg_for(pp, sched, m))
+            runner = build_pipeline(model, mesh, strategy_configs(cfg_for(pp, sched, m)).pp)
             if kind == "torch":
                 stage = PipelineStage(runner.module.chunks[0], mesh.coords["pp"], pp,
                                       torch.device("cpu"), group=mesh.groups["pp"])
@@ -180,7 +180,7 @@ def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
         for m in (4, 8):
             model = LlamaForCausalLM(interleaved_mc, seed=0)
             names = {id(p): n for n, p in model.named_parameters()}
-            runner = build_pipeline(model, mesh, cfg_for(pp, "interleaved", m, 2))
+            runner = build_pipeline(model, mesh, strategy_configs(cfg_for(pp, "interleaved", m, 2)).pp)
             micro = BatchLoader(global_batch_size=GB, seq_len=T, seed=0).microbatches(1, 0, 1, m)
             loss = runner.run(micro)
             res[m] = (loss, {names[id(p)]: p.grad.clone() for p in runner.module.parameters()},

@@ -23,7 +23,7 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
     report = json.loads(out.read_text())
     text = capsys.readouterr().out
     assert list(CHECKS) == NAMED and list(report["checks"]) == NAMED
-    assert report["hardware"]["cpu_cores"] >= 1 and report["quick"] is True
+    assert report["machine"]["cpu_cores"] >= 1 and report["quick"] is True
     for name, r in report["checks"].items():
         assert r["status"] in (PASS, SKIP), (name, r.get("reason"), r.get("traceback"))
         assert r["seconds"] > 0
@@ -93,4 +93,4 @@ def test_selftest_json_has_the_contract_keys(tmp_path):
     assert list(report["checks"]) == ["fused_rmsnorm"]
     r = report["checks"]["fused_rmsnorm"]
     assert r["status"] in (PASS, SKIP) and isinstance(r["seconds"], float) and r["seconds"] > 0
-    assert report["machine"]["cpu_cores"] >= 1 and report["machine"] == report["hardware"]
+    assert report["machine"]["cpu_cores"] >= 1 and set(report) == {"checks", "machine", "quick", "seconds", "ok"}

@@ -10,8 +10,9 @@ from llmlab.parallel.tensor_parallel import validate_layout
 from llmlab.formulas.activations import llama_block_activation_bytes
 from llmlab.formulas.communication import (tp_block_comm_bytes, tp_replicated_kv_grad_bytes,
                                            tp_step_comm_bytes)
+from llmlab.parallel.records import model_record
 from llmlab.parallel.tp_costs import tp_calculator
-from llmlab.training.config import validate
+from llmlab.training.config import strategy_configs, validate
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def test_bad_layouts_refused(kw, message):
 ])
 def test_validate_layout_names_constraint(overrides, message):
     mc = get_preset("tiny", **overrides)
-    cfg = TrainConfig(tp=4)
+    cfg = strategy_configs(TrainConfig(tp=4)).tp
     if message is None:
         validate_layout(cfg, mc)
     else:
@@ -305,7 +306,7 @@ def _full_grads_rank(tp):
         apply_tensor_parallel(m, mesh, sp)
         loss = m(x, y)
         loss.backward()
-        for f in m.grad_finalizers:
+        for f in model_record(m).grad_finalizers:
             f()
         modules = dict(m.named_modules())
         fp = dict(full.named_parameters())

@@ -13,7 +13,7 @@ from llmlab.model.config import get_preset
 from llmlab.formulas.communication import zero_comm_bytes_per_step
 from llmlab.formulas.memory import zero_model_state_bytes
 from llmlab.parallel.zero import validate_layout
-from llmlab.training.config import TrainConfig, model_config, validate
+from llmlab.training.config import TrainConfig, model_config, strategy_configs, validate
 
 STEPS = 4
 PSI = get_preset("tiny").num_parameters()
@@ -219,11 +219,11 @@ def test_train_cli_path_bf16_stage3():
 def test_layout_refusals():
     mc = get_preset("tiny")
     with pytest.raises(ValueError, match="--cpu-offload .* needs --zero"):
-        validate_layout(TrainConfig(cpu_offload=True), mc)
+        validate_layout(strategy_configs(TrainConfig(cpu_offload=True)).zero, mc)
     for kw in (dict(tp=2), dict(pp=2), dict(dp=4, ep=2)):   # composes: accepted
-        validate_layout(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw), mc)
+        validate_layout(strategy_configs(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw)).zero, mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        validate_layout(TrainConfig(dp=2, zero=3), mc.replace(tie_word_embeddings=True))
+        validate_layout(strategy_configs(TrainConfig(dp=2, zero=3)).zero, mc.replace(tie_word_embeddings=True))
     with pytest.raises(ValueError, match="--save-model with --zero 3"):
         validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))
     validate(TrainConfig(dp=2, zero=2, dtype="bf16", cpu_offload=True))   # accepted

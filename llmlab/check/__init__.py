@@ -9,18 +9,28 @@ what was expected and what came back, and a hint: it raises :class:`ExerciseFail
 """
 from __future__ import annotations
 
-import importlib
-
+from llmlab.check import lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07, lab08, lab09, lab10, lab11
 from llmlab.check._base import ExerciseFailed, reported
-from llmlab.exercises import LABS, SOLUTIONS
+from llmlab.solutions import LAB_OF, SOLUTIONS
 
-for _lab in LABS:
-    _mod = importlib.import_module(f"{__name__}.lab{_lab}")
-    for _name in importlib.import_module(f"llmlab.exercises.lab{_lab}").EXERCISES:
-        globals()[_name.__name__] = reported(_name.__name__, getattr(_mod, _name.__name__))
-
-_missing = sorted(set(SOLUTIONS) - set(globals()))
+_MODULES = {"00": lab00, "01": lab01, "02": lab02, "03": lab03, "04": lab04, "05": lab05, "06": lab06,
+            "07": lab07, "08": lab08, "09": lab09, "10": lab10, "11": lab11}
+_missing = sorted(n for n, lab in LAB_OF.items() if not hasattr(_MODULES[lab], n))
 if _missing:
     raise RuntimeError(f"exercises without a check: {', '.join(_missing)}")
+# exercise name -> its check, reporting failures as llmlab.check._base describes
+CHECKS = {n: reported(n, getattr(_MODULES[lab], n)) for n, lab in LAB_OF.items()}
 
-__all__ = ["ExerciseFailed", *sorted(SOLUTIONS)]
+__all__ = ["CHECKS", "ExerciseFailed", *sorted(SOLUTIONS)]
+
+
+def __getattr__(name: str):
+    """``llmlab.check.<exercise>``: that exercise's check."""
+    try:
+        return CHECKS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(CHECKS))

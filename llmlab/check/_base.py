@@ -24,6 +24,7 @@ import torch
 
 from llmlab.check import results
 from llmlab.runtime.launch import RankError, launch
+from llmlab.solutions import solutions_on
 
 
 class ExerciseFailed(Exception):
@@ -32,7 +33,6 @@ class ExerciseFailed(Exception):
 
 def strict() -> bool:
     """Whether a failed check raises (``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``)."""
-    from llmlab.exercises import solutions_on
     return solutions_on() or os.environ.get("LLMLAB_STRICT", "0") not in ("", "0", "false", "False")
 
 

@@ -1,11 +1,11 @@
-"""Checks for the lab 00 exercises (:mod:`llmlab.exercises.lab00`)."""
+"""Checks for the lab 00 exercises (:mod:`llmlab.solutions.lab00`)."""
 from __future__ import annotations
 
 
 import math
 
 from llmlab.check._base import _fail, _ok, _run_on_ranks
-from llmlab.exercises import lab00 as ex
+from llmlab.solutions import lab00 as ex
 from llmlab.formulas.communication import ring_all_reduce_time
 
 

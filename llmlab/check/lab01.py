@@ -1,11 +1,11 @@
-"""Checks for the lab 01 exercises (:mod:`llmlab.exercises.lab01`)."""
+"""Checks for the lab 01 exercises (:mod:`llmlab.solutions.lab01`)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from llmlab.check._base import _fail, _ok, _close, _run_on_ranks
-from llmlab.exercises import lab01 as ex
+from llmlab.solutions import lab01 as ex
 
 
 def _ring_job(fn, world):

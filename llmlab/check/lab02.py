@@ -1,4 +1,4 @@
-"""Checks for the lab 02 exercises (:mod:`llmlab.exercises.lab02`)."""
+"""Checks for the lab 02 exercises (:mod:`llmlab.solutions.lab02`)."""
 from __future__ import annotations
 
 import torch

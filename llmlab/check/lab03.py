@@ -1,4 +1,4 @@
-"""Checks for the lab 03 exercises (:mod:`llmlab.exercises.lab03`)."""
+"""Checks for the lab 03 exercises (:mod:`llmlab.solutions.lab03`)."""
 from __future__ import annotations
 
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.check._base import _close, _fail, _ok, _run_on_ranks
-from llmlab.exercises import lab03 as ex
+from llmlab.solutions import lab03 as ex
 
 
 def one_f_one_b(fn) -> bool:

@@ -1,4 +1,4 @@
-"""Checks for the lab 04 exercises (:mod:`llmlab.exercises.lab04`)."""
+"""Checks for the lab 04 exercises (:mod:`llmlab.solutions.lab04`)."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.check._base import _fail, _ok, _close, _run_on_ranks
-from llmlab.exercises import lab04 as ex
+from llmlab.solutions import lab04 as ex
 
 
 def topk_route(fn) -> bool:

@@ -1,11 +1,11 @@
-"""Checks for the lab 05 exercises (:mod:`llmlab.exercises.lab05`)."""
+"""Checks for the lab 05 exercises (:mod:`llmlab.solutions.lab05`)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from llmlab.check._base import _close, _fail, _ok, _run_on_ranks
-from llmlab.exercises import lab05 as ex
+from llmlab.solutions import lab05 as ex
 
 
 def shard_range(fn) -> bool:

@@ -1,9 +1,9 @@
-"""Checks for the lab 06 exercises (:mod:`llmlab.exercises.lab06`)."""
+"""Checks for the lab 06 exercises (:mod:`llmlab.solutions.lab06`)."""
 from __future__ import annotations
 
 
 from llmlab.check._base import _fail, _ok
-from llmlab.exercises import lab06 as ex
+from llmlab.solutions import lab06 as ex
 from llmlab.inference.block_manager import chain_hash
 from llmlab.inference.paged_attention import slot_mapping as engine_slot_mapping
 

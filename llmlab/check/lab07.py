@@ -1,11 +1,11 @@
-"""Checks for the lab 07 exercises (:mod:`llmlab.exercises.lab07`)."""
+"""Checks for the lab 07 exercises (:mod:`llmlab.solutions.lab07`)."""
 from __future__ import annotations
 
 import math
 import random
 
 from llmlab.check._base import _fail, _ok
-from llmlab.exercises import lab07 as ex
+from llmlab.solutions import lab07 as ex
 
 
 def schedule_step(fn) -> bool:

@@ -1,9 +1,9 @@
-"""Checks for the lab 08 exercises (:mod:`llmlab.exercises.lab08`)."""
+"""Checks for the lab 08 exercises (:mod:`llmlab.solutions.lab08`)."""
 from __future__ import annotations
 
 
 from llmlab.check._base import _fail, _ok
-from llmlab.exercises import lab08 as ex
+from llmlab.solutions import lab08 as ex
 
 
 def rank_coords(fn) -> bool:

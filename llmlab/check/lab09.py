@@ -1,10 +1,10 @@
-"""Checks for the lab 09 exercises (:mod:`llmlab.exercises.lab09`)."""
+"""Checks for the lab 09 exercises (:mod:`llmlab.solutions.lab09`)."""
 from __future__ import annotations
 
 import torch
 
 from llmlab.check._base import _fail, _ok, _close
-from llmlab.exercises import lab09 as ex
+from llmlab.solutions import lab09 as ex
 
 
 def online_softmax_update(fn) -> bool:

@@ -1,11 +1,11 @@
-"""Checks for the lab 10 exercises (:mod:`llmlab.exercises.lab10`)."""
+"""Checks for the lab 10 exercises (:mod:`llmlab.solutions.lab10`)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from llmlab.check._base import _close, _fail, _ok, _run_on_ranks
-from llmlab.exercises import lab10 as ex
+from llmlab.solutions import lab10 as ex
 
 
 def _partial(s, v):

@@ -1,11 +1,12 @@
-"""Checks for the lab 11 exercises (:mod:`llmlab.exercises.lab11`)."""
+"""Checks for the lab 11 exercises (:mod:`llmlab.solutions.lab11`)."""
 from __future__ import annotations
 
 import math
 import random
 
 from llmlab.check._base import _fail, _ok
-from llmlab.exercises import lab11 as ex
+from llmlab.serve.router import Router
+from llmlab.solutions import lab11 as ex
 
 
 def least_loaded(fn) -> bool:
@@ -20,7 +21,31 @@ def least_loaded(fn) -> bool:
                     else "equal loads: go round from `start` (start, start+1, ..., then wrap to 0), "
                          "so idle replicas take turns")
             _fail(name, f"loads={loads}, start={start}", want, got, hint)
-    return _ok(name, "smallest load, ties round-robin from start")
+    want, got = _routed(ex.least_loaded), _routed(fn)
+    if got != want:
+        _fail(name, "as a Router's policy: replicas picked for 6 requests arriving on 3 idle "
+                    "replicas, each staying in flight", want, got,
+              "the router passes start = the replica after the last one picked; with equal loads "
+              "go round from there.")
+    return _ok(name, "smallest load, ties round-robin from start; as a Router's policy")
+
+
+class _Replica:
+    """What a Router reads of a replica: whether it runs and its requests in flight."""
+    is_running = True
+
+    def __init__(self):
+        self.num_in_flight = 0
+
+
+def _routed(policy) -> list[int]:
+    replicas = [_Replica() for _ in range(3)]
+    router, picked = Router(replicas, policy=policy), []
+    for _ in range(6):
+        r = router.pick()
+        r.num_in_flight += 1
+        picked.append(replicas.index(r))
+    return picked
 
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -60,12 +60,12 @@ class RoomPlan:
 
 
 def node_inventory() -> dict:
-    """What ``llmlab doctor`` reports about this machine (:func:`llmlab.doctor.hardware`: ``cpu_cores``,
+    """What ``llmlab doctor`` reports about this machine (:func:`llmlab.runtime.hardware.hardware`: ``cpu_cores``,
     ``gpus`` with ``index`` and ``memory_bytes``), plus ``usable_cores`` (this process's affinity
     set) and ``memory_bytes`` (RAM)."""
     import psutil
 
-    from llmlab.doctor import hardware
+    from llmlab.runtime.hardware import hardware
     inv = hardware()
     inv["usable_cores"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else list(range(os.cpu_count() or 1))

@@ -4,8 +4,9 @@ Each lab has exercise cells: the learner writes a function, then a :mod:`llmlab.
 it (on real ranks where communication is the point) against the reference solution on the same
 seed and data, and says in plain words what differs. The labs run with solutions switched on in CI.
 
-``llmlab/exercises/labNN.py`` holds lab NN's solutions (each docstring is the exercise statement)
-and lists them in ``EXERCISES``; ``llmlab/check/labNN.py`` holds their checks, under the same names.
+``llmlab/solutions/labNN.py`` holds lab NN's solutions (each docstring is the exercise statement;
+:mod:`llmlab.solutions` is the registry of them); ``llmlab/check/labNN.py`` holds their checks,
+under the same names. This module is the notebooks' face over both.
 
 Switching:
 
@@ -26,27 +27,24 @@ failed check raises instead.
 """
 from __future__ import annotations
 
-import importlib
-import os
+from llmlab.check import CHECKS
+from llmlab.solutions import LAB_OF, LABS, SOLUTIONS, solutions_on
 
-LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
-
-SOLUTIONS: dict = {}  # exercise name -> reference solution
-LAB_OF: dict[str, str] = {}  # exercise name -> lab number ("00".."11")
-for _lab in LABS:
-    for _fn in importlib.import_module(f"{__name__}.lab{_lab}").EXERCISES:
-        if _fn.__name__ in SOLUTIONS:
-            raise RuntimeError(f"exercise name {_fn.__name__!r} is used by two labs")
-        SOLUTIONS[_fn.__name__] = _fn
-        LAB_OF[_fn.__name__] = _lab
-globals().update(SOLUTIONS)  # llmlab.exercises.<name> is the reference solution
+__all__ = ["LABS", "LAB_OF", "SOLUTIONS", "solutions_on", "reveal", "pick", "use", *sorted(SOLUTIONS)]
 
 _revealed: set[str] = set()
 
 
-def solutions_on() -> bool:
-    """Whether ``LLMLAB_SOLUTIONS`` switches every exercise to its solution."""
-    return os.environ.get("LLMLAB_SOLUTIONS", "0") not in ("", "0", "false", "False")
+def __getattr__(name: str):
+    """``llmlab.exercises.<name>``: that exercise's reference solution."""
+    try:
+        return SOLUTIONS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(SOLUTIONS))
 
 
 def _known(name: str) -> None:
@@ -74,6 +72,5 @@ def use(name: str, learner_fn):
 
     Raises ``KeyError`` for an unknown ``name``; :class:`llmlab.check.ExerciseFailed` when the
     check fails under ``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``."""
-    from llmlab import check  # check imports this module
     fn = pick(name, learner_fn)
-    return fn if getattr(check, name)(fn) else SOLUTIONS[name]
+    return fn if CHECKS[name](fn) else SOLUTIONS[name]

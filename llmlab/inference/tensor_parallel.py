@@ -14,8 +14,13 @@ copies and swaps too, to the other ranks, which run the same forward on their sh
 (:func:`run_worker`); vLLM's driver worker broadcasts its step inputs the same way. Greedy tokens
 equal single-device ones (the same maths; only the order of the row-parallel sums changes).
 
-Ranks: :meth:`TensorParallelRunner.launch` spawns ``tp - 1`` worker processes and makes the
-calling process rank 0 (gloo on CPU, NCCL on GPUs, rank ``r`` on ``cuda:r``), or, when
+The layers are placed by training's plan (:data:`llmlab.parallel.tp_plan.TP_PLAN`, applied by
+:func:`~llmlab.parallel.tp_plan.apply_plan`); inference only gathers the head's logits for sampling.
+
+Ranks: :meth:`TensorParallelRunner.launch` starts ``tp - 1`` worker processes with
+:mod:`llmlab.runtime.process` (the fork server, a loopback store hosted by this process for the
+rendezvous, ``LLMLAB_PG_TIMEOUT``) and makes the calling process rank 0 (gloo on CPU, NCCL on
+GPUs, rank ``r`` on ``cuda:r``), or, when
 ``torch.distributed`` is already initialised (``torchrun``, several nodes), uses the ranks it
 finds: there every rank other than 0 calls :func:`run_worker` instead of building an engine.
 One tensor-parallel engine per process (it owns the default process group).
@@ -24,25 +29,23 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import os
-import pickle
-import socket
-import subprocess
 import sys
 import traceback
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
 from llmlab.inference.attention_context import AttentionBatch
 from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner
+from llmlab.model.layers import MLP
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.tensor_parallel import check_shardable
+from llmlab.parallel.tp_plan import TP_PLAN, apply_plan
+from llmlab.runtime import process
 from llmlab.runtime.messages import broadcast_message
-from llmlab.model.llama import MLP, LlamaForCausalLM
-
-TIMEOUT_S = 300
 
 
 def validate(config, tp: int, quantization=None) -> None:
@@ -60,34 +63,17 @@ def validate(config, tp: int, quantization=None) -> None:
 
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
-    """Replace ``model``'s layers by this rank's tensor-parallel shards, in place (see module
-    docstring); each attention module's ``num_heads``/``num_kv_heads`` become this rank's."""
-    from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                 VocabParallelEmbedding)
-    tp, r = dist.get_world_size(group), dist.get_rank(group)
-    validate(model.config, tp)
-    inner = model.model
-    for layer in inner.layers:
-        a = layer.self_attn
-        H, KV = a.num_heads, a.num_kv_heads
-        kv_shard, kv_n = (r // (tp // KV), KV) if KV < tp else (r, tp)
-        a.q_proj = ColumnParallelLinear.from_linear(a.q_proj, group)
-        a.k_proj = ColumnParallelLinear.from_linear(a.k_proj, group, shard=kv_shard, num_shards=kv_n)
-        a.v_proj = ColumnParallelLinear.from_linear(a.v_proj, group, shard=kv_shard, num_shards=kv_n)
-        a.o_proj = RowParallelLinear.from_linear(a.o_proj, group)
-        a.num_heads, a.num_kv_heads, a.fused_qkv = H // tp, max(1, KV // tp), None
-        if type(layer.mlp) is not MLP:
-            raise ValueError("tensor-parallel inference needs dense MLPs")
-        m = layer.mlp
-        m.gate_proj = ColumnParallelLinear.from_linear(m.gate_proj, group)
-        m.up_proj = ColumnParallelLinear.from_linear(m.up_proj, group)
-        m.down_proj = RowParallelLinear.from_linear(m.down_proj, group)
-        m.fused_gate_up = None
-    inner.embed_tokens = VocabParallelEmbedding.from_embedding(inner.embed_tokens, group)
-    lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, gather_output=True)
+    """Replace ``model``'s layers by this rank's tensor-parallel shards, in place, with training's
+    plan (:data:`~llmlab.parallel.tp_plan.TP_PLAN`; see the module docstring); ``lm_head`` gathers
+    its logits (``[*, V]`` on every rank, for sampling) and is tied to the embedding when the
+    model ties them. Raises ``ValueError`` when ``tp`` cannot shard the model."""
+    validate(model.config, dist.get_world_size(group))
+    if any(type(layer.mlp) is not MLP for layer in model.model.layers):
+        raise ValueError("tensor-parallel inference needs dense MLPs")
+    apply_plan(model, TP_PLAN, group, sequence_parallel=False)
+    model.lm_head.gather_output = True
     if model.config.tie_word_embeddings:
-        lm_head.weight = inner.embed_tokens.weight
-    model.lm_head = lm_head
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
@@ -124,7 +110,7 @@ class TensorParallelRunner(ModelRunner):
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
         self.procs: list = []
-        self._owns_group = False
+        self._owns_group, self._store = False, None
         self._stopped = False
 
     # --- rank 0: broadcast, then do -----------------------------------------------------------
@@ -141,7 +127,7 @@ class TensorParallelRunner(ModelRunner):
         one did. Either way the ranks are out of step, so the engine cannot go on
         (:class:`EngineDeadError`; a one-device engine fails only the step's requests)."""
         for r, p in enumerate(self.procs, start=1):
-            code = p.poll()
+            code = p.exitcode
             if code is not None:
                 return EngineDeadError(f"tensor-parallel rank {r} exited with code {code} (its "
                                        f"traceback, if any, is on stderr); the engine cannot step")
@@ -202,13 +188,11 @@ class TensorParallelRunner(ModelRunner):
         except Exception:                      # a rank is gone already: nothing to stop there
             pass
         for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+            p.join(30)
+        process.stop(self.procs)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None
 
     @classmethod
     def launch(cls, model: LlamaForCausalLM, spec, tp: int, device: torch.device,
@@ -217,7 +201,7 @@ class TensorParallelRunner(ModelRunner):
         engine's ``model`` argument, itself when it is a path or preset name) unless
         ``torch.distributed`` is initialised already with ``tp`` ranks (``torchrun``)."""
         validate(model.config, tp)
-        procs, owns = [], False
+        procs, store, owns = [], None, False
         if dist.is_initialized():
             if dist.get_world_size() != tp or dist.get_rank() != 0:
                 raise ValueError(f"tensor_parallel_size={tp} under an initialised process group of "
@@ -226,35 +210,43 @@ class TensorParallelRunner(ModelRunner):
             broadcast_message(runner_args, src=0,                   # the cache sizes rank 0 chose
                               device=_comm_device(None, _rank_device(device, 0)))
         else:
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            port = _free_port()
-            payload = spec if isinstance(spec, str) else model.state_dict()
-            for r in range(1, tp):          # fresh interpreters: the caller's __main__ is not re-run
-                p = subprocess.Popen([sys.executable, "-c", _WORKER_CMD], stdin=subprocess.PIPE)
-                p.stdin.write(pickle.dumps((r, tp, port, backend, payload, model.config,
-                                            str(device), runner_args,
-                                            max(1, (os.cpu_count() or 1) // tp))))
-                p.stdin.close()
-                procs.append(p)
-            try:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                        world_size=tp, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-            except Exception:
-                for p in procs:
-                    p.kill()
-                raise
+            procs, store = _start_workers(model, spec, tp, device, runner_args)
             owns = True
         runner = cls(shard_model(model, dist.group.WORLD), device=_rank_device(device, 0), **runner_args)
         runner.procs, runner._owns_group = procs, owns
+        runner._store = store       # the rendezvous store lives as long as the process group
         atexit.register(runner.shutdown)
         return runner
+
+
+def _start_workers(model, spec, tp: int, device: torch.device, runner_args: dict):
+    """Start ranks 1..tp-1 (:mod:`llmlab.runtime.process`), each loading ``spec`` itself when it is
+    a path or preset name, else ``model``'s weights; join them in this process's default group as
+    rank 0. Returns ``(processes, the rendezvous store)``; on a failed rendezvous they are stopped and the error raised."""
+    backend = process.resolve_backend("auto", tp, device=device.type)
+    store = process.loopback_store()          # bound before any worker starts: no port race
+    weights = spec if isinstance(spec, str) else model.state_dict()
+    payload = cloudpickle.dumps((weights, model.config, runner_args))
+    threads = max(1, (os.cpu_count() or 1) // tp)
+    env = process.local_env(backend)
+    procs = []
+    try:
+        for r in range(1, tp):
+            procs.append(process.start(_worker_entry, (r, tp, store.port, backend, payload,
+                                                       str(device), threads, env),
+                                       name=f"llmlab-tp-rank{r}"))
+        process.init_process_group(backend, store, 0, tp)
+    except BaseException:
+        process.stop(procs)
+        raise
+    return procs, store
 
 
 def join_torchrun(tp: int) -> int:
     """Under ``torchrun`` with ``tp > 1``: initialise the process group from the environment
     (``WORLD_SIZE`` must equal ``tp``) and return this rank; otherwise 0 (rank 0 spawns its own
     workers). Raises ``ValueError`` for a world size other than ``tp``."""
-    from llmlab.runtime.launch import under_torchrun
+    from llmlab.runtime.launch import resolve_torchrun_backend, under_torchrun
     if tp == 1 or not under_torchrun():
         return 0
     world = int(os.environ["WORLD_SIZE"])
@@ -262,11 +254,10 @@ def join_torchrun(tp: int) -> int:
         raise ValueError(f"--tensor-parallel-size {tp} but torchrun started {world} ranks")
     if not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = resolve_torchrun_backend("auto")
         if backend == "nccl":
             torch.cuda.set_device(local % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(backend, init_method="env://", timeout=process.pg_timeout())
     return dist.get_rank()
 
 
@@ -289,36 +280,24 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_WORKER_CMD = "from llmlab.inference.tensor_parallel import _worker_entry; _worker_entry()"
-
-
-def _worker_entry() -> None:
-    """A spawned rank > 0: its arguments arrive pickled on stdin; it dies with its parent."""
-    from llmlab.runtime.launch import _die_with_parent
-    _die_with_parent()
-    _worker_main(*pickle.loads(sys.stdin.buffer.read()))
-
-
-def _worker_main(rank, tp, port, backend, payload, config, device, runner_args, threads=1) -> None:
+def _worker_entry(rank, tp, port, backend, payload, device, threads, env) -> None:
+    """A started rank > 0: it dies with its parent, joins rank 0's store, loads the model and
+    serves rank 0's steps; a failure prints its traceback to stderr and exits 1."""
+    process.die_with_parent()
+    os.environ.update(env)         # the fork server's environment dates from its start
     try:
         if backend == "gloo":
             torch.set_num_threads(threads)     # CPU ranks share the cores: no OpenMP spin-waiting
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=tp, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        if isinstance(payload, str):
+        process.init_process_group(backend, process.join_store("127.0.0.1", port), rank, tp)
+        weights, config, runner_args = cloudpickle.loads(payload)
+        if isinstance(weights, str):
             from llmlab.inference import loader
-            model, _, _, _ = loader.load(payload)
+            model, _, _, _ = loader.load(weights)
         else:
             model = LlamaForCausalLM(config, seed=None)
-            model.load_state_dict(payload)
+            model.load_state_dict(weights)
         runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
                                       device=_rank_device(torch.device(device), rank), **runner_args)
         runner.serve()

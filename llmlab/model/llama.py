@@ -22,24 +22,8 @@ from torch import nn
 from llmlab import kernels
 from llmlab.model.config import ModelConfig
 from llmlab.model.context import get_context
+from llmlab.model.layers import MLP, RMSNorm, concat_linears
 from llmlab.model.moe import MoE
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in fp32 like HF Llama."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.use_fused("rmsnorm", x):      # opt-in fused Triton kernel (llmlab.kernels)
-            return kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
@@ -119,26 +103,6 @@ def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _concat_linears(mods: list[nn.Linear]):
-    """One weight for several ``nn.Linear`` layers that read the same input: the layers' weights
-    (and biases) become views of one concatenated tensor (no extra memory), so one matmul replaces
-    ``len(mods)``. Returns ``(weight, bias or None, out_features of each)``, or None when a layer
-    is not a plain ``nn.Linear`` (e.g. int8 weights) or the biases differ in presence. Inference
-    only: the views are no longer trainable leaves."""
-    if not all(type(m) is nn.Linear for m in mods) or len({m.bias is None for m in mods}) != 1:
-        return None
-    w = torch.cat([m.weight.data for m in mods])
-    b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
-    r = 0
-    for m in mods:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[r:r + n], requires_grad=False)
-        if b is not None:
-            m.bias = nn.Parameter(b[r:r + n], requires_grad=False)
-        r += n
-    return w, b, [m.weight.shape[0] for m in mods]
-
-
 class Attention(nn.Module):
     """Causal grouped-query self-attention. ``forward(x [B,T,h], cos, sin) -> [B,T,h]``.
 
@@ -166,8 +130,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * D, h, bias=config.o_proj_bias)
 
     def fuse(self) -> None:
-        """q/k/v as one matmul over views of one weight (inference; see :func:`_concat_linears`)."""
-        self.fused_qkv = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        """q/k/v as one matmul over views of one weight (inference; see :func:`concat_linears`)."""
+        self.fused_qkv = concat_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -189,31 +153,6 @@ class Attention(nn.Module):
             return self.o_proj(o.reshape(B, T, H * D))
         out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, ``[B,T,h] -> [B,T,h]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.fused_gate_up = None    # (weight, bias, split) after fuse(): one gate/up matmul
-
-    def fuse(self) -> None:
-        """gate/up as one matmul over views of one weight (inference; see :func:`_concat_linears`)."""
-        self.fused_gate_up = _concat_linears([self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None:
-            w, b, split = self.fused_gate_up
-            gate, up = F.linear(x, w, b).split(split, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        if kernels.use_fused("swiglu", gate):      # opt-in fused Triton kernel (llmlab.kernels)
-            return self.down_proj(kernels.swiglu(gate, up))
-        return self.down_proj(F.silu(gate) * up)
 
 
 def make_mlp(config: ModelConfig) -> nn.Module:

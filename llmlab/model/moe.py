@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab.model.config import ModelConfig
+from llmlab.model.layers import MLP
 
 
 class MoE(nn.Module):
@@ -66,7 +67,6 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        from llmlab.model.llama import MLP  # late import: llama.py imports this module lazily
         if config.num_experts < 1:
             raise ValueError(f"num_experts={config.num_experts} must be >= 1 for a MoE layer")
         config.validate()

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from llmlab.parallel.configs import ContextParallelConfig
 from llmlab.parallel.ring_attention import ring_attention, ring_token_indices
 from llmlab.parallel.ulysses import check_heads, ulysses_attention, ulysses_token_indices
 
@@ -84,10 +85,10 @@ def apply_context_parallel(model, mesh, mode: str, seq_len: int, overlap: bool =
     return model
 
 
-def validate_layout(cfg, mc) -> None:
+def validate_layout(cfg: ContextParallelConfig, mc) -> None:
     """Checks run before any rank starts (``TrainConfig.validate`` calls this); ``ValueError``
     names the constraint, ``NotImplementedError`` a combination this version does not have."""
-    cp, mode = getattr(cfg, "cp", 1), getattr(cfg, "cp_mode", "ring")
+    cp, mode = cfg.cp, cfg.mode
     if mode not in MODES:
         raise ValueError(f"--cp-mode {mode!r}: expected one of {', '.join(MODES)}")
     if cp == 1:
@@ -99,7 +100,7 @@ def validate_layout(cfg, mc) -> None:
         if cfg.seq_len % cp:
             raise ValueError(f"--cp {cp} (ulysses): --seq-len {cfg.seq_len} must be divisible by cp")
         check_heads(mc.num_attention_heads, mc.num_key_value_heads, cp, cfg.tp)
-    if getattr(cfg, "sequence_parallel", False) and (cfg.seq_len // cp) % cfg.tp:
+    if cfg.sequence_parallel and (cfg.seq_len // cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp {cp}: tp={cfg.tp} must divide the tokens "
                          f"per CP rank, --seq-len/cp = {cfg.seq_len // cp}")
     from llmlab import kernels

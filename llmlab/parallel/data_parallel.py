@@ -30,7 +30,7 @@ Every mode divides each gradient by the group size *before* the sum (the torch.d
 gradient does: the rule every gradient reduction follows, ZeRO's too
 (:mod:`llmlab.parallel.grad_reduce`).
 
-Parameters marked ``p.expert_parallel = True`` (expert parallelism) are averaged over
+Parameters recorded ``expert_parallel`` (expert parallelism; :mod:`llmlab.parallel.records`) are averaged over
 ``mesh.groups["edp"]`` instead of ``mesh.groups["dp"]``: buckets are kept per process group.
 
 Every collective goes through :mod:`llmlab.runtime.comm`, so ``COUNTER`` reports the bytes: for
@@ -48,6 +48,9 @@ from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
 from llmlab.parallel.grad_reduce import predivide_
+from llmlab.parallel.configs import DataParallelConfig
+from llmlab.parallel.protocols import replica_grads
+from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 
 MODES = ("naive", "ddp", "ring")
@@ -112,7 +115,7 @@ def ring_all_reduce(t: torch.Tensor, group=None, trace: list | None = None) -> t
 # Which group reduces a parameter
 # --------------------------------------------------------------------------------------------
 def _group_key(p: nn.Parameter) -> str:
-    return "edp" if getattr(p, "expert_parallel", False) else "dp"
+    return "edp" if param_record(p).expert_parallel else "dp"
 
 
 def broadcast_parameters(module: nn.Module, mesh) -> None:
@@ -129,7 +132,8 @@ def broadcast_parameters(module: nn.Module, mesh) -> None:
 
 
 class _DataParallelBase(nn.Module):
-    """Shared parts: the replica, parameter broadcast, the ``no_sync`` flag."""
+    """Shared parts: the replica, parameter broadcast, the ``no_sync`` flag; the gradients are the
+    parameters' own (:class:`~llmlab.parallel.protocols.TrainedModule`)."""
 
     def __init__(self, module: nn.Module, mesh):
         super().__init__()
@@ -149,6 +153,12 @@ class _DataParallelBase(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        return p.grad
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return replica_grads(self.module)
 
 
 class NaiveDataParallel(_DataParallelBase):
@@ -366,8 +376,8 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
                        **kwargs) -> nn.Module:
     """Wrap ``module`` for data parallelism over ``mesh`` (``mode`` in naive, ddp, ring).
 
-    Returns a module with ``forward``, ``.module``, ``no_sync()`` and ``finish_grad_sync()``
-    (the protocol of :class:`llmlab.training.trainer.LocalModule`). Broadcasts the parameters
+    Returns a :class:`~llmlab.parallel.protocols.TrainedModule` (``forward``, ``.module``,
+    ``no_sync()``, ``finish_grad_sync()``, ``grad_of``, ``grad_tensors``). Broadcasts the parameters
     from each group's first rank; must be called on every rank. Raises ``ValueError`` for an
     unknown mode or ``bucket_mb <= 0``.
     """
@@ -380,11 +390,11 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
     raise ValueError(f"data-parallel mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(c: DataParallelConfig, model_config) -> None:
     """Checks run before launch (called by ``llmlab.training.config.validate``)."""
-    if cfg.dp_mode not in MODES:
-        raise ValueError(f"--dp-mode {cfg.dp_mode!r}: expected one of {', '.join(MODES)}")
-    if cfg.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    if cfg.global_batch_size % cfg.dp:
-        raise ValueError(f"dp={cfg.dp} must divide --global-batch-size {cfg.global_batch_size}")
+    if c.mode not in MODES:
+        raise ValueError(f"--dp-mode {c.mode!r}: expected one of {', '.join(MODES)}")
+    if c.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {c.bucket_mb}")
+    if c.global_batch_size % c.dp:
+        raise ValueError(f"dp={c.dp} must divide --global-batch-size {c.global_batch_size}")

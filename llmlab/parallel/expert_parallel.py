@@ -27,7 +27,8 @@ through the combine all-to-all, so averaging over ``edp`` alone would be ``ep`` 
 (Megatron scales expert gradients by ``1/dp``, not ``1/edp``, for this reason). Here the MoE
 layer divides its experts' weight gradients by ``ep`` in backward (:class:`_ScaleGrad`, the
 token gradients are unchanged), so data parallelism treats both kinds the same way: **average
-over the parameter's group** (``dp`` for dense, ``edp`` for ``p.expert_parallel``).
+over the parameter's group** (``dp`` for dense, ``edp`` for a parameter whose
+:class:`~llmlab.parallel.records.ParamRecord` says ``expert_parallel``).
 
 Capacity is applied by each rank to its own tokens before dispatch (per-rank capacity, as in
 GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's slice.
@@ -39,6 +40,8 @@ from torch import nn
 
 from llmlab.model.moe import MoE, moe_layers
 from llmlab.parallel.grad_reduce import predivide_
+from llmlab.parallel.configs import ExpertParallelConfig
+from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 
 
@@ -116,7 +119,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
     route tokens to the others with all-to-all over ``mesh.groups["ep"]``.
 
     Rank ``i`` of an EP group holds experts ``[i*E/ep, (i+1)*E/ep)``. Expert parameters are
-    marked ``p.expert_parallel = True`` (reduce them over ``mesh.groups["edp"]``, averaging, like
+    recorded ``expert_parallel`` (:func:`~llmlab.parallel.records.param_record`; reduce them over ``mesh.groups["edp"]``, averaging, like
     dense ones over ``dp``; see the module doc for the 1/ep factor). Modifies ``model`` in place
     and returns it. Raises ``ValueError`` if ``mesh.ep`` does not divide the expert count.
     """
@@ -134,7 +137,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
         layer.local_experts = keep
         layer.ep_group, layer.ep_size, layer.ep_rank = mesh.groups.get("ep"), ep, ep_rank
         for p in experts.parameters():
-            p.expert_parallel = True
+            param_record(p).expert_parallel = True
     return model
 
 
@@ -145,7 +148,7 @@ def sync_moe_grads(model: nn.Module, mesh) -> None:
     for p in model.parameters():
         if p.grad is None:
             continue
-        name = "edp" if getattr(p, "expert_parallel", False) else "dp"
+        name = "edp" if param_record(p).expert_parallel else "dp"
         group = mesh.groups.get(name)
         if group is not None:   # divided before the sum (llmlab.parallel.grad_reduce)
             comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
@@ -157,7 +160,7 @@ def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: i
     return top_k * tokens * hidden * bytes_per_element
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: ExpertParallelConfig, model_config) -> None:
     """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint)."""
     E = model_config.num_experts
     if cfg.ep > 1 and not E:

@@ -26,24 +26,21 @@ stage's returned loss, the sum over micro-batches, equals the one-rank loss of t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import device_clock
+from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
     B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
     build_schedule, check_schedule_args, message_key)
 from llmlab.runtime import comm
 
 
-def num_chunks(cfg) -> int:
-    """Model chunks per rank: ``virtual_stages`` for the interleaved schedule, else 1."""
-    return cfg.virtual_stages if cfg.pp_schedule == "interleaved" else 1
-
-
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: PipelineConfig, model_config) -> None:
     """Refuse, before any rank starts, what the pipeline cannot run. Raises ``ValueError``:
 
     * ``virtual_stages > 1`` without ``--pp > 1 --pp-schedule interleaved``;
@@ -57,8 +54,8 @@ def validate_layout(cfg, model_config) -> None:
                              f"--pp-schedule interleaved")
         return
     v = cfg.virtual_stages
-    check_schedule_args(cfg.pp_schedule, cfg.pp, cfg.num_microbatches, v)
-    L, S = model_config.num_hidden_layers, cfg.pp * num_chunks(cfg)
+    check_schedule_args(cfg.schedule, cfg.pp, cfg.num_microbatches, v)
+    L, S = model_config.num_hidden_layers, cfg.pp * cfg.num_chunks
     if L % S:
         what = f"pp*virtual_stages = {cfg.pp}*{v} = {S}" if S != cfg.pp else f"pp={cfg.pp}"
         raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
@@ -133,6 +130,34 @@ def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | Non
     return PipelineModule(chunks)
 
 
+@dataclasses.dataclass
+class _Flush:
+    """What one flush keeps between its actions: tensors by ``(chunk, micro-batch)`` (inputs
+    received, outputs kept for backward, gradients received or to send, activations to send), the
+    sends not yet waited for, the timeline events and the running losses."""
+
+    microbatches: list
+    weights: list
+    loss_scale: float
+    last_b: int                     # index of the flush's last backward action
+    dtype: torch.dtype
+    inputs: dict = dataclasses.field(default_factory=dict)
+    outputs: dict = dataclasses.field(default_factory=dict)
+    grads: dict = dataclasses.field(default_factory=dict)
+    to_send: dict = dataclasses.field(default_factory=dict)
+    pending_sends: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)
+    loss_total: float = 0.0
+    aux_total: float = 0.0
+    inflight: int = 0
+    t_start: float = 0.0
+
+    def __post_init__(self):
+        self.m = len(self.microbatches)
+        self.device = self.microbatches[0][0].device
+        self.now = device_clock(self.device)  # on a GPU: after the queued work is done, not when queued
+
+
 class PipelineRunner:
     """Runs one pipeline flush per step on this rank (see the module docstring).
 
@@ -173,26 +198,26 @@ class PipelineRunner:
         kind, s, mb = message_key(a, self.r, self.p)
         return ((0 if kind == "act" else 1) * self.p * self.v + s) * m + mb
 
-    # --- one flush --------------------------------------------------------------------------
+    # --- one flush: its phases are the action kinds of the schedule ------------------------------
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
             loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> float | None:
         """One flush. ``loss_weights[i]`` multiplies micro-batch ``i``'s cross-entropy (default
         ``1/M``; the trainer passes its labelled-token weights); the scalars that start backward
         (loss on the last stage, MoE auxiliary losses everywhere) are multiplied by ``loss_scale``
-        (the fp16 loss scale), so every stage's gradients carry it, as without pipelining."""
+        (the fp16 loss scale), so every stage's gradients carry it, as without pipelining.
+
+        The schedule's actions run in order: a run of consecutive p2p actions as one
+        communication batch (:meth:`_communicate`), then each :meth:`_forward` or
+        :meth:`_backward`; the warm-up, steady state and cool-down of 1F1B are simply where the
+        schedule puts them. :meth:`_finish` waits for the last sends and records the timeline."""
         m = len(microbatches)
-        weights = loss_weights or [1.0 / m] * m
-        self.num_microbatches = m
         acts = self.actions(m)
-        last_b = max(i for i, a in enumerate(acts) if a.op == B)
-        device = microbatches[0][0].device
-        dtype = next(self.module.parameters()).dtype
-        now = device_clock(device)  # on a GPU: after the queued work is done, not when queued
-        inputs, outputs, grads, to_send = {}, {}, {}, {}
-        pending_sends, events = [], []
-        loss_total, aux_total, inflight = 0.0, 0.0, 0
+        self.num_microbatches = m
+        f = _Flush(microbatches, loss_weights or [1.0 / m] * m, loss_scale,
+                   last_b=max(i for i, a in enumerate(acts) if a.op == B),
+                   dtype=next(self.module.parameters()).dtype)
         dist.barrier(group=self.group)  # bookkeeping: a common start for the flush
-        t_start = now()
+        f.t_start = f.now()
         i = 0
         while i < len(acts):
             a = acts[i]
@@ -200,88 +225,106 @@ class PipelineRunner:
                 j = i
                 while j < len(acts) and acts[j].op in COMM:
                     j += 1
-                batch = acts[i:j]
-                t0 = now()
-                ops, recvs = [], []
-                for b in batch:
-                    peer = self.stage_ranks[b.peer]
-                    tag = self._tag(b, m)
-                    if b.op == SEND_ACT:
-                        t = to_send.pop((b.chunk, b.mb)).contiguous()
-                        ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
-                    elif b.op == SEND_GRAD:
-                        t = grads.pop((b.chunk, b.mb)).contiguous()
-                        ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
-                    else:
-                        t = torch.empty(self.hidden_shape_fn(microbatches[b.mb][0]),
-                                        dtype=dtype, device=device)
-                        ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
-                        recvs.append((b, t))
-                works = comm.batch_isend_irecv(ops)
-                t1 = now()
-                sends = [b for b in batch if b.op in (SEND_ACT, SEND_GRAD)]
-                if sends:  # "send": posting the batch
-                    events.append(["send", sends[0].chunk, sends[0].mb, t0 - t_start, t1 - t_start])
-                if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
-                    for w in works:  # wait on all of them before any received tensor is read
-                        w.wait()
-                    events.append(["recv", recvs[0][0].chunk, recvs[0][0].mb, t1 - t_start,
-                                   now() - t_start])  # "recv": waiting for the batch
-                else:  # sends only: go on computing; the tensors live until the end-of-flush wait
-                    pending_sends.append((works, [op.tensor for op in ops]))
-                for b, t in recvs:
-                    if b.op == RECV_ACT:
-                        inputs[(b.chunk, b.mb)] = t.requires_grad_()
-                    else:
-                        grads[(b.chunk, b.mb)] = t
+                self._communicate(f, acts[i:j])
                 i = j
                 continue
-            t0 = now()
-            chunk = self.module.chunks[a.chunk]
-            key = (a.chunk, a.mb)
+            t0 = f.now()
             if a.op == F:
-                x = microbatches[a.mb][0] if chunk.is_first else inputs[key]
-                out = chunk(x)
-                aux = chunk.aux_loss() if self.has_aux else 0.0
-                if chunk.is_last:
-                    loss = self.model.compute_loss(out, microbatches[a.mb][1]) * weights[a.mb]
-                    loss_total += loss.item()
-                    out = loss * loss_scale
-                else:
-                    to_send[key] = out.detach()
-                if torch.is_tensor(aux):
-                    aux_total += float(aux.detach()) / m
-                    out = (out, aux * (loss_scale / m))
-                outputs[key] = out
-                inflight += 1
-                self.peak_inflight = max(self.peak_inflight, inflight)
+                self._forward(f, a)
             else:
-                out = outputs.pop(key)
-                tensors, grad_tensors = (list(out), None) if isinstance(out, tuple) else ([out], None)
-                if not chunk.is_last:
-                    grad_tensors = [grads.pop(key)] + [None] * (len(tensors) - 1)
-                ctx = (self.wrapper.no_sync() if self.wrapper is not None and i != last_b
-                       else contextlib.nullcontext())
-                with ctx:
-                    torch.autograd.backward(tensors, grad_tensors)
-                if not chunk.is_first:
-                    grads[key] = inputs.pop(key).grad
-                inflight -= 1
-            events.append([a.op, a.chunk, a.mb, t0 - t_start, now() - t_start])
+                self._backward(f, a, is_last_backward=i == f.last_b)
+            f.events.append([a.op, a.chunk, a.mb, t0 - f.t_start, f.now() - f.t_start])
             i += 1
-        t0 = now()
-        for works, _ in pending_sends:
+        return self._finish(f)
+
+    def _communicate(self, f: "_Flush", batch: list[Action]) -> None:
+        """Post ``batch`` (consecutive sends/receives) as one ``batch_isend_irecv``; wait for it
+        when it receives (the received tensors are read next), else let the sends run on."""
+        t0 = f.now()
+        ops, recvs = [], []
+        for b in batch:
+            peer = self.stage_ranks[b.peer]
+            tag = self._tag(b, f.m)
+            if b.op == SEND_ACT:
+                t = f.to_send.pop((b.chunk, b.mb)).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
+            elif b.op == SEND_GRAD:
+                t = f.grads.pop((b.chunk, b.mb)).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
+            else:
+                t = torch.empty(self.hidden_shape_fn(f.microbatches[b.mb][0]),
+                                dtype=f.dtype, device=f.device)
+                ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
+                recvs.append((b, t))
+        works = comm.batch_isend_irecv(ops)
+        t1 = f.now()
+        sends = [b for b in batch if b.op in (SEND_ACT, SEND_GRAD)]
+        if sends:  # "send": posting the batch
+            f.events.append(["send", sends[0].chunk, sends[0].mb, t0 - f.t_start, t1 - f.t_start])
+        if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
+            for w in works:  # wait on all of them before any received tensor is read
+                w.wait()
+            f.events.append(["recv", recvs[0][0].chunk, recvs[0][0].mb, t1 - f.t_start,
+                             f.now() - f.t_start])  # "recv": waiting for the batch
+        else:  # sends only: go on computing; the tensors live until the end-of-flush wait
+            f.pending_sends.append((works, [op.tensor for op in ops]))
+        for b, t in recvs:
+            if b.op == RECV_ACT:
+                f.inputs[(b.chunk, b.mb)] = t.requires_grad_()
+            else:
+                f.grads[(b.chunk, b.mb)] = t
+
+    def _forward(self, f: "_Flush", a: Action) -> None:
+        """Chunk ``a.chunk`` on micro-batch ``a.mb``; the last stage adds its weighted loss."""
+        chunk, key = self.module.chunks[a.chunk], (a.chunk, a.mb)
+        x = f.microbatches[a.mb][0] if chunk.is_first else f.inputs[key]
+        out = chunk(x)
+        aux = chunk.aux_loss() if self.has_aux else 0.0
+        if chunk.is_last:
+            loss = self.model.compute_loss(out, f.microbatches[a.mb][1]) * f.weights[a.mb]
+            f.loss_total += loss.item()
+            out = loss * f.loss_scale
+        else:
+            f.to_send[key] = out.detach()
+        if torch.is_tensor(aux):
+            f.aux_total += float(aux.detach()) / f.m
+            out = (out, aux * (f.loss_scale / f.m))
+        f.outputs[key] = out
+        f.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, f.inflight)
+
+    def _backward(self, f: "_Flush", a: Action, is_last_backward: bool) -> None:
+        """Backward of chunk ``a.chunk`` on micro-batch ``a.mb`` from the received output gradient;
+        the data-parallel gradient sync runs on the flush's last backward only."""
+        chunk, key = self.module.chunks[a.chunk], (a.chunk, a.mb)
+        out = f.outputs.pop(key)
+        tensors, grad_tensors = (list(out), None) if isinstance(out, tuple) else ([out], None)
+        if not chunk.is_last:
+            grad_tensors = [f.grads.pop(key)] + [None] * (len(tensors) - 1)
+        ctx = (self.wrapper.no_sync() if self.wrapper is not None and not is_last_backward
+               else contextlib.nullcontext())
+        with ctx:
+            torch.autograd.backward(tensors, grad_tensors)
+        if not chunk.is_first:
+            f.grads[key] = f.inputs.pop(key).grad
+        f.inflight -= 1
+
+    def _finish(self, f: "_Flush") -> float | None:
+        """Wait for the sends still in flight, record the timeline and bubble, add every stage's
+        auxiliary loss; the loss on the last rank, ``None`` elsewhere."""
+        t0 = f.now()
+        for works, _ in f.pending_sends:
             for w in works:
                 w.wait()
-        if pending_sends:
-            events.append(["send", 0, -1, t0 - t_start, now() - t_start])
-        self._record(events, now() - t_start, device)
+        if f.pending_sends:
+            f.events.append(["send", 0, -1, t0 - f.t_start, f.now() - f.t_start])
+        self._record(f.events, f.now() - f.t_start, f.device)
         if self.has_aux:  # bookkeeping: every stage's aux loss into the reported loss
-            t = torch.tensor([aux_total], dtype=torch.float64, device=device)
+            t = torch.tensor([f.aux_total], dtype=torch.float64, device=f.device)
             dist.all_reduce(t, group=self.group)
-            loss_total += t.item()
+            f.loss_total += t.item()
         if self.r == self.p - 1:  # the last virtual stage is on the last rank
-            return loss_total
+            return f.loss_total
         return None
 
     def _record(self, events: list, local_end: float, device) -> None:
@@ -314,18 +357,17 @@ class PipelineRunner:
         }
 
 
-def build_pipeline(model: nn.Module, mesh, cfg) -> PipelineRunner:
+def build_pipeline(model: nn.Module, mesh, cfg: PipelineConfig) -> PipelineRunner:
     """Keep this rank's stages of ``model`` and return the runner (trainer protocol).
 
     ``model``: the full seeded :class:`~llmlab.model.llama.LlamaForCausalLM` (possibly already
-    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: a
-    :class:`~llmlab.training.config.TrainConfig` (``pp_schedule``, ``virtual_stages``,
-    ``num_microbatches``, ``seq_len``, ``sequence_parallel``, ``tp``). Raises ``ValueError`` if
-    the layout is invalid (:func:`validate_layout`).
+    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: its
+    :class:`~llmlab.parallel.configs.PipelineConfig` (``seq_len``: this rank's tokens per
+    sequence). Raises ``ValueError`` if the layout is invalid (:func:`validate_layout`).
     """
     validate_layout(cfg, model.config)
-    p, r, v = mesh.pp, mesh.coords["pp"], num_chunks(cfg)
-    sp = bool(getattr(cfg, "sequence_parallel", False)) and cfg.tp > 1
+    p, r, v = mesh.pp, mesh.coords["pp"], cfg.num_chunks
+    sp = cfg.sequence_parallel and cfg.tp > 1
     module = split_model(model, p, r, v, seq_len=cfg.seq_len if sp else None)
     h = model.config.hidden_size
 
@@ -334,4 +376,4 @@ def build_pipeline(model: nn.Module, mesh, cfg) -> PipelineRunner:
         return (b, T // cfg.tp if sp else T, h)
 
     return PipelineRunner(model, module, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
-                          cfg.pp_schedule, hidden_shape)
+                          cfg.schedule, hidden_shape)

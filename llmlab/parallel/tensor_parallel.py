@@ -37,7 +37,7 @@ residual adds) run on the shard. The column-parallel matmuls all-gather their in
 Korthikanti et al., save only the shard for backward, all-gathering it again to form the weight
 gradient (one extra all-gather per column group in backward). Norm weights (and row-parallel
 biases) then have partial gradients, summed over the tp group after backward by a
-``model.grad_finalizers`` entry. The model has no dropout, so there is no dropout region to shard.
+``grad_finalizers`` entry (:mod:`llmlab.parallel.records`). The model has no dropout, so there is no dropout region to shard.
 """
 from __future__ import annotations
 
@@ -45,7 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlab.model.llama import MLP, Attention, apply_rotary, causal_attention
+from llmlab.model.context import get_context
+from llmlab.model.layers import MLP
+from llmlab.model.llama import Attention, apply_rotary, causal_attention
+from llmlab.parallel.configs import TensorParallelConfig
+from llmlab.parallel.records import param_record
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
                                      reduce_from_tensor_model_parallel_region, reduce_scatter_along,
@@ -181,7 +185,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True  # partial gradient: summed over tp after backward
+            # partial gradient: summed over tp after backward
+            param_record(self.bias).sequence_parallel = True
 
     @classmethod
     @torch.no_grad()
@@ -310,7 +315,9 @@ class ParallelAttention(nn.Module):
 
     ``forward(x [B,T,h] or [B,T/tp,h] under SP, cos, sin) -> same shape``. q/k/v are one
     column-parallel group (one communication region), ``o_proj`` is row-parallel. Parameter names
-    are those of :class:`~llmlab.model.llama.Attention`.
+    are those of :class:`~llmlab.model.llama.Attention`; inside a serving engine's forward context
+    (tensor-parallel inference) the attention itself is the context's, over this rank's heads of
+    the paged KV cache, as in :class:`~llmlab.model.llama.Attention`.
     """
 
     def __init__(self, attn: Attention, group, sequence_parallel: bool = False):
@@ -318,6 +325,7 @@ class ParallelAttention(nn.Module):
         tp, r = comm.group_size(group), _tp_rank(group)
         H, KV = attn.num_heads, attn.num_kv_heads
         self.group, self.sequence_parallel, self.head_dim = group, sequence_parallel, attn.head_dim
+        self.layer_idx, self.sliding_window = attn.layer_idx, attn.sliding_window
         self.num_heads = H // tp
         self.kv_replicated = KV < tp
         self.num_kv_heads = 1 if self.kv_replicated else KV // tp
@@ -338,6 +346,13 @@ class ParallelAttention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = get_context()
+        if ctx is not None:      # serving: the engine's attention over this rank's paged KV heads
+            o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, self.num_heads, D),
+                              k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                              v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                              self.sliding_window)
+            return self.o_proj(o.reshape(B, T, self.num_heads * D))
         out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
@@ -363,13 +378,12 @@ class ParallelMLP(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Which degrees can shard a model
 # --------------------------------------------------------------------------------------------
-def validate_layout(cfg, model_config) -> None:
-    """Raise ``ValueError`` naming the constraint when ``cfg.tp`` cannot shard ``model_config``.
+def validate_layout(c: TensorParallelConfig, model_config) -> None:
+    """Raise ``ValueError`` naming the constraint when ``c.tp`` cannot shard ``model_config``.
 
     Called by :func:`llmlab.training.config.validate` before any rank starts.
     """
-    check_shardable(model_config, cfg.tp, getattr(cfg, "sequence_parallel", False),
-                    getattr(cfg, "seq_len", None))
+    check_shardable(model_config, c.tp, c.sequence_parallel, c.seq_len)
 
 
 def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,

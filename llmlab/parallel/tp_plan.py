@@ -4,7 +4,7 @@
 :func:`apply_plan` replaces each matching module by its parallel form from
 :mod:`llmlab.parallel.tensor_parallel` and :func:`apply_tensor_parallel` shards a whole, seeded
 :class:`~llmlab.model.llama.LlamaForCausalLM` in place: it sets the model's data hooks, marks
-replicated parameters and appends the gradient finalizers (:class:`SumOverTP` for the partial
+replicated parameters and appends the gradient finalizers (:mod:`llmlab.parallel.records`) (:class:`SumOverTP` for the partial
 gradients under sequence parallelism, :class:`SumOverKVReplicas` for replicated kv heads).
 
 Sources: Shoeybi et al. 2019, "Megatron-LM", §3; Korthikanti et al. 2022, §4.2.2 (see
@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlab.model.llama import MLP, LlamaForCausalLM, RMSNorm
+from llmlab.model.layers import MLP, RMSNorm
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.grad_reduce import all_reduce_sum_
+from llmlab.parallel.records import model_record, param_record
 from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                              RowParallelLinear, VocabParallelEmbedding, _tp_rank,
                                              check_shardable, vocab_parallel_cross_entropy)
@@ -83,7 +85,7 @@ class VocabParallelLoss:
 
 
 def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) -> None:
-    """Set ``p.tp_duplicate`` on every parameter: ``True`` where another tp rank holds the same
+    """Set every parameter's ``tp_duplicate`` (:class:`~llmlab.parallel.records.ParamRecord`): ``True`` where another tp rank holds the same
     values (replicated norms, biases and experts on tp ranks > 0; a replicated kv head on all but
     its first rank), so the global gradient norm counts each element once."""
     r = _tp_rank(group)
@@ -92,12 +94,12 @@ def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) ->
     sharded |= {id(m.bias) for m in model.modules()
                 if isinstance(m, ColumnParallelLinear) and m.bias is not None}
     for p in model.parameters():
-        p.tp_duplicate = id(p) not in sharded and r > 0
+        param_record(p).tp_duplicate = id(p) not in sharded and r > 0
     for a in attns:
         if a.kv_replicated:
             first = r % (comm.group_size(group) // a.kv_num_shards) == 0
             for p in (*a.k_proj.parameters(), *a.v_proj.parameters()):
-                p.tp_duplicate = not first
+                param_record(p).tp_duplicate = not first
 
 
 # The plan: module name (fnmatch pattern) -> how that module is split over the tp group.
@@ -151,16 +153,16 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
     :data:`TP_PLAN`) and return it.
 
     Sets the model's data hooks: ``loss_function`` (:class:`VocabParallelLoss`),
-    ``sequence_shards`` (``tp`` under SP: RoPE needs the full length), ``tensor_parallel``; marks
-    every parameter's ``tp_duplicate``; appends the gradient finalizers (SP norm weights;
-    replicated kv heads) to ``model.grad_finalizers``. Raises ``ValueError`` naming the constraint
+    ``sequence_shards`` (``tp`` under SP: RoPE needs the full length); records every parameter's
+    ``tp_duplicate`` (and ``sequence_parallel`` for the SP norm weights) and appends the gradient
+    finalizers (SP norm weights; replicated kv heads) to the model's ``grad_finalizers``
+    (:mod:`llmlab.parallel.records`). Raises ``ValueError`` naming the constraint
     when ``tp`` does not divide the model's dimensions.
     """
     group, tp = mesh.groups.get("tp"), mesh.size("tp")
     mc = model.config
     check_shardable(mc, tp, sequence_parallel)
-    if not hasattr(model, "grad_finalizers"):
-        model.grad_finalizers = []
+    finalizers = model_record(model).grad_finalizers
     if tp == 1:
         return model
     sp = sequence_parallel
@@ -171,14 +173,13 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
     if sp:
         norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
         for p in norms:
-            p.sequence_parallel = True
+            param_record(p).sequence_parallel = True
         sp_params = norms + [p for m in model.modules() if isinstance(m, RowParallelLinear)
-                             for p in m.parameters() if getattr(p, "sequence_parallel", False)]
-        model.grad_finalizers.append(SumOverTP(sp_params, group))
+                             for p in m.parameters() if param_record(p).sequence_parallel]
+        finalizers.append(SumOverTP(sp_params, group))
         model.sequence_shards = tp        # hidden is [B, T/tp, h]: RoPE needs the full length T
     if attns and attns[0].kv_replicated:
-        model.grad_finalizers.append(SumOverKVReplicas(attns, group))
+        finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)
     model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
-    model.tensor_parallel = {"tp": tp, "sequence_parallel": sp, "group": group}
     return model

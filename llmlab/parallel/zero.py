@@ -59,27 +59,29 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.parallel.grad_reduce import predivide_
+from llmlab.parallel.configs import ZeroConfig
+from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
 
 
-def validate_layout(cfg, model_config) -> None:
+def validate_layout(cfg: ZeroConfig, model_config) -> None:
     """Refuse ZeRO layouts this version does not handle (``ValueError`` naming the constraint).
 
     ``--zero`` with ``--dp 1`` is allowed (N = 1: nothing is sharded, a baseline for the lab).
     ZeRO composes with ``--tp``, ``--pp`` and ``--ep``: it shards over the data-parallel group
     inside each tensor/pipeline slice, and expert parameters over their expert-data-parallel group.
     """
-    if cfg.cpu_offload and cfg.zero == 0:
+    if cfg.cpu_offload and cfg.stage == 0:
         raise ValueError("--cpu-offload offloads ZeRO optimizer states: it needs --zero 1, 2 or 3")
-    if cfg.zero == 0:
+    if cfg.stage == 0:
         return
-    if cfg.zero == 3 and model_config.tie_word_embeddings:
+    if cfg.stage == 3 and model_config.tie_word_embeddings:
         raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
                          "belong to two units, the embedding's and the LM head's, and be gathered "
                          "and reduced twice); untie the embeddings or use --zero 1 or 2")
-    if cfg.zero == 3 and cfg.save_model:
+    if cfg.stage == 3 and cfg.full_model_saved:
         raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
                          "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
@@ -100,7 +102,7 @@ def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsi
 
 
 def _is_expert(p: nn.Parameter) -> bool:
-    return bool(getattr(p, "expert_parallel", False))
+    return param_record(p).expert_parallel
 
 
 def _split_by_group(ps):
@@ -134,7 +136,8 @@ class ZeroDataParallel(nn.Module):
     On a mesh with tensor, pipeline or expert parallelism, ``module`` is this rank's shard of
     the model (its tp slice, its pipeline stage, its experts) and ZeRO shards it over the
     data-parallel group of that slice, as Megatron's distributed optimizer does; parameters
-    marked ``expert_parallel`` are sharded over the expert-data-parallel group ``edp`` instead
+    recorded ``expert_parallel`` (:mod:`llmlab.parallel.records`) are sharded over the
+    expert-data-parallel group ``edp`` instead
     (the other holders of the same experts). Gradients are averaged over the bucket's group,
     divided by its size before the reduce-scatter (:mod:`llmlab.parallel.grad_reduce`).
     Parameters with ``requires_grad=False`` are left out: never sharded, reduced or updated.
@@ -232,7 +235,7 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 1:
             for b in self.buckets:
                 out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-                self._log("reduce_scatter", b.name, "step")
+                self.log_event("reduce_scatter", b.name, "step")
                 comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group)
                 a, e = b.shard_range
                 b.grad_full[a:e].copy_(out)
@@ -313,7 +316,7 @@ class ZeroDataParallel(nn.Module):
 
     def _launch(self, b: FlatBucket, phase: str):
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
-        self._log("reduce_scatter", b.name, phase)
+        self.log_event("reduce_scatter", b.name, phase)
         work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
                                           async_op=True)
         self._pending.append((b, out, work, b.grad_full))
@@ -334,7 +337,7 @@ class ZeroDataParallel(nn.Module):
             key = (i, j)
             if not b.is_full and key not in self._gathering:
                 b.allocate()
-                self._log("all_gather", b.name, phase)
+                self.log_event("all_gather", b.name, phase)
                 self._gathering[key] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
                                                                    group=b.group, async_op=True)
             if wait and key in self._gathering:
@@ -388,17 +391,18 @@ class ZeroDataParallel(nn.Module):
                 self._free_unit(i)
         return out
 
-    def _log(self, op, unit, phase):
+    def log_event(self, op: str, unit: str, phase: str) -> None:
+        """Record a collective (``op`` on bucket/unit ``unit`` during ``phase``) in ``events``."""
         if len(self.events) < self.max_events:      # bounded: a long run keeps the first ones
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
-def build_zero(module: nn.Module, mesh, cfg, make_optimizer, scaler=None):
-    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.zero``/``cfg.dtype``.
+def build_zero(module: nn.Module, mesh, cfg: ZeroConfig, make_optimizer, scaler=None):
+    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage``/``cfg.dtype``.
 
     ``module`` is this rank's full replica (already on its device, fp32); ``make_optimizer``
     builds the torch optimizer from a list of tensors (the fp32 shard masters); ``scaler``: the
     fp16 :class:`~llmlab.training.precision.DynamicLossScaler` whose scale ``unscale`` removes.
     """
-    wrapper = ZeroDataParallel(module, mesh, stage=cfg.zero, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
+    wrapper = ZeroDataParallel(module, mesh, stage=cfg.stage, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
     return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload, scaler=scaler)

@@ -8,15 +8,26 @@ the update runs there. The gradient and parameter sharding is :class:`~llmlab.pa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from llmlab.runtime import comm
 
-if TYPE_CHECKING:
-    from llmlab.parallel.zero import ZeroDataParallel
+
+class ShardedBuckets(Protocol):
+    """What the optimizer reads of the wrapper that shards the gradients and parameters
+    (:class:`~llmlab.parallel.zero.ZeroDataParallel`): its public face, nothing private."""
+
+    buckets: list        # flat buckets: params, offsets, numels, shard_range, alias, group, name
+    stage: int           # 1, 2 or 3
+
+    def grad_shard(self, bucket) -> torch.Tensor: ...
+
+    def zero_grad_buffers(self) -> None: ...
+
+    def log_event(self, op: str, unit: str, phase: str) -> None: ...
 
 
 class ZeroOptimizer:
@@ -31,7 +42,7 @@ class ZeroOptimizer:
     parameters; ``step()`` does both.
     """
 
-    def __init__(self, wrapper: ZeroDataParallel, make_optimizer, cpu_offload: bool = False,
+    def __init__(self, wrapper: ShardedBuckets, make_optimizer, cpu_offload: bool = False,
                  scaler=None):
         self.wrapper, self.scaler = wrapper, scaler
         self.masters, self.separate = [], []
@@ -97,7 +108,7 @@ class ZeroOptimizer:
             m.grad = None
         if w.stage < 3:
             for b in w.buckets:
-                w._log("all_gather", b.name, "step")
+                w.log_event("all_gather", b.name, "step")
                 comm.all_gather_into_tensor(b.alias, b.shard_view(), group=b.group)
 
     def step(self):

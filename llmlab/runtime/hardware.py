@@ -1,4 +1,4 @@
-"""What this machine offers, and the size a lab runs at here.
+"""What this machine offers (its inventory, :func:`hardware`), and the size a lab runs at here.
 
 Labs call :func:`lab_size` at the top, so the same notebook runs unchanged on a CPU laptop (several
 gloo processes, the tiny model), one GPU, or a node of several GPUs (one rank per GPU, NCCL, a
@@ -7,6 +7,9 @@ bigger model), and shows the chosen size.
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass
 
 import torch
@@ -83,3 +86,33 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
                 return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model,
                                gpu_steps, n, cores)
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
+
+
+def hardware() -> dict:
+    """The machine's inventory: Python, platform, CPU cores, torch and its build, transformers, and
+    per GPU its name, memory (bytes) and peer access; with GPUs the NCCL version and
+    ``nvidia-smi topo -m`` (when that program is there). JSON-serialisable."""
+    n = gpu_count()
+    info = {"python": platform.python_version(), "platform": platform.platform(),
+            "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
+            "gpus": []}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if n:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        for i in range(n):
+            p = torch.cuda.get_device_properties(i)
+            info["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
+                                 "peer_access": [j for j in range(n) if j != i
+                                                 and torch.cuda.can_device_access_peer(i, j)]})
+        if shutil.which("nvidia-smi"):
+            try:
+                info["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
+                                                  text=True, timeout=20).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    return info

@@ -4,7 +4,8 @@
 ``torch.distributed`` process group in each (gloo on CPU, NCCL with one GPU per rank on CUDA),
 calls ``fn(*args, **kwargs)`` on every rank and returns the list of per-rank return values.
 
-How (measured on a 2-core CPU box):
+How (measured on a 2-core CPU box; the processes are started, and the backend picked, by
+:mod:`llmlab.runtime.process`):
 
 * ranks are forked from a *forkserver* that has imported only ``torch``: after the server's first
   start (~2 s), 4 ranks start in ~0.1 s, and no learner-editable module is cached in it;
@@ -36,15 +37,11 @@ before it is sent.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import datetime
 import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -55,14 +52,11 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 import torch.distributed as dist
-import multiprocessing as mp
 
 from llmlab.runtime.hardware import usable_cores
+from llmlab.runtime import process
 from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
                                         _verified_torchrun, torchrun_secret)
-
-_PG_TIMEOUT_S = float(os.environ.get("LLMLAB_PG_TIMEOUT", "300"))
-
 
 class RankError(RuntimeError):
     """A rank failed. ``rank`` is its global rank, ``rank_traceback`` the traceback text,
@@ -100,16 +94,8 @@ def report(record: dict) -> None:
     store.add(f"n/{rank}", 1)
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        pass
-
-
 def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env, secret):
-    _die_with_parent()
+    process.die_with_parent()
     # The fork server's environment dates from its start; apply the caller's current one.
     os.environ.update(env)
     log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
@@ -121,14 +107,11 @@ def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
-        store = dist.TCPStore(host, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
+        store = process.join_store(host, port)
         _channel.update(store=store, rank=rank, secret=secret)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
+        process.init_process_group(backend, store, rank, world_size)
         fn, args, kwargs = cloudpickle.loads(payload)  # from the caller, over the fork server's local pipe
         result = fn(*args, **kwargs)
         store.set(f"res/{rank}", _sign(secret, f"res/{rank}", cloudpickle.dumps(result)))
@@ -159,21 +142,12 @@ def under_torchrun() -> bool:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """``auto`` -> NCCL when CUDA has at least ``world_size`` GPUs on this node, else gloo.
+    """``auto`` -> NCCL when CUDA has at least ``world_size`` GPUs on this node, else gloo
+    (:func:`llmlab.runtime.process.resolve_backend`).
 
     Raises ``ValueError`` for an unknown backend, or NCCL with more ranks than GPUs.
     """
-    if backend == "auto":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return "nccl" if n >= world_size and n > 0 else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
-    if backend == "nccl":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if world_size > n:
-            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} "
-                             f"> {n} GPUs")
-    return backend
+    return process.resolve_backend(backend, world_size)
 
 
 def resolve_torchrun_backend(backend: str) -> str:
@@ -182,32 +156,7 @@ def resolve_torchrun_backend(backend: str) -> str:
     one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
     ranks (naming both counts)."""
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if n >= local_ws and n > 0 else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
-    if backend == "nccl" and local_ws > n:
-        raise ValueError(f"backend='nccl' needs one GPU per local rank: LOCAL_WORLD_SIZE={local_ws} "
-                         f"> {n} GPUs on this node")
-    return backend
-
-
-_ctx = None
-
-
-def _context():
-    global _ctx
-    if _ctx is None:
-        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        _ctx = mp.get_context(method)
-        if method == "forkserver":
-            _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo",
-                                         "cloudpickle"])
-            # OpenMP threads that spin while idle starve other ranks (and other jobs) on a few
-            # cores; the fork server reads this when it loads torch, and its ranks inherit it.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return _ctx
+    return process.resolve_backend(backend, local_ws, what="LOCAL_WORLD_SIZE", where=" on this node")
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
@@ -247,83 +196,48 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     own_logs = not log_dir  # a temporary log folder is removed again after a clean run
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="llmlab-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = _loopback_store()
+    store = process.loopback_store()
     secret = secrets.token_bytes(32)  # travels to the ranks with the payload, over local pipes
     threads = max(1, usable_cores() // world_size) if backend == "gloo" else 1
-    env = dict(os.environ)
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and _loopback_interface():
-        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # all ranks are local: not on the network
-    ctx = _context()
-    procs = [ctx.Process(target=_entry, name=f"llmlab-rank{r}", daemon=False,
-                         args=(r, world_size, backend, "127.0.0.1", store.port, payload,
-                               str(log_dir), threads, env, secret))
-             for r in range(world_size)]
-    seen = [0] * world_size
-    deadline = None if timeout is None else time.monotonic() + timeout
+    env = process.local_env(backend)
+    procs = []
     try:
-        with _main_module_hidden():
-            for p in procs:
-                p.start()
-        while True:
-            _drain(store, secret, seen, on_metric)
-            codes = [p.exitcode for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                raise _failure(store, secret, procs, failed, log_dir)
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                err = TimeoutError(f"launch: ranks still running after {timeout} s "
-                                   f"(logs in {log_dir})")
-                err.log_dir = str(log_dir)  # kept for reading, like a RankError's
-                raise err
-            time.sleep(0.02)
-        _drain(store, secret, seen, on_metric)
+        for r in range(world_size):
+            procs.append(process.start(_entry, (r, world_size, backend, "127.0.0.1", store.port,
+                                                payload, str(log_dir), threads, env, secret),
+                                       name=f"llmlab-rank{r}"))
+        _wait(procs, store, secret, on_metric, timeout, log_dir)
         try:
             # verified before unpickling: only bytes a rank of this launch signed are decoded
-            results = [cloudpickle.loads(_verified(secret, r, f"res/{r}", _get(store, r, f"res/{r}")))
-                       for r in range(world_size)]
+            return [cloudpickle.loads(_verified(secret, r, f"res/{r}", _get(store, r, f"res/{r}")))
+                    for r in range(world_size)]
         finally:  # every rank finished cleanly: its log holds nothing to read
             if own_logs:
                 shutil.rmtree(log_dir, ignore_errors=True)
-        return results
     finally:
-        _stop(procs)
+        process.stop(procs)
         del store
 
 
-def _loopback_store():
-    """The rendezvous store, listening on 127.0.0.1 only (given a bound socket: TCPStore's own
-    listener binds every interface whatever host it is given). Falls back to TCPStore's listener
-    where this torch cannot take a socket; the values stay authenticated either way."""
-    timeout = datetime.timedelta(seconds=_PG_TIMEOUT_S)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        fd = sock.detach()  # the store owns (and closes) the descriptor from now on
-    except OSError:
-        sock.close()
-        fd = None
-    if fd is not None:
-        try:
-            return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
-                                 wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
-        except (RuntimeError, TypeError, ValueError):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                         wait_for_workers=False, timeout=timeout)
-
-
-def _loopback_interface() -> str | None:
-    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), or None."""
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except OSError:
-        return None
-    return next((n for n in ("lo", "lo0") if n in names), None)
+def _wait(procs, store, secret, on_metric, timeout, log_dir) -> None:
+    """Poll until every rank exited cleanly, passing metric records on; raise the first rank's
+    error (:class:`RankError`) or ``TimeoutError`` after ``timeout`` s."""
+    seen = [0] * len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        _drain(store, secret, seen, on_metric)
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            raise _failure(store, secret, procs, failed, log_dir)
+        if all(c == 0 for c in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            err = TimeoutError(f"launch: ranks still running after {timeout} s (logs in {log_dir})")
+            err.log_dir = str(log_dir)  # kept for reading, like a RankError's
+            raise err
+        time.sleep(0.02)
+    _drain(store, secret, seen, on_metric)
 
 
 def _get(store, rank: int, key: str) -> bytes:
@@ -332,24 +246,6 @@ def _get(store, rank: int, key: str) -> bytes:
     if not store.check([key]):
         raise ForgedValueError(rank, key, "missing: deleted from the store")
     return store.get(key)
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Stop multiprocessing from re-running the caller's ``__main__`` script in each rank.
-
-    ``fn`` travels by value, so ranks never need the caller's main module; re-importing it would
-    re-run an unguarded script (and cannot work for a notebook kernel at all).
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
-    try:
-        for k in saved:
-            setattr(main, k, None) if k == "__spec__" else delattr(main, k)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
 
 
 def _drain(store, secret, seen, on_metric):
@@ -412,19 +308,6 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _stop(procs):
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.terminate()
-    end = time.monotonic() + 3
-    for p in procs:
-        if p.pid is not None:
-            p.join(max(0.0, end - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(2)
-
-
 def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
@@ -436,8 +319,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
         torch.cuda.set_device(local % torch.cuda.device_count())
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=_PG_TIMEOUT_S))
+        dist.init_process_group(backend, init_method="env://", timeout=process.pg_timeout())
     _channel.update(rank=dist.get_rank(), local_callback=on_metric)
     try:
         result = fn(*args, **kwargs)

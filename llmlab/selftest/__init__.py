@@ -5,9 +5,9 @@ references compute, and measure what the machine does.
 Each check runs in its own Python process with its own timeout (a hang is a FAIL, the process
 group is killed, nothing is left running) and prints one line: ``PASS``, ``FAIL`` (with the error)
 or ``SKIP`` (with the reason: a check the hardware cannot run), with its measured numbers.
-``--json`` writes ``{"checks": {name: {"status", "seconds", ...}}, "machine": {...}}`` (the
-machine also under ``"hardware"``); the exit code is 1 if any check fails. ``--quick`` runs every check on smaller sizes (<= 2 minutes on a
-2-core CPU; the test suite runs it).
+``--json`` writes ``{"checks": {name: {"status", "seconds", ...}}, "machine": {...}}``;
+the exit code is 1 if any check fails. ``--quick`` runs every check on smaller sizes (<= 2 minutes
+on a 2-core CPU; the test suite runs it).
 
 Layout: :mod:`~llmlab.selftest.runner` (:data:`CHECKS`, the process per check, the report, the
 ``python -m llmlab.selftest NAME [--quick]`` entry), the checks by kind in

@@ -6,12 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from typing import Callable
 
+from llmlab.runtime import process
+from llmlab.runtime.hardware import hardware
 from llmlab.selftest.common import FAIL, PASS, SKIP, Skip, _gpu
 from llmlab.selftest.engine import check_engine_device_vs_cpu, check_engine_greedy_vs_hf
 from llmlab.selftest.kernels import (check_flash_attention_bwd, check_flash_attention_fwd,
@@ -57,9 +58,8 @@ def run_check_here(name: str, quick: bool) -> dict:
 
 
 def _child_entry(name: str, quick: bool, path: str, env: dict) -> None:
-    from llmlab.runtime.launch import _die_with_parent
     os.setsid()  # its own process group: a timeout kills the check and every rank it started
-    _die_with_parent()  # and it dies with the fork server, which dies with the doctor
+    process.die_with_parent()  # and it dies with the fork server, which dies with the doctor
     log = os.open(path + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)  # progress bars and warnings go to the check's log, not between the lines
     os.dup2(log, 2)
@@ -80,7 +80,6 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
     """Run one check in its own process (forked from the launcher's fork server, which has torch
     imported already) and kill its process group at ``timeout`` s (then: FAIL, "hang"). Returns
     the check's result with ``seconds`` added."""
-    from llmlab.runtime.launch import _context, _main_module_hidden
     timeout = timeout or CHECKS[name][2 if quick else 1]
     env = dict(os.environ)
     if not _gpu():
@@ -89,11 +88,9 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
     os.close(fd)
     os.unlink(path)
     t0 = time.perf_counter()
-    proc = _context().Process(target=_child_entry, args=(name, quick, path, env),
-                              name=f"llmlab-selftest-{name}")
+    proc = None
     try:
-        with _main_module_hidden():
-            proc.start()
+        proc = process.start(_child_entry, (name, quick, path, env), name=f"llmlab-selftest-{name}")
         proc.join(timeout)
         seconds = time.perf_counter() - t0
         if proc.exitcode is None:
@@ -108,7 +105,8 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
         res["seconds"] = seconds
         return res
     finally:
-        _kill_group(proc)
+        if proc is not None:
+            process.kill_group(proc)
         for p in (path, path + ".log"):
             if os.path.exists(p):
                 os.unlink(p)
@@ -122,16 +120,6 @@ def _tail(path: str, n: int = 15) -> str:
         return ""
 
 
-def _kill_group(proc) -> None:
-    if proc.pid is None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.join(5)
-
-
 def format_line(name: str, r: dict) -> str:
     what = r.get("detail", "") if r["status"] == PASS else r.get("reason", "")
     if r["status"] == PASS and r.get("note"):
@@ -142,10 +130,9 @@ def format_line(name: str, r: dict) -> str:
 def run_selftest(quick: bool = False, json_path: str | None = None, only: list[str] | None = None,
                  echo: Callable[[str], None] = print) -> dict:
     """Run the checks (``only``: a subset, by name) one process each; echo one line per check.
-    Returns ``{"checks", "machine", "hardware", "quick", "seconds", "ok"}`` (``machine`` is the
-    contract's name, ``hardware`` the same dict under its older name) and writes it to ``json_path``.
+    Returns ``{"checks", "machine", "quick", "seconds", "ok"}`` (``machine``: this machine's
+    inventory, :func:`llmlab.runtime.hardware.hardware`) and writes it to ``json_path``.
     Raises ``ValueError`` for an unknown check name."""
-    from llmlab.doctor import hardware
     names = list(only) if only else list(CHECKS)
     for n in names:
         if n not in CHECKS:
@@ -168,7 +155,7 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
     counts = {s: sum(r["status"] == s for r in checks.values()) for s in (PASS, FAIL, SKIP)}
     echo(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {total:.0f} s"
          + (f"; failed: {', '.join(failed)} (see docs/workshop.md, 'Self-test')" if failed else ""))
-    report = {"checks": checks, "machine": hw, "hardware": hw, "quick": quick, "seconds": total,
+    report = {"checks": checks, "machine": hw, "quick": quick, "seconds": total,
               "ok": not failed}
     if json_path:
         with open(json_path, "w") as f:

@@ -23,17 +23,26 @@ def least_loaded(loads: list[int], start: int = 0) -> int:
 
 
 class Router:
-    """``engines``: the replicas (AsyncEngine); :meth:`pick` one for the next request."""
+    """Route each request to one of ``engines`` (the replicas, AsyncEngine) by a ``policy``.
 
-    def __init__(self, engines: list):
+    ``policy(loads, start) -> index``: ``loads`` the requests in flight per live replica, ``start``
+    the index after the last one picked; default :func:`least_loaded`, looked up when the router
+    is built (lab 11 hands it the learner's). :meth:`pick` raises ``ValueError`` when the policy
+    returns something other than an index into ``loads``; the constructor, for no engines."""
+
+    def __init__(self, engines: list, policy=None):
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
+        self.policy = policy if policy is not None else least_loaded
         self._next = 0
 
     def pick(self):
         alive = [e for e in self.engines if e.is_running] or self.engines
-        i = least_loaded([e.num_in_flight for e in alive], self._next % len(alive))
+        i = self.policy([e.num_in_flight for e in alive], self._next % len(alive))
+        if not isinstance(i, int) or not 0 <= i < len(alive):
+            raise ValueError(f"routing policy {getattr(self.policy, '__name__', self.policy)!r} "
+                             f"returned {i!r}: expected an index in [0, {len(alive)})")
         self._next = i + 1
         return alive[i]
 

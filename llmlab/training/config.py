@@ -7,7 +7,6 @@ caller, before processes are launched.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import torch
 
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
+from llmlab.parallel.configs import (ContextParallelConfig, DataParallelConfig, ExpertParallelConfig,
+                                     PipelineConfig, TensorParallelConfig, ZeroConfig)
 from llmlab.runtime.mesh import check_degrees
 
 
@@ -42,7 +43,9 @@ class TrainConfig:
         lr_schedule: str = option("constant", "learning-rate schedule", choices=("constant", "cosine"))
 
     then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
-    :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout``, and list
+    :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout`` (a
+    strategy reads its own config, :mod:`llmlab.parallel.configs`, which :func:`strategy_configs`
+    fills from this one), and list
     the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
     does and its unit; ``tests/test_train.py`` fails for a field without one. A new value the
     run reports (a per-step ``grad_norm``, a mesh coordinate) goes into
@@ -246,20 +249,38 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
     resolve_device(cfg)
-    for module in STRATEGY_VALIDATORS:
-        check = getattr(importlib.import_module(module), "validate_layout", None)
-        if check is not None:
-            check(cfg, mc)
+    from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
+                                 tensor_parallel, zero)
+    sc = strategy_configs(cfg)
+    for check, c in ((data_parallel.validate_layout, sc.dp), (tensor_parallel.validate_layout, sc.tp),
+                     (pipeline_parallel.validate_layout, sc.pp), (expert_parallel.validate_layout, sc.ep),
+                     (zero.validate_layout, sc.zero), (context_parallel.validate_layout, sc.cp)):
+        check(c, mc)   # each strategy's own checks, on its own config (ValueError naming the constraint)
     return mc
 
 
-# Modules that may define ``validate_layout(cfg, model_config)`` (raise ValueError).
-STRATEGY_VALIDATORS = (
-    "llmlab.parallel.data_parallel",
-    "llmlab.parallel.tensor_parallel",
-    "llmlab.parallel.pipeline_parallel",
-    "llmlab.parallel.expert_parallel",
-    "llmlab.parallel.zero",
-    "llmlab.parallel.context_parallel",
-)
+@dataclass(frozen=True)
+class StrategyConfigs:
+    """Every strategy's config (:mod:`llmlab.parallel.configs`) for one ``TrainConfig``."""
+
+    dp: DataParallelConfig
+    tp: TensorParallelConfig
+    pp: PipelineConfig
+    ep: ExpertParallelConfig
+    zero: ZeroConfig
+    cp: ContextParallelConfig
+
+
+def strategy_configs(cfg: TrainConfig) -> StrategyConfigs:
+    """What each strategy is told of ``cfg`` (the strategies never read ``TrainConfig``). The
+    pipeline's ``seq_len`` is the whole sequence here; under context parallelism each rank's
+    stages exchange ``seq_len / cp`` tokens (the trainer replaces it)."""
+    return StrategyConfigs(
+        dp=DataParallelConfig(cfg.dp, cfg.dp_mode, cfg.bucket_mb, cfg.global_batch_size),
+        tp=TensorParallelConfig(cfg.tp, cfg.sequence_parallel, cfg.seq_len),
+        pp=PipelineConfig(cfg.pp, cfg.pp_schedule, cfg.virtual_stages, cfg.num_microbatches,
+                          cfg.seq_len, cfg.tp, cfg.sequence_parallel),
+        ep=ExpertParallelConfig(cfg.ep, cfg.dp, cfg.tp, cfg.sequence_parallel),
+        zero=ZeroConfig(cfg.zero, cfg.dtype, cfg.bucket_mb, cfg.cpu_offload, bool(cfg.save_model)),
+        cp=ContextParallelConfig(cfg.cp, cfg.cp_mode, cfg.seq_len, cfg.tp, cfg.sequence_parallel, cfg.ep))
 

@@ -10,8 +10,8 @@ adds them up. Ownership makes every element count exactly once:
 
 * tensor parallelism: a sharded weight's slice is owned by its rank; a replicated one (norm
   weights, row-parallel biases, experts under TP, kv heads copied on several ranks) only by the
-  first copy (``p.tp_duplicate`` is ``False`` there, set by
-  :func:`llmlab.parallel.tp_plan.apply_tensor_parallel`);
+  first copy (its record's ``tp_duplicate`` is ``False`` there, set by
+  :func:`llmlab.parallel.tp_plan.apply_tensor_parallel`; :mod:`llmlab.parallel.records`);
 * pipeline parallelism: stages hold different parameters;
 * data (and context) parallelism: after the all-reduce every replica holds the same gradient, so
   only data-parallel index 0 (context-parallel index 0) owns it (expert-data-parallel index 0 for
@@ -32,16 +32,19 @@ import math
 import torch
 import torch.distributed as dist
 
+from llmlab.parallel.records import param_record
+
 
 def owns(p: torch.Tensor, mesh, sharded_over_dp: bool) -> bool:
     """Whether this rank counts ``p``'s gradient in the global norm (see module doc)."""
-    if getattr(p, "tp_duplicate", False):
+    rec = param_record(p)
+    if rec.tp_duplicate:
         return False
     if sharded_over_dp:
         return True
     if mesh.coords.get("cp", 0) != 0:   # context-parallel ranks hold the same reduced gradient
         return False
-    if getattr(p, "expert_parallel", False):
+    if rec.expert_parallel:
         return mesh.index("edp") == 0
     return mesh.coords["dp"] == 0
 

@@ -32,24 +32,28 @@ import torch
 import torch.distributed as dist
 
 from llmlab.data import BatchLoader
-from llmlab.metrics.memory import (SavedActivations, cuda_memory, grad_bytes, optimizer_state_bytes,
+from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
+from llmlab.parallel.protocols import TrainedModule, TrainerOptimizer, replica_grads
+from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
-from llmlab.training.config import TrainConfig, model_config, resolve_device, validate
+from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 
 
 class LocalModule(torch.nn.Module):
-    """The data-parallel protocol for one replica: no communication at all.
+    """:class:`~llmlab.parallel.protocols.TrainedModule` for one replica: no communication at all.
 
     Every wrapper (DDP, ZeRO) offers the same: ``forward``, ``module``, ``no_sync()`` (skip
-    gradient communication for all but the last micro-batch) and ``finish_grad_sync()`` (wait
-    until every gradient is reduced; called once per step before the optimizer).
+    gradient communication for all but the last micro-batch), ``finish_grad_sync()`` (wait
+    until every gradient is reduced; called once per step before the optimizer), ``grad_of(p)``
+    and ``grad_tensors()`` (the gradients this rank holds).
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -65,14 +69,60 @@ class LocalModule(torch.nn.Module):
     def finish_grad_sync(self):
         pass
 
+    def grad_of(self, p):
+        return p.grad
+
+    def grad_tensors(self):
+        return replica_grads(self.module)
+
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019), betas (0.9, 0.95), no weight decay."""
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
+class FP32Optimizer:
+    """fp32 training without ZeRO: the torch ``optimizer`` itself, with the interface the trainer
+    calls on every optimizer (:class:`~llmlab.parallel.protocols.TrainerOptimizer`): the gradients
+    are the parameters' own (nothing to unscale) and ``apply`` is ``optimizer.step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def unscale(self) -> None:
+        pass
+
+    def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p.grad, p) for g in self.optimizer.param_groups for p in g["params"]
+                if p.grad is not None]
+
+    def apply(self) -> None:
+        self.optimizer.step()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+
+
 class Engine:
-    """One rank's model, optimizer and step; built by :func:`build_engine`."""
+    """One rank's model, optimizer and step: the strategies applied to the model in the order of
+    ``__init__``; :func:`rank_main` builds one per rank."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
@@ -80,10 +130,10 @@ class Engine:
         model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
         # Full-model shapes, before any sharding: checkpoints store slices of these.
         self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        model.grad_finalizers = []  # strategies append callables run after gradient sync
+        model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
         if cfg.tp > 1:
             # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
-            # only this rank's shards; may append to model.grad_finalizers.
+            # only this rank's shards; may append to model_record(model).grad_finalizers.
             from llmlab.parallel.tp_plan import apply_tensor_parallel
             model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
         if cfg.cp > 1:
@@ -93,7 +143,7 @@ class Engine:
         # Gradients are reduced over dp x cp (the mesh itself when cp == 1).
         dp_mesh = mesh.data_parallel_view()
         if cfg.ep > 1:
-            # Protocol: keeps this rank's experts; marks their parameters ``expert_parallel=True``
+            # Protocol: keeps this rank's experts; records their parameters ``expert_parallel``
             # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
             from llmlab.parallel.expert_parallel import apply_expert_parallel
             model = apply_expert_parallel(model, mesh)
@@ -103,12 +153,13 @@ class Engine:
         self.model = model
         self.pipeline = None
         if cfg.pp > 1:
-            # Protocol: build_pipeline(model, mesh, cfg) -> runner with .module (this stage's
+            # Protocol: build_pipeline(model, mesh, PipelineConfig) -> runner with .module (this stage's
             # nn.Module), .run(microbatches) -> float | None (loss on the last stage) and
             # .stats() -> dict (CONTRACT "pipeline").
             from llmlab.parallel.pipeline_parallel import build_pipeline
             # With cp > 1 the stages exchange activations of this rank's seq_len/cp tokens.
-            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(cfg, seq_len=cfg.seq_len // cfg.cp))
+            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(
+                strategy_configs(cfg).pp, seq_len=cfg.seq_len // cfg.cp))
             local = self.pipeline.module
         else:
             local = model
@@ -121,11 +172,14 @@ class Engine:
             from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
+        self.wrapper: TrainedModule
+        self.optimizer: TrainerOptimizer
         if cfg.zero > 0:
-            # Protocol: build_zero(module, mesh, cfg, make_optimizer) -> (wrapper, optimizer); the
+            # Protocol: build_zero(module, mesh, ZeroConfig, make_optimizer) -> (wrapper, optimizer); the
             # wrapper follows LocalModule's protocol and may offer grad_tensors().
             from llmlab.parallel.zero import build_zero
-            self.wrapper, self.optimizer = build_zero(local, dp_mesh, cfg, opt_factory, self.scaler)
+            self.wrapper, self.optimizer = build_zero(local, dp_mesh, strategy_configs(cfg).zero,
+                                                      opt_factory, self.scaler)
         else:
             if cfg.dp * cfg.cp > 1:
                 # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
@@ -139,8 +193,8 @@ class Engine:
                 from llmlab.training.precision import MixedPrecisionOptimizer
                 self.optimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
             else:
-                self.optimizer = opt_factory(local.parameters())
-        if self.pipeline is not None and hasattr(self.pipeline, "attach"):
+                self.optimizer = FP32Optimizer(opt_factory(local.parameters()))
+        if self.pipeline is not None:
             self.pipeline.attach(self.wrapper)
         self.local = local
         self.force_overflow_at = _force_overflow(mesh.rank)
@@ -196,9 +250,7 @@ class Engine:
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(gradient the optimizer will use, fp32 and unscaled; model parameter)`` pairs held by
         this rank, after the optimizer's ``unscale()``."""
-        if hasattr(self.optimizer, "grad_pieces"):
-            return self.optimizer.grad_pieces()
-        return [(p.grad, p) for p in self.local.parameters() if p.grad is not None]
+        return self.optimizer.grad_pieces()
 
     def _count_skip(self, skipped: bool) -> None:
         """Book a step whose gradient was non-finite somewhere in the job (skipped, not applied).
@@ -233,13 +285,10 @@ class Engine:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
         self.wrapper.finish_grad_sync()
-        grad_of = getattr(self.wrapper, "grad_of", None)  # ZeRO: the part of p in this rank's shard
-        for f in getattr(self.model, "grad_finalizers", []):
-            f(grad_of) if grad_of is not None else f()
-        grads = getattr(self.wrapper, "grad_tensors", None)
-        self.grad_bytes = max(self.grad_bytes, tensor_bytes(grads()) if grads else grad_bytes(self.parameters()))
-        if hasattr(self.optimizer, "unscale"):
-            self.optimizer.unscale()
+        for f in model_record(self.model).grad_finalizers:
+            f(self.wrapper.grad_of)  # ZeRO: the part of p in this rank's shard
+        self.grad_bytes = max(self.grad_bytes, tensor_bytes(self.wrapper.grad_tensors()))
+        self.optimizer.unscale()
         pieces = self.grad_pieces()
         if step is not None and step == self.force_overflow_at and pieces:
             pieces[0][0].view(-1)[0] = float("inf")  # LLMLAB_FORCE_OVERFLOW: a test's fault
@@ -254,10 +303,7 @@ class Engine:
                 g["lr"] = lr
             if cfg.grad_clip:
                 clip_([g for g, _ in pieces], cfg.grad_clip, norm)
-            if hasattr(self.optimizer, "apply"):
-                self.optimizer.apply()
-            else:
-                self.optimizer.step()
+            self.optimizer.apply()
         self.optimizer.zero_grad(set_to_none=True)
         self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
@@ -403,7 +449,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
 
     try:
         results = launch(rank_main, cfg.world_size, cfg, on_metric=on_metric,
-                         backend="nccl" if resolve_device(cfg) == "cuda" else "gloo")
+                         backend=resolve_backend("auto", None, device=resolve_device(cfg)))
     finally:
         if bar is not None:
             bar.close()

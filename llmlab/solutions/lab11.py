@@ -11,7 +11,8 @@ def least_loaded(loads: list[int], start: int = 0) -> int:
     the smallest load; among replicas with that load, the first one found going round from index
     ``start`` (``start, start + 1, ..., n - 1, 0, 1, ...``), so that idle replicas take turns
     instead of replica 0 getting every request of a quiet period. (vLLM's data-parallel balancer
-    and llmlab's ``llmlab.serve.router`` route on queue lengths the same way.)
+    and llmlab's ``llmlab.serve.router`` route on queue lengths the same way; a
+    ``Router(engines, policy=least_loaded)`` calls it for every request.)
     """
     n = len(loads)
     best = start % n
