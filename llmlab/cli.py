@@ -80,7 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"no valid checkpoint in {cfg.checkpoint_dir}: starting from step 1", file=sys.stderr)
     metrics = train(cfg, progress=not args.no_progress and leader)
     if not leader:
-        return 0
+        return _rank_done()
     steps = metrics["steps"]
     if steps:
         print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
@@ -93,6 +93,21 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"metrics written to {cfg.metrics_json}")
     if cfg.save_model:
         print(f"model written to {cfg.save_model}")
+    return _rank_done()
+
+
+def _rank_done() -> int:
+    """0; under torchrun the rank's process ends here, output flushed, without the interpreter's
+    teardown, as ``llmlab.launch``'s ranks and the tensor-parallel workers do: process-group
+    threads racing the teardown can abort a finished rank ("terminate called without an active
+    exception", SIGABRT, seen once in the torchrun test on a loaded machine), and torchrun then
+    reports the whole job failed."""
+    import os
+    from llmlab.runtime.launch import under_torchrun
+    if under_torchrun() and os.environ.get("TORCHELASTIC_RUN_ID"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

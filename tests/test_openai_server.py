@@ -445,3 +445,23 @@ def test_the_engines_other_sampling_fields_pass_through(server, client, llm):
     code, err = _post(server.url + "/v1/completions",
                       {"model": MODEL, "prompt": "x", "repetition_penalty": -1})
     assert code == 400 and "repetition_penalty" in err["error"]["message"]
+
+
+def test_a_routing_policy_chooses_the_replica():
+    picked = []
+
+    def always_the_second(loads, start):
+        picked.append(list(loads))
+        return 1
+
+    with start_server(MODEL, data_parallel_size=2, num_gpu_blocks=64, block_size=8,
+                      routing_policy=always_the_second) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        for p in ("ROMEO:", "JULIET:"):
+            c.completions.create(model=MODEL, prompt=p, max_tokens=2, temperature=0)
+        assert s.app.state.router.policy is always_the_second
+        _, body = _get(s.url + "/metrics")
+    counts = {ln.split('replica="')[1][0]: float(ln.split()[1]) for ln in body.decode().splitlines()
+              if ln.startswith("llmlab:e2e_request_latency_seconds_count{")}
+    assert counts.get("1") == 2 and counts.get("0", 0) == 0, counts
+    assert len(picked) == 2 and all(len(loads) == 2 for loads in picked)

@@ -77,10 +77,11 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                  chat_template: str | None = None, data_parallel_size: int = 1,
                  max_waiting_requests: int | None = None, shutdown_timeout: float = 5.0,
                  public_metrics: bool = False, allow_special_tokens_in_chat: bool = False,
-                 **engine_args):
+                 routing_policy=None, **engine_args):
     """Build the engines and the app and run them on a background thread; returns the started
     :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit).
-    ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``)."""
+    ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``).
+    ``routing_policy``: which replica takes a request (:class:`~llmlab.serve.router.Router`)."""
     from llmlab.serve.app import build_app
     from llmlab.serve.metrics import ServerMetrics
     from llmlab.serve.server import ServerThread
@@ -94,7 +95,8 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,
                     metrics=metrics, public_metrics=public_metrics,
-                    allow_special_tokens_in_chat=allow_special_tokens_in_chat)
+                    allow_special_tokens_in_chat=allow_special_tokens_in_chat,
+                    routing_policy=routing_policy)
     server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout)
     server.app, server.metrics = app, metrics
     return server.start()

@@ -30,15 +30,17 @@ from llmlab.serve.routes import chat, completions, info
 
 def build_app(engines: list, *, served_model_name: str, chat_template: str | None = None,
               api_key: str | None = None, metrics=None, public_metrics: bool = False,
-              allow_special_tokens_in_chat: bool = False) -> FastAPI:
+              allow_special_tokens_in_chat: bool = False, routing_policy=None) -> FastAPI:
     """The app over started-or-not :class:`AsyncEngine` replicas (started at app startup if
     needed, shut down at app shutdown). ``chat_template``: Jinja source overriding the
     tokenizer's. ``metrics``: the :class:`ServerMetrics` the engines report to.
-    ``allow_special_tokens_in_chat``: special tokens inside message content act as markers."""
+    ``allow_special_tokens_in_chat``: special tokens inside message content act as markers.
+    ``routing_policy``: the replicas' :class:`~llmlab.serve.router.Router` policy
+    (``policy(loads, start) -> index``; default least loaded)."""
     tokenizer = engines[0].engine.tokenizer
     renderer = (ChatRenderer(tokenizer, chat_template, allow_special_tokens_in_chat)
                 if tokenizer is not None else None)
-    ctx = ServingContext(engines, served_model_name, Router(engines), renderer, metrics)
+    ctx = ServingContext(engines, served_model_name, Router(engines, routing_policy), renderer, metrics)
 
     @asynccontextmanager
     async def lifespan(app):

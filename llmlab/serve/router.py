@@ -26,8 +26,8 @@ class Router:
     """Route each request to one of ``engines`` (the replicas, AsyncEngine) by a ``policy``.
 
     ``policy(loads, start) -> index``: ``loads`` the requests in flight per live replica, ``start``
-    the index after the last one picked; default :func:`least_loaded`, looked up when the router
-    is built (lab 11 hands it the learner's). :meth:`pick` raises ``ValueError`` when the policy
+    the index after the last one picked; default :func:`least_loaded` (lab 11 hands
+    ``start_server(routing_policy=...)`` the learner's). :meth:`pick` raises ``ValueError`` when the policy
     returns something other than an index into ``loads``; the constructor, for no engines."""
 
     def __init__(self, engines: list, policy=None):
