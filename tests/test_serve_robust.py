@@ -17,6 +17,7 @@ import torch
 from llmlab.inference import LLM, SamplingParams
 from llmlab.serve import start_server
 from llmlab.serve.chat import ChatRenderer
+from test_openai_server import _post, _wait  # the same HTTP helpers
 
 MODEL = "shakespeare"
 TIMEOUT = 60
@@ -39,24 +40,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def llm():
     return LLM(MODEL)
-
-
-def _post(url, body, headers=None):
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _wait(cond, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _idle(server) -> bool:
