@@ -71,7 +71,7 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 # --- the worker: one engine, one process -------------------------------------------------------------
 def _engine(job):
-    """(system, generate(prompts, outs) -> token lists, engine with add_request/step)."""
+    """(generate(prompts, outs) -> token lists, engine with step(), add(request_id, ids, max_tokens))."""
     if job["system"] == "vllm":
         from vllm import LLM, SamplingParams
         llm = LLM(model=job["model"], dtype=DTYPES[job["dtype"]], block_size=job["block_size"],
@@ -84,7 +84,8 @@ def _engine(job):
         def generate(prompts, outs):
             res = llm.generate([prompt(p) for p in prompts], [params(o) for o in outs], use_tqdm=False)
             return [list(r.outputs[0].token_ids) for r in res]
-        return generate, llm.llm_engine, params, prompt
+        eng = llm.llm_engine
+        return generate, eng, lambda rid, ids, o: eng.add_request(rid, prompt(ids), params(o))
     import torch
     from llmlab.inference import LLM, SamplingParams
     torch.set_num_threads(job["threads"])
@@ -97,10 +98,11 @@ def _engine(job):
     def generate(prompts, outs):
         res = llm.generate(prompts, [params(o) for o in outs])
         return [list(r.outputs[0].token_ids) for r in res]
-    return generate, llm.engine, params, (lambda ids: ids)
+    eng = llm.engine
+    return generate, eng, lambda rid, ids, o: eng.add_request(ids, params(o), request_id=rid)
 
 
-def _rate_run(engine, params, prompt, prompts, outs, times):
+def _rate_run(engine, add, prompts, outs, times):
     """Requests arrive at ``times`` (s); returns per-request TTFT and TPOT (s) seen by the caller
     of ``step()`` (the same client loop for both engines)."""
     t0 = time.perf_counter()
@@ -108,7 +110,7 @@ def _rate_run(engine, params, prompt, prompts, outs, times):
     while len(done) < n:
         now = time.perf_counter() - t0
         while i < n and times[i] <= now:
-            engine.add_request(f"r{i}", prompt(prompts[i]), params(outs[i]))
+            add(f"r{i}", prompts[i], outs[i])
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(min(0.005, max(0.0, times[i] - now)) if i < n else 0)
@@ -127,7 +129,7 @@ def _rate_run(engine, params, prompt, prompts, outs, times):
 
 def worker(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    generate, engine, params, prompt = _engine(job)
+    generate, engine, add = _engine(job)
     wl = job["workload"]
     prompts, outs = wl["prompts"], wl["output_lens"]
     generate(prompts[:4], [8] * 4)                     # warm-up (compilation, first allocations)
@@ -137,7 +139,7 @@ def worker(job_path: str, out_path: str) -> None:
     res = {"elapsed_s": elapsed, "tokens": tokens}
     if job.get("request_rate"):
         times = arrivals(len(prompts), job["request_rate"], 0)
-        res["ttft_s"], res["tpot_s"] = _rate_run(engine, params, prompt, prompts, outs, times)
+        res["ttft_s"], res["tpot_s"] = _rate_run(engine, add, prompts, outs, times)
     Path(out_path).write_text(json.dumps(res))
 
 

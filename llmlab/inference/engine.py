@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab.inference import loader
+from llmlab.inference.batched_greedy import greedy_tokens
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
@@ -307,6 +308,7 @@ class LLMEngine:
                 m = self.requests[seq.request_id].metrics
                 m.first_scheduled_time = m.first_scheduled_time or t0
         logits = self.runner.execute(out)
+        fast = greedy_tokens(logits, [s for s, _ in out.scheduled])   # one argmax for plain greedy
         sched.update(out)
         now = time.perf_counter()
         changed, sample_s = {}, 0.0
@@ -322,9 +324,9 @@ class LLMEngine:
                     self.stopper.start(child)
                 req.seqs += children
                 group += children
-            row = logits[seq.seq_id]
+            row, tok = logits[seq.seq_id], fast.get(seq.seq_id)
             # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
-            if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
+            if tok is None and not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
                 bad = "nan" if bool(torch.isnan(row).any()) else "inf"
                 req.error = (f"non-finite logits ({bad}) at output position "
                              f"{seq.num_output_tokens}; the request was stopped")
@@ -336,8 +338,9 @@ class LLMEngine:
                 ts = time.perf_counter()
                 p = s.params
                 stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-                x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
-                tok = sample_token(x, p, s.generator)
+                if s is not seq or fast.get(seq.seq_id) is None:
+                    x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
+                    tok = sample_token(x, p, s.generator)
                 if p.logprobs is not None:
                     lp = top_logprobs(row, tok, p.logprobs)
                     s.logprobs.append(lp)
