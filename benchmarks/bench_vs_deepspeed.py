@@ -66,10 +66,7 @@ def reachable_bytes(root) -> int:
 
 
 def ds_config(stage: int, micro: int, offload: bool) -> dict:
-    zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
-            "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e8)
+    zero = {"stage": stage}                   # DeepSpeed's own defaults for everything else
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
@@ -88,7 +85,8 @@ def rank_main(a) -> None:
     from llmlab.model.llama import LlamaForCausalLM
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.config import TrainConfig, model_config
-    from llmlab.training.trainer import Engine, make_optimizer
+    from llmlab.training.grad_norm import global_grad_norm, owns
+    from llmlab.training.trainer import Engine, global_loss, make_optimizer
 
     torch.set_num_threads(max(1, os.cpu_count() // dist.get_world_size()))
     dp = dist.get_world_size()
@@ -111,9 +109,20 @@ def rank_main(a) -> None:
         return t.item() / dp, float(theirs.get_global_grad_norm())
 
     def our_step(micro, step):
-        from llmlab.training.trainer import global_loss
-        local = ours.train_step(micro, step)
-        return global_loss(local, ours.mesh, ours.device), float(ours.last["grad_norm"])
+        """Engine.train_step without the trainer's bookkeeping (activation-memory hooks, byte
+        counters, loss scaling, schedule): forward/backward, gradient sync, the global gradient
+        norm (DeepSpeed computes it every step too), the optimizer step."""
+        (x, y), = micro
+        loss = ours.wrapper(x, y)
+        loss.backward()
+        ours.wrapper.finish_grad_sync()
+        if hasattr(ours.optimizer, "unscale"):
+            ours.optimizer.unscale()                  # masters' .grad -> the reduced shards
+        pieces = ours.grad_pieces()
+        norm, _ = global_grad_norm([(g, owns(p, ours.mesh, True)) for g, p in pieces], ours.device)
+        ours.optimizer.apply() if hasattr(ours.optimizer, "apply") else ours.optimizer.step()
+        ours.optimizer.zero_grad(set_to_none=True)
+        return global_loss(loss.item(), ours.mesh, ours.device), float(norm)
 
     times, first = {"llmlab": [], "deepspeed": []}, []
     for step in range(1, a.warmup + a.steps + 1):
