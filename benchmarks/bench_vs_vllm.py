@@ -150,8 +150,10 @@ def run_one(system: str, job: dict, py_vllm: Path) -> dict:
         jp, op = Path(d) / "job.json", Path(d) / "out.json"
         jp.write_text(json.dumps(dict(job, system=system)))
         py = str(py_vllm) if system == "vllm" else sys.executable
+        n = job["threads"]                        # the same compute threads for both engines
         env = dict(os.environ, PYTHONPATH=str(peer_env.REPO), VLLM_CPU_KVCACHE_SPACE="1",
-                   TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING")
+                   TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
+                   OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
         if system == "vllm":
             env.pop("PYTHONPATH")                 # vLLM's environment does not see llmlab
         r = subprocess.run([py, __file__, "--worker", str(jp), str(op)], env=env,
@@ -260,6 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--curve", action="store_true", help="throughput vs max_num_seqs for both")
     p.add_argument("--curve-seqs", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--curve-requests", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads of each engine (default 1: on a shared machine a second "
+                        "thread waiting on a descheduled one slows every op of the step)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--torch-wheel", default=None, help="a torch 2.13.0+cpu wheel for the peers' venv")
     p.add_argument("--seed", type=int, default=0)
@@ -276,11 +281,12 @@ def main(argv=None) -> int:
     wl = make_workload(model, a.num_requests, a.seed)
     job = dict(model=str(model), block_size=a.block_size, kv_bytes=int(a.kv_gib * 2**30),
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               max_model_len=1024, threads=os.cpu_count(), device=a.device, workload=wl,
+               max_model_len=1024, threads=a.threads, device=a.device, workload=wl,
                request_rate=a.request_rate or None)
     print(f"llmlab vs vLLM: {MODEL_DESC}, {a.num_requests} requests (prompts 16-256, outputs 16-128 "
           f"tokens, ignore_eos, greedy), block_size {a.block_size}, {a.kv_gib:g} GiB KV each, "
           f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}, "
+          f"{a.threads} thread(s) each, "
           f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)")
     print(f"machine: {machine()}", flush=True)
     ok = True
