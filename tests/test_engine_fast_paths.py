@@ -31,6 +31,9 @@ def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
     seqs = [_Seq(10), _Seq(11), _Seq(12), _Seq(13, repetition_penalty=1.2), _Seq(14)]
     got = greedy_tokens(rows, seqs)
     assert got == {i: int(torch.argmax(rows[i])) for i in (10, 11, 12)}
+    banned = int(torch.argmax(rows[12]))          # a logit_bias row is processed per row
+    seqs[2] = _Seq(12, logit_bias={banned: -100.0})
+    assert 12 not in greedy_tokens(rows, seqs)
     assert greedy_tokens({10: x[0]}, seqs[:1]) == {}      # one row: the per-row path
 
 
