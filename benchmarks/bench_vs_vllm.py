@@ -60,15 +60,6 @@ def make_workload(model_dir: Path, n: int, seed: int, prompt_range=(16, 256), ou
     return {"prompts": prompts, "output_lens": outs}
 
 
-def arrivals(n: int, rate: float, seed: int) -> list[float]:
-    rng = random.Random(seed + 1)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
 # --- the worker: one engine, one process -------------------------------------------------------------
 def _engine(job):
     """(generate(prompts, outs) -> token lists, engine with step(), add(request_id, ids, max_tokens))."""
@@ -138,7 +129,9 @@ def worker(job_path: str, out_path: str) -> None:
     elapsed = time.perf_counter() - t
     res = {"elapsed_s": elapsed, "tokens": tokens}
     if job.get("request_rate"):
-        times = arrivals(len(prompts), job["request_rate"], 0)
+        sys.path.insert(0, str(peer_env.REPO))
+        from llmlab.inference.workload import poisson_arrivals   # bench serve's arrival process
+        times = poisson_arrivals(len(prompts), job["request_rate"], seed=0)
         res["ttft_s"], res["tpot_s"] = _rate_run(engine, add, prompts, outs, times)
     Path(out_path).write_text(json.dumps(res))
 
