@@ -38,6 +38,9 @@ def test_8b_plan_lists_layouts_of_8_gpus_best_fits_and_has_dp2_tp4(plan8b):
     r = dp2tp4[0]
     assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"] + r["bubble_s"])
     assert r["comm_s"]["tp"] > 0 and 0 < r["mfu"] < 1
+    same = llmlab.plan(params=8e9, num_gpus=8, gpu_memory_gb=80)     # the Python API, the CLI's units
+    assert same["cluster"]["gpu_memory_bytes"] == 80e9
+    assert [x["name"] for x in same["layouts"][:5]] == [x["name"] for x in rows[:5]]
 
 
 def test_8b_model_states_match_the_source_articles_and_formulas():

@@ -34,7 +34,7 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
             ``kv_heads``, ``vocab``), or ``config="config.json"``.
         cluster: a node preset name (a100, a800, h100, h200) scaled to ``num_gpus``, or a
             :class:`ClusterSpec`; keyword overrides of ClusterSpec fields (``gpu_memory_bytes``,
-            ``gpus_per_node``, ...) apply to a preset.
+            or ``gpu_memory_gb`` as the CLI's flag, ``gpus_per_node``, ...) apply to a preset.
         workload: sequence length, global batch in tokens, dtype, optimizer, token budget.
 
     Returns:
@@ -48,6 +48,8 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
     shape = {k: overrides.pop(k) for k in ("num_layers", "hidden", "heads", "kv_heads", "vocab")
              if k in overrides}
     spec = resolve_model(model, params, config, **shape)
+    if overrides.get("gpu_memory_gb") is not None:               # the CLI's unit
+        overrides["gpu_memory_bytes"] = overrides.pop("gpu_memory_gb") * GB
     if isinstance(cluster, str):
         cluster = cluster_preset(cluster, num_gpus, **overrides)
     cluster = cluster.validate()
