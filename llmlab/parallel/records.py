@@ -38,19 +38,19 @@ class ModelRecord:
     grad_finalizers: list[Callable] = field(default_factory=list)
 
 
+def _record(obj, make):
+    rec = getattr(obj, _ATTR, None)
+    if rec is None:
+        rec = make()
+        setattr(obj, _ATTR, rec)
+    return rec
+
+
 def param_record(p: nn.Parameter) -> ParamRecord:
     """``p``'s record, made (all ``False``) on first use."""
-    rec = getattr(p, _ATTR, None)
-    if rec is None:
-        rec = ParamRecord()
-        setattr(p, _ATTR, rec)
-    return rec
+    return _record(p, ParamRecord)
 
 
 def model_record(model: nn.Module) -> ModelRecord:
     """``model``'s record, made (no finalizers) on first use."""
-    rec = getattr(model, _ATTR, None)
-    if rec is None:
-        rec = ModelRecord()
-        setattr(model, _ATTR, rec)
-    return rec
+    return _record(model, ModelRecord)
