@@ -17,6 +17,10 @@ Printed: offline throughput (prompt+output and output tokens/s) and the llmlab/v
 dtype; TTFT and TPOT percentiles at a fixed Poisson request rate (--request-rate); greedy token
 agreement per request (fp32: must be equal on every request; bf16 rounding may legitimately
 flip near-ties, so bf16 agreement is reported, not required); with --curve the scaling curve.
+llmlab runs its CPU fast paths, each an option tested against the PyTorch reference: the C++
+PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py) and weights
+prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py); both
+systems run with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
 Numbers are printed as measured; a missed target says MISSED rather than failing the script.
 """
@@ -39,6 +43,11 @@ sys.path.insert(0, str(HERE))
 import peer_env  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# glibc keeps freed memory in the process heap instead of unmapping each large tensor (every new
+# activation of a step would page-fault its memory in again); vLLM's CPU backend preloads tcmalloc
+# for the same reason where its wheel bundles it (this one does not). Set for both systems alike.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31),
+              "MALLOC_TOP_PAD_": str(2**29)}
 
 
 # --- the workload (made once, in the parent) --------------------------------------------------------
@@ -78,8 +87,10 @@ def _engine(job):
         eng = llm.llm_engine
         return generate, eng, lambda rid, ids, o: eng.add_request(rid, prompt(ids), params(o))
     import torch
+    import llmlab.kernels as K
     from llmlab.inference import LLM, SamplingParams
     torch.set_num_threads(job["threads"])
+    K.enable(paged_attention=job["paged_attention"], packed_linear=job["packed_linear"])
     llm = LLM(job["model"], block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
               kv_cache_memory_bytes=job["kv_bytes"], dtype=getattr(torch, DTYPES[job["dtype"]]),
@@ -145,6 +156,7 @@ def run_one(system: str, job: dict, py_vllm: Path) -> dict:
         py = str(py_vllm) if system == "vllm" else sys.executable
         n = job["threads"]                        # the same compute threads for both engines
         env = dict(os.environ, PYTHONPATH=str(peer_env.REPO), VLLM_CPU_KVCACHE_SPACE="1",
+                   **(MALLOC_ENV if job.get("malloc_env") else {}),
                    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                    OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
         if system == "vllm":
@@ -259,6 +271,14 @@ def main(argv=None) -> int:
                    help="compute threads of each engine (default 1: on a shared machine a second "
                         "thread waiting on a descheduled one slows every op of the step)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--paged-attention", default="cpu", choices=["cpu", "reference", "auto", "triton"],
+                   help="llmlab's PagedAttention (llmlab.kernels; default cpu: the C++ kernel on CPU, "
+                        "Triton on CUDA; reference: the PyTorch reference)")
+    p.add_argument("--no-malloc-env", action="store_true",
+                   help="leave glibc's malloc thresholds at their defaults (default: MALLOC_ENV for both)")
+    p.add_argument("--no-packed-linear", action="store_true",
+                   help="llmlab's linear layers through F.linear (default: weights prepacked for oneDNN, "
+                        "llmlab.kernels.cpu_linear)")
     p.add_argument("--torch-wheel", default=None, help="a torch 2.13.0+cpu wheel for the peers' venv")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -275,11 +295,14 @@ def main(argv=None) -> int:
     job = dict(model=str(model), block_size=a.block_size, kv_bytes=int(a.kv_gib * 2**30),
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                max_model_len=1024, threads=a.threads, device=a.device, workload=wl,
+               paged_attention=a.paged_attention, packed_linear=not a.no_packed_linear,
+               malloc_env=not a.no_malloc_env,
                request_rate=a.request_rate or None)
     print(f"llmlab vs vLLM: {MODEL_DESC}, {a.num_requests} requests (prompts 16-256, outputs 16-128 "
           f"tokens, ignore_eos, greedy), block_size {a.block_size}, {a.kv_gib:g} GiB KV each, "
           f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}, "
-          f"{a.threads} thread(s) each, "
+          f"{a.threads} thread(s) each, llmlab paged_attention={a.paged_attention} "
+          f"packed_linear={not a.no_packed_linear}, malloc thresholds {'default' if a.no_malloc_env else 'raised'}, "
           f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)")
     print(f"machine: {machine()}", flush=True)
     ok = True

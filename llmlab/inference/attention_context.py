@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmlab.inference.paged_attention import paged_attention, plan_attention, use_triton, write_kv
+from llmlab.inference.paged_attention import paged_attention, plan_attention, walks_block_tables, write_kv
 
 
 @dataclass
@@ -64,7 +64,7 @@ class PagedAttentionContext:
         is made by the first layer and reused by the others."""
         b = self.batches[i]
         plan = None
-        if not use_triton(q, k_cache):
+        if not walks_block_tables(q, k_cache):
             key = (i, sliding_window)
             plan = self.plans.get(key)
             if plan is None:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from llmlab import kernels
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.padding_buckets import buckets
-from llmlab.inference.paged_attention import slot_mapping, use_triton
+from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
@@ -49,6 +50,9 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
                  padding_buckets: bool = True):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
+        if kernels.settings().packed_linear and device.type == "cpu":
+            from llmlab.kernels.cpu_linear import pack_linears
+            pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
@@ -114,14 +118,14 @@ class ModelRunner:
         return self._batch(group, is_prefill=False)
 
     def attention_groups(self, scheduled: list[tuple]) -> list[list[tuple]]:
-        """The step's ``(seq, n)`` pairs grouped into attention calls: all in one where the
-        Triton kernel runs (it walks each sequence's own blocks, no padding); otherwise prompts
+        """The step's ``(seq, n)`` pairs grouped into attention calls: all in one where a
+        kernel runs (Triton or the CPU one: it walks each sequence's own blocks, no padding); otherwise prompts
         apart from decodes (the reference pads every query of a call to the longest, so one
         decode row next to a 200-token prompt would cost 200 rows), each optionally cut into
         length buckets."""
         c = self.config
         probe = torch.empty(0, c.num_attention_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        if use_triton(probe, self.kv_cache[0, 0]):
+        if walks_block_tables(probe, self.kv_cache[0, 0]):
             return [list(scheduled)]
         groups = [g for g in ([x for x in scheduled if x[1] > 1], [x for x in scheduled if x[1] == 1]) if g]
         if self.padding_buckets:

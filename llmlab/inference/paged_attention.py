@@ -11,8 +11,9 @@ longest query of the step and keys to the longest context; a mask keeps each que
 sequence's past. :func:`paged_attention`, what the engine calls, dispatches: the Triton kernel
 (:mod:`llmlab.kernels.paged_attention`, which walks the block tables without gathering) on CUDA
 tensors when triton is installed, the reference otherwise; ``llmlab.kernels.enable(
-paged_attention="reference" | "triton" | "auto")`` or ``LLMLAB_KERNELS=paged_attention=...``
-(``LLMLAB_KERNELS=0``: no Triton) choose otherwise.
+paged_attention="reference" | "triton" | "cpu" | "auto")`` or ``LLMLAB_KERNELS=paged_attention=...``
+(``LLMLAB_KERNELS=0``: no kernel) choose otherwise; ``"cpu"`` is the C++ kernel for CPU tensors
+(:mod:`llmlab.kernels.cpu_paged_attention`), which walks the block tables in place too.
 """
 from __future__ import annotations
 
@@ -52,31 +53,51 @@ def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return 16 <= D <= 256 and not D & (D - 1) and q.dtype in ok and k_cache.dtype in ok
 
 
-def use_triton(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The dispatch rule of :func:`paged_attention` under the current
-    ``llmlab.kernels.settings().paged_attention``: ``"reference"`` never; ``"auto"`` for CUDA
-    tensors the kernel supports when triton is installed; ``"triton"`` wherever Triton runs
-    (CUDA, or CPU under ``TRITON_INTERPRET=1``); the kernel's own checks then raise for shapes
-    it does not support."""
+def kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """Which implementation :func:`paged_attention` runs for these tensors under the current
+    ``llmlab.kernels.settings().paged_attention``: ``"triton"``, ``"cpu"`` (the C++ kernel,
+    :mod:`llmlab.kernels.cpu_paged_attention`) or ``"reference"``. ``"reference"`` never picks
+    a kernel; ``"auto"`` picks Triton for CUDA tensors the kernel supports when triton is
+    installed; ``"triton"`` picks it wherever Triton runs (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``; the kernel's own checks then raise for shapes it does not support);
+    ``"cpu"`` picks the C++ kernel for CPU tensors (compiled on first use) and Triton, as
+    ``"auto"`` does, for CUDA ones."""
     impl = K.settings().paged_attention
-    if impl == "reference" or not _triton_installed():
-        return False
-    if impl == "auto":
-        return q.is_cuda and kernel_supports(q, k_cache)
-    return q.is_cuda or (q.device.type == "cpu" and K.triton_interpreted())
+    if impl == "reference":
+        return "reference"
+    if impl == "cpu" and q.device.type == "cpu":
+        return "cpu"
+    if not _triton_installed():
+        return "reference"
+    if impl in ("auto", "cpu"):
+        return "triton" if q.is_cuda and kernel_supports(q, k_cache) else "reference"
+    return "triton" if q.is_cuda or (q.device.type == "cpu" and K.triton_interpreted()) else "reference"
+
+
+def walks_block_tables(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` runs a kernel that reads each sequence's own blocks (no
+    padding), so that one call can take prompts and decodes together."""
+    return kernel_for(q, k_cache) != "reference"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, scale: float | None = None,
                     sliding_window: int | None = None, plan: "AttentionPlan | None" = None) -> torch.Tensor:
-    """Causal attention of the step's new tokens over the paged cache: the Triton kernel
-    (:func:`llmlab.kernels.paged_attention.paged_attention_triton`) where :func:`use_triton`
-    says so, else :func:`paged_attention_reference` (always for a ``sliding_window``, which the
-    kernel does not take). Same arguments, shapes and result as
+    """Causal attention of the step's new tokens over the paged cache: the kernel
+    :func:`kernel_for` names (the Triton kernel,
+    :func:`llmlab.kernels.paged_attention.paged_attention_triton`, which takes no
+    ``sliding_window``; the C++ CPU kernel,
+    :func:`llmlab.kernels.cpu_paged_attention.paged_attention_cpu`), else
+    :func:`paged_attention_reference`. Same arguments, shapes and result as
     :func:`paged_attention_reference` (``plan`` is used by the reference only); errors are those
     of the implementation chosen."""
-    if sliding_window is None and use_triton(q, k_cache):
+    impl = kernel_for(q, k_cache)
+    if impl == "cpu":
+        from llmlab.kernels.cpu_paged_attention import paged_attention_cpu
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_lens,
+                                   scale, sliding_window)
+    if impl == "triton" and sliding_window is None:
         from llmlab.kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                       query_lens, scale)

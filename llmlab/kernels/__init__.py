@@ -9,6 +9,10 @@ Files (one idea each):
 * :mod:`~llmlab.kernels.fused_rmsnorm`, :mod:`~llmlab.kernels.fused_swiglu`: fused Triton ops.
 * :mod:`~llmlab.kernels.paged_attention`: Triton PagedAttention (decode and prefill over block
   tables) for the inference engine.
+* :mod:`~llmlab.kernels.cpu_paged_attention`: PagedAttention in C++ for CPU tensors (the
+  engine's fast path on CPU; ``csrc/paged_attention_cpu.cpp``).
+* :mod:`~llmlab.kernels.cpu_linear`: linear layers with weights prepacked once for oneDNN (the
+  engine's GEMM on CPU, ``packed_linear=True``).
 * :mod:`~llmlab.kernels.bench`: timing (GPU) and memory-versus-sequence-length measurements.
 
 The model (:mod:`llmlab.model.llama`) uses PyTorch by default: SDPA for attention, eager RMSNorm
@@ -29,7 +33,11 @@ when set before Python starts; otherwise call ``enable`` inside the rank functio
 The inference engine's PagedAttention is the exception: ``paged_attention="auto"`` (default)
 uses the Triton kernel on CUDA tensors whenever triton is installed, the PyTorch reference
 otherwise; ``"triton"`` also uses it on CPU tensors under the interpreter, ``"reference"``
-never. ``LLMLAB_KERNELS=0`` (or ``off``) switches every Triton kernel off, this one included.
+never; ``"cpu"`` uses the C++ kernel for CPU tensors
+(:mod:`~llmlab.kernels.cpu_paged_attention`: it walks the block tables in place instead of
+gathering a padded copy; compiled on first use, it needs a C++ compiler and ``ninja``) and Triton
+on CUDA ones as ``"auto"`` does. ``LLMLAB_KERNELS=0`` (or ``off``) switches every kernel off,
+these included.
 
 Triton is optional: importing this package never imports it.
 """
@@ -44,13 +52,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from llmlab.kernels.cpu_linear import linear  # noqa: F401  (F.linear, or the packed weight's)
 from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
                                           online_softmax_steps, softmax_partial)
 from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
                                       rms_norm_reference, swiglu_reference)
 
 ATTENTION_IMPLS = ("sdpa", "eager", "reference", "triton")
-PAGED_ATTENTION_IMPLS = ("auto", "triton", "reference")
+PAGED_ATTENTION_IMPLS = ("auto", "triton", "reference", "cpu")
 TRITON_PIP = "pip install triton==3.9.0"
 
 
@@ -59,12 +68,15 @@ class KernelSettings:
     """Which implementation the model uses. ``attention`` in :data:`ATTENTION_IMPLS`;
     ``rmsnorm``/``swiglu``: use the fused Triton kernels where they can run;
     ``paged_attention`` in :data:`PAGED_ATTENTION_IMPLS`: the inference engine's attention
-    (``"auto"``: Triton on CUDA tensors when triton is installed)."""
+    (``"auto"``: Triton on CUDA tensors when triton is installed; ``"cpu"``: also the C++
+    kernel on CPU tensors); ``packed_linear``: the engine's linear layers on a CPU device use
+    weights prepacked once for oneDNN (:mod:`~llmlab.kernels.cpu_linear`)."""
 
     attention: str = "sdpa"
     rmsnorm: bool = False
     swiglu: bool = False
     paged_attention: str = "auto"
+    packed_linear: bool = False
 
 
 _settings = KernelSettings()
@@ -106,12 +118,13 @@ def settings() -> KernelSettings:
 
 
 def enable(attention: str | None = None, rmsnorm: bool | None = None,
-           swiglu: bool | None = None, paged_attention: str | None = None) -> KernelSettings:
+           swiglu: bool | None = None, paged_attention: str | None = None,
+           packed_linear: bool | None = None) -> KernelSettings:
     """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
 
     Returns the previous settings. Raises ``ValueError`` for an unknown attention or
     paged_attention implementation and ``RuntimeError`` if a Triton kernel is requested without
-    triton installed.
+    triton installed, or the CPU kernel without a C++ compiler and ninja.
     """
     global _settings
     new = dataclasses.replace(_settings)
@@ -127,7 +140,17 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
         if paged_attention not in PAGED_ATTENTION_IMPLS:
             raise ValueError(f"paged_attention={paged_attention!r} must be one of "
                              f"{PAGED_ATTENTION_IMPLS}")
+        if paged_attention == "cpu":
+            from llmlab.kernels.cpu_paged_attention import available
+            if not available():
+                raise RuntimeError("paged_attention='cpu' needs a C++ compiler and the ninja "
+                                   "package (pip install ninja)")
         new.paged_attention = paged_attention
+    if packed_linear is not None:
+        from llmlab.kernels.cpu_linear import available as packing_available
+        if packed_linear and not packing_available():
+            raise RuntimeError("packed_linear needs PyTorch built with oneDNN (mkldnn)")
+        new.packed_linear = bool(packed_linear)
     wants_triton = (new.attention == "triton" or new.rmsnorm or new.swiglu
                     or new.paged_attention == "triton")
     if wants_triton and not triton_available():
@@ -149,10 +172,10 @@ def disable() -> KernelSettings:
 
 @contextlib.contextmanager
 def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None,
-        paged_attention: str | None = None):
+        paged_attention: str | None = None, packed_linear: bool | None = None):
     """Context manager: :func:`enable` on entry, previous settings restored on exit."""
     global _settings
-    old = enable(attention, rmsnorm, swiglu, paged_attention)
+    old = enable(attention, rmsnorm, swiglu, paged_attention, packed_linear)
     try:
         yield settings()
     finally:
@@ -219,12 +242,12 @@ def _from_env(spec: str) -> KernelSettings:
             s.attention = val
         elif key == "paged_attention" and val in PAGED_ATTENTION_IMPLS:
             s.paged_attention = val
-        elif key in ("rmsnorm", "swiglu") and val in ("", "1", "true", "0", "false"):
+        elif key in ("rmsnorm", "swiglu", "packed_linear") and val in ("", "1", "true", "0", "false"):
             setattr(s, key, val in ("", "1", "true"))
         else:
             raise ValueError(f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
-                             f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1] "
-                             f"or swiglu[=0|1] (or LLMLAB_KERNELS=0: no Triton kernel)")
+                             f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1], "
+                             f"swiglu[=0|1] or packed_linear[=0|1] (or LLMLAB_KERNELS=0: no kernel)")
     return s
 
 
@@ -232,7 +255,7 @@ if os.environ.get("LLMLAB_KERNELS"):
     _settings = _from_env(os.environ["LLMLAB_KERNELS"])
 
 __all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable", "disable", "use", "settings",
-           "use_fused", "attention", "rms_norm", "swiglu", "triton_available",
+           "use_fused", "attention", "linear", "rms_norm", "swiglu", "triton_available",
            "triton_interpreted", "triton_runs_on", "attention_reference",
            "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
            "online_softmax", "online_softmax_steps", "online_softmax_matmul", "merge_softmax_partials",

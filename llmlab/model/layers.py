@@ -66,7 +66,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
             w, b, split = self.fused_gate_up
-            gate, up = F.linear(x, w, b).split(split, dim=-1)
+            gate, up = kernels.linear(x, w, b).split(split, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if kernels.use_fused("swiglu", gate):      # opt-in fused Triton kernel (llmlab.kernels)
