@@ -69,7 +69,11 @@ def ds_config(stage: int, micro: int, offload: bool) -> dict:
     zero = {"stage": stage}                   # DeepSpeed's own defaults for everything else
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    # DeepSpeed 0.19 clips the global gradient norm to 1.0 unless told otherwise
+    # (GRADIENT_CLIPPING_DEFAULT); llmlab's step here does not clip, so neither may DeepSpeed's:
+    # with the default the first update was scaled by 1/20 and the runs parted from step 2 on.
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False, "wall_clock_breakdown": False,
             "steps_per_print": 10**9}
