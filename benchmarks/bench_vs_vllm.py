@@ -19,8 +19,8 @@ agreement per request (fp32: must be equal on every request; bf16 rounding may l
 flip near-ties, so bf16 agreement is reported, not required); with --curve the scaling curve.
 llmlab runs its CPU fast paths, each an option tested against the PyTorch reference: the C++
 PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py) and weights
-prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py); both
-systems run with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
+prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py), and its
+worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
 Numbers are printed as measured; a missed target says MISSED rather than failing the script.
 """
@@ -43,9 +43,11 @@ sys.path.insert(0, str(HERE))
 import peer_env  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# glibc keeps freed memory in the process heap instead of unmapping each large tensor (every new
-# activation of a step would page-fault its memory in again); vLLM's CPU backend preloads tcmalloc
-# for the same reason where its wheel bundles it (this one does not). Set for both systems alike.
+# llmlab's CPU serving setting (docs/inference.md): glibc keeps freed memory in the process heap
+# instead of unmapping each large tensor (every new activation of a step would page-fault its
+# memory in again). vLLM's CPU backend makes its own choice for the same problem (it preloads the
+# tcmalloc its wheels may bundle), and these thresholds slowed vLLM here (fp32 40 -> 47-51 s,
+# bf16 13 -> 21-24 s), so they are llmlab's worker's only.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31),
               "MALLOC_TOP_PAD_": str(2**29)}
 
@@ -156,7 +158,7 @@ def run_one(system: str, job: dict, py_vllm: Path) -> dict:
         py = str(py_vllm) if system == "vllm" else sys.executable
         n = job["threads"]                        # the same compute threads for both engines
         env = dict(os.environ, PYTHONPATH=str(peer_env.REPO), VLLM_CPU_KVCACHE_SPACE="1",
-                   **(MALLOC_ENV if job.get("malloc_env") else {}),
+                   **(MALLOC_ENV if job.get("malloc_env") and system == "llmlab" else {}),
                    TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
                    OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
         if system == "vllm":
@@ -275,7 +277,7 @@ def main(argv=None) -> int:
                    help="llmlab's PagedAttention (llmlab.kernels; default cpu: the C++ kernel on CPU, "
                         "Triton on CUDA; reference: the PyTorch reference)")
     p.add_argument("--no-malloc-env", action="store_true",
-                   help="leave glibc's malloc thresholds at their defaults (default: MALLOC_ENV for both)")
+                   help="llmlab's worker with glibc's default malloc thresholds (default: MALLOC_ENV)")
     p.add_argument("--no-packed-linear", action="store_true",
                    help="llmlab's linear layers through F.linear (default: weights prepacked for oneDNN, "
                         "llmlab.kernels.cpu_linear)")
