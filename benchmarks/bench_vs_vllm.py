@@ -46,8 +46,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # llmlab's CPU serving setting (docs/inference.md): glibc keeps freed memory in the process heap
 # instead of unmapping each large tensor (every new activation of a step would page-fault its
 # memory in again). vLLM's CPU backend makes its own choice for the same problem (it preloads the
-# tcmalloc its wheels may bundle), and these thresholds slowed vLLM here (fp32 40 -> 47-51 s,
-# bf16 13 -> 21-24 s), so they are llmlab's worker's only.
+# tcmalloc its wheels may bundle), so these are llmlab's worker's only.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31),
               "MALLOC_TOP_PAD_": str(2**29)}
 
