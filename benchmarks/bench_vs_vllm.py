@@ -18,8 +18,9 @@ dtype; TTFT and TPOT percentiles at a fixed Poisson request rate (--request-rate
 agreement per request (fp32: must be equal on every request; bf16 rounding may legitimately
 flip near-ties, so bf16 agreement is reported, not required); with --curve the scaling curve.
 llmlab runs its CPU fast paths, each an option tested against the PyTorch reference: the C++
-PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py) and weights
-prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py), and its
+PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py), weights
+prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py) and the
+fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py), and its
 worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
 Numbers are printed as measured; a missed target says MISSED rather than failing the script.
@@ -91,7 +92,8 @@ def _engine(job):
     import llmlab.kernels as K
     from llmlab.inference import LLM, SamplingParams
     torch.set_num_threads(job["threads"])
-    K.enable(paged_attention=job["paged_attention"], packed_linear=job["packed_linear"])
+    K.enable(paged_attention=job["paged_attention"], packed_linear=job["packed_linear"],
+             cpu_fused=job["cpu_fused"] and job["device"] == "cpu")
     llm = LLM(job["model"], block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
               max_num_batched_tokens=job["max_num_batched_tokens"], max_model_len=job["max_model_len"],
               kv_cache_memory_bytes=job["kv_bytes"], dtype=getattr(torch, DTYPES[job["dtype"]]),
@@ -280,6 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-packed-linear", action="store_true",
                    help="llmlab's linear layers through F.linear (default: weights prepacked for oneDNN, "
                         "llmlab.kernels.cpu_linear)")
+    p.add_argument("--no-cpu-fused", action="store_true",
+                   help="llmlab's RMSNorm, SwiGLU and rotary in PyTorch (default: the fused C++ "
+                        "operators, llmlab.kernels.cpu_fused)")
     p.add_argument("--torch-wheel", default=None, help="a torch 2.13.0+cpu wheel for the peers' venv")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -297,13 +302,13 @@ def main(argv=None) -> int:
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                max_model_len=1024, threads=a.threads, device=a.device, workload=wl,
                paged_attention=a.paged_attention, packed_linear=not a.no_packed_linear,
-               malloc_env=not a.no_malloc_env,
+               cpu_fused=not a.no_cpu_fused, malloc_env=not a.no_malloc_env,
                request_rate=a.request_rate or None)
     print(f"llmlab vs vLLM: {MODEL_DESC}, {a.num_requests} requests (prompts 16-256, outputs 16-128 "
           f"tokens, ignore_eos, greedy), block_size {a.block_size}, {a.kv_gib:g} GiB KV each, "
           f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}, "
           f"{a.threads} thread(s) each, llmlab paged_attention={a.paged_attention} "
-          f"packed_linear={not a.no_packed_linear}, malloc thresholds {'default' if a.no_malloc_env else 'raised'}, "
+          f"packed_linear={not a.no_packed_linear} cpu_fused={not a.no_cpu_fused}, malloc thresholds {'default' if a.no_malloc_env else 'raised'}, "
           f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)")
     print(f"machine: {machine()}", flush=True)
     ok = True

@@ -1,9 +1,11 @@
 """The C++ PagedAttention for CPU tensors equals the PyTorch reference: on its own (prefill,
-chunked prefill and decode rows in one call, GQA, sliding windows, head dims with and without a
-compiled specialisation, fp32/bf16/fp16) and inside the engine (the same greedy tokens), and it
-refuses inputs that break its constraints with an error naming them.
+chunked prefill and decode rows in one call, so both of its paths: prompt rows from K transposed
+into a buffer, decode and short-chunk rows read in place; GQA, sliding windows, several head dims,
+fp32/bf16/fp16) and inside the engine (the same greedy tokens), and it refuses inputs that break
+its constraints with an error naming them; the engine keeps the reference for head dims the kernel
+is not compiled for.
 
-The kernel is compiled on first use (about 40 s here, then cached): it needs a C++ compiler and
+The kernel is compiled on first use (about a minute here, then cached): it needs a C++ compiler and
 ninja, which `pip install -e ".[dev]"` brings (the `cpu-kernels` extra); a missing one fails these
 tests rather than skipping them."""
 from __future__ import annotations
@@ -81,6 +83,9 @@ def test_dispatch_and_the_switch(monkeypatch):
         args = _case(4, 2, 64, ctx=[9], qlens=[3], dtype=torch.float32)
         torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args),
                                    atol=1e-5, rtol=1e-5)
+        assert kernel_for(torch.zeros(1, 4, 40), torch.zeros(2, 8, 2, 40)) == "reference"
+    with pytest.raises(RuntimeError, match="head_dim=40 is not compiled"):
+        C.paged_attention_cpu(*_case(4, 2, 40, ctx=[9], qlens=[3], dtype=torch.float32))
     with K.use(paged_attention="reference"):
         assert kernel_for(q, k) == "reference"
     assert K._from_env("paged_attention=cpu").paged_attention == "cpu"

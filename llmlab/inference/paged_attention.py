@@ -60,13 +60,15 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     a kernel; ``"auto"`` picks Triton for CUDA tensors the kernel supports when triton is
     installed; ``"triton"`` picks it wherever Triton runs (CUDA, or CPU under
     ``TRITON_INTERPRET=1``; the kernel's own checks then raise for shapes it does not support);
-    ``"cpu"`` picks the C++ kernel for CPU tensors (compiled on first use) and Triton, as
+    ``"cpu"`` picks the C++ kernel for CPU tensors whose head dim it is compiled for (compiled
+    on first use; the reference for other head dims) and Triton, as
     ``"auto"`` does, for CUDA ones."""
     impl = K.settings().paged_attention
     if impl == "reference":
         return "reference"
     if impl == "cpu" and q.device.type == "cpu":
-        return "cpu"
+        from llmlab.kernels.cpu_paged_attention import HEAD_DIMS
+        return "cpu" if q.shape[-1] in HEAD_DIMS else "reference"
     if not _triton_installed():
         return "reference"
     if impl in ("auto", "cpu"):

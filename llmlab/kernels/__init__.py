@@ -13,6 +13,9 @@ Files (one idea each):
   engine's fast path on CPU; ``csrc/paged_attention_cpu.cpp``).
 * :mod:`~llmlab.kernels.cpu_linear`: linear layers with weights prepacked once for oneDNN (the
   engine's GEMM on CPU, ``packed_linear=True``).
+* :mod:`~llmlab.kernels.cpu_fused`: RMSNorm (after the residual add), SiLU-and-multiply and rotary
+  embedding fused in C++ for CPU tensors (``cpu_fused=True``; ``csrc/fused_ops_cpu.cpp``).
+* :mod:`~llmlab.kernels.cpu_build`: how the C++ CPU kernels are compiled on first use.
 * :mod:`~llmlab.kernels.bench`: timing (GPU) and memory-versus-sequence-length measurements.
 
 The model (:mod:`llmlab.model.llama`) uses PyTorch by default: SDPA for attention, eager RMSNorm
@@ -36,8 +39,10 @@ otherwise; ``"triton"`` also uses it on CPU tensors under the interpreter, ``"re
 never; ``"cpu"`` uses the C++ kernel for CPU tensors
 (:mod:`~llmlab.kernels.cpu_paged_attention`: it walks the block tables in place instead of
 gathering a padded copy; compiled on first use, it needs a C++ compiler and ``ninja``) and Triton
-on CUDA ones as ``"auto"`` does. ``LLMLAB_KERNELS=0`` (or ``off``) switches every kernel off,
-these included.
+on CUDA ones as ``"auto"`` does. ``cpu_fused=True`` makes the model's RMSNorm (with the residual
+add before the second norm of a layer), SwiGLU and the serving path's rotary embedding use the
+C++ operators of :mod:`~llmlab.kernels.cpu_fused` on CPU tensors. ``LLMLAB_KERNELS=0`` (or
+``off``) switches every kernel off, these included.
 
 Triton is optional: importing this package never imports it.
 """
@@ -70,13 +75,15 @@ class KernelSettings:
     ``paged_attention`` in :data:`PAGED_ATTENTION_IMPLS`: the inference engine's attention
     (``"auto"``: Triton on CUDA tensors when triton is installed; ``"cpu"``: also the C++
     kernel on CPU tensors); ``packed_linear``: the engine's linear layers on a CPU device use
-    weights prepacked once for oneDNN (:mod:`~llmlab.kernels.cpu_linear`)."""
+    weights prepacked once for oneDNN (:mod:`~llmlab.kernels.cpu_linear`); ``cpu_fused``: the
+    C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (:mod:`~llmlab.kernels.cpu_fused`)."""
 
     attention: str = "sdpa"
     rmsnorm: bool = False
     swiglu: bool = False
     paged_attention: str = "auto"
     packed_linear: bool = False
+    cpu_fused: bool = False
 
 
 _settings = KernelSettings()
@@ -119,12 +126,13 @@ def settings() -> KernelSettings:
 
 def enable(attention: str | None = None, rmsnorm: bool | None = None,
            swiglu: bool | None = None, paged_attention: str | None = None,
-           packed_linear: bool | None = None) -> KernelSettings:
+           packed_linear: bool | None = None, cpu_fused: bool | None = None) -> KernelSettings:
     """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
 
     Returns the previous settings. Raises ``ValueError`` for an unknown attention or
     paged_attention implementation and ``RuntimeError`` if a Triton kernel is requested without
-    triton installed, or the CPU kernel without a C++ compiler and ninja.
+    triton installed, or a C++ CPU kernel (``paged_attention="cpu"``, ``cpu_fused``) without a
+    C++ compiler and ninja.
     """
     global _settings
     new = dataclasses.replace(_settings)
@@ -151,6 +159,11 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
         if packed_linear and not packing_available():
             raise RuntimeError("packed_linear needs PyTorch built with oneDNN (mkldnn)")
         new.packed_linear = bool(packed_linear)
+    if cpu_fused is not None:
+        from llmlab.kernels.cpu_build import available
+        if cpu_fused and not available():
+            raise RuntimeError("cpu_fused needs a C++ compiler and the ninja package (pip install ninja)")
+        new.cpu_fused = bool(cpu_fused)
     wants_triton = (new.attention == "triton" or new.rmsnorm or new.swiglu
                     or new.paged_attention == "triton")
     if wants_triton and not triton_available():
@@ -172,27 +185,38 @@ def disable() -> KernelSettings:
 
 @contextlib.contextmanager
 def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None,
-        paged_attention: str | None = None, packed_linear: bool | None = None):
+        paged_attention: str | None = None, packed_linear: bool | None = None,
+        cpu_fused: bool | None = None):
     """Context manager: :func:`enable` on entry, previous settings restored on exit."""
     global _settings
-    old = enable(attention, rmsnorm, swiglu, paged_attention, packed_linear)
+    old = enable(attention, rmsnorm, swiglu, paged_attention, packed_linear, cpu_fused)
     try:
         yield settings()
     finally:
         _settings = old
 
 
+FUSED_KINDS = ("attention", "rmsnorm", "swiglu", "rotary", "residual_rmsnorm")
+
+
+def _cpu_fused(t: torch.Tensor) -> bool:
+    return _settings.cpu_fused and t.device.type == "cpu"
+
+
 def use_fused(kind: str, t: torch.Tensor) -> bool:
-    """Whether the model should call :func:`attention` / :func:`rms_norm` / :func:`swiglu`
-    (``kind`` in ``"attention", "rmsnorm", "swiglu"``) for tensor ``t`` instead of its default
-    PyTorch code."""
+    """Whether the model should call :func:`attention` / :func:`rms_norm` / :func:`swiglu` /
+    :func:`rotary` for tensor ``t`` instead of its default PyTorch code (``kind`` in
+    :data:`FUSED_KINDS`; ``"residual_rmsnorm"``: :func:`rms_norm` with the residual add, which
+    only the C++ CPU operator fuses; ``ValueError`` for another kind)."""
     if kind == "attention":
         if _settings.attention == "sdpa":
             return False
         return _settings.attention != "triton" or triton_runs_on(t)
     if kind in ("rmsnorm", "swiglu"):
-        return getattr(_settings, kind) and triton_runs_on(t)
-    raise ValueError(f"kind={kind!r} must be 'attention', 'rmsnorm' or 'swiglu'")
+        return _cpu_fused(t) or (getattr(_settings, kind) and triton_runs_on(t))
+    if kind in ("rotary", "residual_rmsnorm"):
+        return _cpu_fused(t)
+    raise ValueError(f"kind={kind!r} must be one of {FUSED_KINDS}")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -216,8 +240,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """Fused Triton RMSNorm where it can run (:func:`triton_runs_on`), else the PyTorch one."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+             residual: torch.Tensor | None = None):
+    """RMSNorm of ``x [..., h]``: the C++ operator on CPU tensors when ``cpu_fused`` is on, the
+    fused Triton kernel where it can run (:func:`triton_runs_on`), else the PyTorch one. With
+    ``residual``: normalises ``x + residual`` and returns ``(normed, x + residual)`` (one pass
+    in the C++ operator)."""
+    if _cpu_fused(x):
+        from llmlab.kernels.cpu_fused import rms_norm as fused_cpu
+        return fused_cpu(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+        return rms_norm(x, weight, eps), x
     if triton_runs_on(x):
         from llmlab.kernels.fused_rmsnorm import rms_norm as fused
         return fused(x, weight, eps)
@@ -225,11 +259,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Fused Triton ``silu(gate) * up`` where it can run, else the PyTorch one."""
+    """``silu(gate) * up``: the C++ operator on CPU tensors when ``cpu_fused`` is on, the fused
+    Triton kernel where it can run, else the PyTorch one."""
+    if _cpu_fused(gate):
+        from llmlab.kernels.cpu_fused import silu_mul
+        return silu_mul(gate, up)
     if triton_runs_on(gate):
         from llmlab.kernels.fused_swiglu import swiglu as fused
         return fused(gate, up)
     return swiglu_reference(gate, up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (RoPE, Su et al. 2021) of ``x [N, heads, D]`` by ``cos, sin [N, D]``,
+    ``x * cos + rotate_half(x) * sin`` (the arithmetic of :func:`llmlab.model.llama.apply_rotary`
+    in token-major layout). The C++ operator on CPU tensors when ``cpu_fused`` is on
+    (:func:`llmlab.kernels.cpu_fused.rotary_`: it rotates ``x`` in place and returns it);
+    PyTorch otherwise (a new tensor)."""
+    if _cpu_fused(x):
+        from llmlab.kernels.cpu_fused import rotary_ as fused_cpu
+        return fused_cpu(x, cos, sin)
+    D = x.shape[-1]
+    c, s = cos[:, None], sin[:, None]
+    s = torch.cat([-s[..., :D // 2], s[..., D // 2:]], dim=-1)     # rotate_half's signs
+    return x * c + x.roll(D // 2, dims=-1) * s
 
 
 def _from_env(spec: str) -> KernelSettings:
@@ -242,12 +295,12 @@ def _from_env(spec: str) -> KernelSettings:
             s.attention = val
         elif key == "paged_attention" and val in PAGED_ATTENTION_IMPLS:
             s.paged_attention = val
-        elif key in ("rmsnorm", "swiglu", "packed_linear") and val in ("", "1", "true", "0", "false"):
+        elif key in ("rmsnorm", "swiglu", "packed_linear", "cpu_fused") and val in ("", "1", "true", "0", "false"):
             setattr(s, key, val in ("", "1", "true"))
         else:
             raise ValueError(f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
                              f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1], "
-                             f"swiglu[=0|1] or packed_linear[=0|1] (or LLMLAB_KERNELS=0: no kernel)")
+                             f"swiglu[=0|1], packed_linear[=0|1] or cpu_fused[=0|1] (or LLMLAB_KERNELS=0: no kernel)")
     return s
 
 
@@ -255,7 +308,7 @@ if os.environ.get("LLMLAB_KERNELS"):
     _settings = _from_env(os.environ["LLMLAB_KERNELS"])
 
 __all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable", "disable", "use", "settings",
-           "use_fused", "attention", "linear", "rms_norm", "swiglu", "triton_available",
+           "use_fused", "FUSED_KINDS", "attention", "linear", "rms_norm", "swiglu", "rotary", "triton_available",
            "triton_interpreted", "triton_runs_on", "attention_reference",
            "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
            "online_softmax", "online_softmax_steps", "online_softmax_matmul", "merge_softmax_partials",

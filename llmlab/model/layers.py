@@ -20,9 +20,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.use_fused("rmsnorm", x):      # opt-in fused Triton kernel (llmlab.kernels)
-            return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``x [..., h] -> [..., h]``; with ``residual``: the norm of ``x + residual`` and that
+        sum, ``(normed, x + residual)`` (the C++ CPU operator does both in one pass)."""
+        if kernels.use_fused("rmsnorm", x):      # opt-in fused kernels (llmlab.kernels)
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self(x), x
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,6 +74,6 @@ class MLP(nn.Module):
             gate, up = kernels.linear(x, w, b).split(split, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if kernels.use_fused("swiglu", gate):      # opt-in fused Triton kernel (llmlab.kernels)
+        if kernels.use_fused("swiglu", gate):      # opt-in fused kernels (llmlab.kernels)
             return self.down_proj(kernels.swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)

@@ -154,9 +154,9 @@ class Attention(nn.Module):
 
     def _serve(self, ctx, q, k, v, cos, sin) -> torch.Tensor:
         """The serving path, token-major: ``q [B,T,H*D]``, ``k, v [B,T,Hkv*D]`` (views of the
-        fused projection's output) are rotated in place of layout ``[B*T, heads, D]`` (no
-        transposes, q and k in one pass; the same arithmetic as :func:`apply_rotary`) and handed
-        to the engine's ``ctx.attention``; returns ``[B,T,h]``."""
+        fused projection's output) are rotated in layout ``[B*T, heads, D]`` (no transposes, q
+        and k in one pass, :func:`llmlab.kernels.rotary`; the same arithmetic as
+        :func:`apply_rotary`) and handed to the engine's ``ctx.attention``; returns ``[B,T,h]``."""
         B, T, _ = q.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         N = B * T
@@ -166,9 +166,7 @@ class Attention(nn.Module):
             qk = q.as_strided((N, H + Hkv, D), (q.stride(-2), D, 1))   # q|k of the fused output
         else:
             qk = torch.cat([q.reshape(N, H, D), k.reshape(N, Hkv, D)], dim=1)
-        c, s = cos.reshape(N, 1, D), sin.reshape(N, 1, D)
-        s = torch.cat([-s[..., :D // 2], s[..., D // 2:]], dim=-1)     # rotate_half's signs
-        qk = qk * c + qk.roll(D // 2, dims=-1) * s
+        qk = kernels.rotary(qk, cos.reshape(N, D), sin.reshape(N, D))  # (in place: CPU operator)
         o = ctx.attention(self.layer_idx, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, D),
                           self.sliding_window)
         return self.o_proj(o.reshape(B, T, H * D))
@@ -193,8 +191,13 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin)
+        if kernels.use_fused("residual_rmsnorm", h):     # the add and the norm in one pass (CPU)
+            h, x = self.post_attention_layernorm(h, residual=x)
+        else:
+            x = x + h
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

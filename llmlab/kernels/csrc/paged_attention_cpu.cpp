@@ -8,27 +8,93 @@
 // reads kv head h / (H / Hkv). Scores, softmax and the weighted sum are computed in fp32 whatever
 // the storage dtype (fp32, bf16, fp16), as vLLM's CPU kernel does; out has q's dtype.
 //
-// Work item: one (sequence, kv head). Its G = H / Hkv query heads read the same K and V rows one
-// after the other, so a decode step brings each cached row from memory once per layer. Two passes
-// per query head: scores into a buffer and their max, then exp, sum and the weighted sum of V (Kwon et al., SOSP 2023, §4.1;
-// the in-place walk over the block table is their kernel's, the loop order is ours).
+// Work item: one (sequence, kv head). Its G = H / Hkv query heads are "rows" that read the same
+// K and V: up to RT rows of one query position go together, so each K or V row read (and
+// converted to fp32) serves all of them. Two passes per row tile (Kwon et al., SOSP 2023, §4.1;
+// the in-place walk over the block table is their kernel's, the loop order is ours):
+//   1. scores q.k and their max. Decode-like items (few rows) read K rows in place and reduce 16
+//      keys' partial dot products at once (a shuffle tree instead of one horizontal sum per key);
+//      prompt items (many rows) first copy the sequence's K, transposed, into an fp32 buffer
+//      [D, context] once, and then 64 keys' scores are 64 lanes of plain multiply-adds.
+//   2. exp(s - max), its sum, and the weighted sum of V rows read in place.
+// Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them to AVX-512, AVX2
+// or SSE, whatever the build targets.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-// Storage -> fp32. bf16 is the top half of an fp32 (a shift, which vectorises); fp16 via c10.
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  union { uint32_t i; float f; } u;                 // (a union, not memcpy: it vectorises)
-  u.i = static_cast<uint32_t>(x.x) << 16;
-  return u.f;
+constexpr int L = 16;                                            // lanes of one vector
+typedef float vf __attribute__((vector_size(64)));               // 16 x fp32
+typedef float vf_u __attribute__((vector_size(64), aligned(4)));     // (unaligned access)
+typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));  // 16 x 16-bit storage
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+// 16 stored values -> fp32. bf16 is the top half of an fp32: widen and shift.
+inline vf load16(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+#if defined(__AVX512F__)
+inline vf load16(const c10::BFloat16* p) {        // (one widening load; the generic code splits it)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline vf load16(const c10::Half* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#else
+inline vf load16(const c10::BFloat16* p) {
+  return (vf)(__builtin_convertvector(*reinterpret_cast<const vh_u*>(p), vu) << 16);
+}
+inline vf load16(const c10::Half* p) {
+  vf x;
+  for (int i = 0; i < L; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+}
+#endif
+inline float sum16(vf x) {
+  float s = 0.f;
+  for (int i = 0; i < L; ++i) s += x[i];
+  return s;
+}
+
+// max(x[0 .. n)), n >= 1, 16 lanes at a time (a scalar loop would not vectorise: fp max is
+// not associative for the compiler).
+inline float max_of(const float* x, int64_t n) {
+  vf m = vf{} + x[0];
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const vf y = load16(x + i);
+    m = m > y ? m : y;
+  }
+  float r = m[0];
+  for (int j = 1; j < L; ++j) r = std::max(r, m[j]);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+// p[i]'s lane sum in lane i, for 16 vectors: four levels of "add the two halves", each pairing
+// two inputs into one output (15 adds in all, instead of 16 separate horizontal sums).
+inline vf reduce16(vf p[L]) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 
 // exp(x) for x <= 0 (scores minus their max), as Cephes' expf: 2^n * p(r), |r| <= ln2/2, a
 // degree-6 polynomial (relative error ~2e-7); branch-free, so the loop over keys vectorises.
@@ -43,13 +109,13 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  union { int32_t i; float f; } two_n;
+  union { int32_t i; float f; } two_n;                 // (a union, not memcpy: it vectorises)
   two_n.i = (static_cast<int32_t>(n) + 127) << 23;
   return p * two_n.f;
 }
 
 // Calls f(t, row) for the keys t in [lo, hi] of one sequence, block by block: row is key t's
-// vector of kv head `head` in the cache (block table[t / bs], slot t % bs).
+// vector of one kv head in the cache (block table[t / bs], slot t % bs).
 template <typename T, typename F>
 inline void for_each_key(const T* cache, int64_t c_blk, int64_t c_tok, const int64_t* table,
                          int64_t bs, int64_t lo, int64_t hi, F&& f) {
@@ -59,59 +125,199 @@ inline void for_each_key(const T* cache, int64_t c_blk, int64_t c_tok, const int
   }
 }
 
-// DC: the head dim when known at compile time (64, 128: the loops over it unroll and the
-// accumulators stay in registers), else 0 (D_ at run time).
-template <typename T, int64_t DC>
-void attend_one(const T* q, int64_t q_s0, int64_t q_s1, const T* kc, const T* vc,
-                int64_t c_blk, int64_t c_tok, int64_t c_head, const int64_t* table, int64_t bs,
-                int64_t ctx, int64_t qlen, int64_t q0, int64_t hkv, int64_t G, int64_t D_,
-                float scale, int64_t window, T* out, int64_t o_s0, int64_t o_s1,
-                std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  const int64_t D = DC ? DC : D_;
-  scores.resize(ctx);
-  qf.resize(D);
-  acc.resize(D);
-  const T* kh = kc + hkv * c_head;
-  const T* vh = vc + hkv * c_head;
-  for (int64_t j = 0; j < qlen; ++j) {
-    const int64_t n = q0 + j, pos = ctx - qlen + j;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    for (int64_t g = 0; g < G; ++g) {                // one query head at a time: its K/V rows
-      const T* qr = q + n * q_s0 + (hkv * G + g) * q_s1;   // are shared with the group's others
-      float* qv = qf.data();                               // through the cache (L1/L2)
-      for (int64_t d = 0; d < D; ++d) qv[d] = to_f(qr[d]) * scale;
-      float* sc = scores.data();
-      float mx = -std::numeric_limits<float>::infinity();
-      for_each_key(kh, c_blk, c_tok, table, bs, lo, pos, [&](int64_t t, const T* kr) {
-        float s = 0.f;                                     // pass 1: scores q.k, their max
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qv[d] * to_f(kr[d]);
-        sc[t] = s;
-        mx = std::max(mx, s);
-      });
-      float l = 0.f;                                       // exp(s - max) and its sum
-#pragma omp simd reduction(+ : l)
-      for (int64_t t = lo; t <= pos; ++t) {
-        const float p = exp_nonpos(sc[t] - mx);
-        sc[t] = p;
-        l += p;
-      }
-      float a[DC ? DC : 1];                                // pass 2: the weighted sum of V
-      float* av = DC ? a : acc.data();
-      for (int64_t d = 0; d < D; ++d) av[d] = 0.f;
-      for_each_key(vh, c_blk, c_tok, table, bs, lo, pos, [&](int64_t t, const T* vr) {
-        const float p = sc[t];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) av[d] += p * to_f(vr[d]);
-      });
-      T* o = out + n * o_s0 + (hkv * G + g) * o_s1;
-      const float inv = 1.f / l;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(av[d] * inv);
+// One work item's view of the cache and its sequence.
+template <typename T>
+struct Item {
+  const T* k;            // kv head's first element in the K cache (block 0, slot 0)
+  const T* v;
+  int64_t c_blk, c_tok;  // cache strides: block, slot
+  const int64_t* table;
+  int64_t bs;
+};
+
+// Pass 1, in place: sc[r][t] = q_r . k_t for t in [lo, hi], 16 keys reduced at a time.
+template <typename T, int NC, int RT>
+void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t hi, float* const* sc) {
+  vf part[RT][L];
+  int n = 0;
+  int64_t first = lo;
+  auto flush = [&]() {
+    for (int r = 0; r < RT; ++r) {
+      for (int i = n; i < L; ++i) part[r][i] = vf{};
+      const vf s = reduce16(part[r]);
+      std::memcpy(sc[r] + first, &s, n * sizeof(float));
+    }
+  };
+  for_each_key(it.k, it.c_blk, it.c_tok, it.table, it.bs, lo, hi, [&](int64_t t, const T* row) {
+    vf kx[NC];
+    for (int c = 0; c < NC; ++c) kx[c] = load16(row + c * L);
+    for (int r = 0; r < RT; ++r) {
+      vf p = q[r][0] * kx[0];
+      for (int c = 1; c < NC; ++c) p += q[r][c] * kx[c];
+      part[r][n] = p;
+    }
+    if (++n == L) {
+      flush();
+      n = 0;
+      first = t + 1;
+    }
+  });
+  if (n) flush();
+}
+
+// Scores of keys [t0, t0 + TK * 16) from kt [D, ld], the item's K transposed to fp32: keys
+// in lanes, TK vectors of them per row.
+template <int NC, int RT, int TK>
+inline void score_tile(const float* kt, int64_t ld, const vf (&q)[RT][NC], int64_t t0, vf (&acc)[RT][TK]) {
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < TK; ++i) acc[r][i] = vf{};
+  for (int d = 0; d < NC * L; ++d) {
+    const float* kr = kt + d * ld + t0;
+    vf kx[TK];
+    for (int i = 0; i < TK; ++i) kx[i] = load16(kr + i * L);
+    for (int r = 0; r < RT; ++r) {
+      const float qd = q[r][d / L][d % L];
+      for (int i = 0; i < TK; ++i) acc[r][i] += qd * kx[i];
     }
   }
 }
 
+// Pass 1 from kt: tiles of 64 keys, the last one past hi too (kt is padded past the end; a
+// narrower tail tile would leave the multiply-adds waiting on each other).
+template <int NC, int RT>
+void scores_tiled(const float* kt, int64_t ld, const vf (&q)[RT][NC], int64_t lo, int64_t hi,
+                  float* const* sc) {
+  for (int64_t t0 = lo; t0 <= hi; t0 += 4 * L) {
+    vf acc[RT][4];
+    score_tile<NC, RT, 4>(kt, ld, q, t0, acc);
+    const int64_t n = std::min<int64_t>(4 * L, hi + 1 - t0);
+    for (int r = 0; r < RT; ++r) std::memcpy(sc[r] + t0, acc[r], n * sizeof(float));
+  }
+}
+
+// Pass 2 for RT rows: softmax of sc[r][lo..hi] and the weighted sum of V (rows read in place),
+// written to out[r].
+template <typename T, int NC, int RT>
+void softmax_v(const Item<T>& it, int64_t lo, int64_t hi, float* const* sc, T* const* out) {
+  float inv[RT];
+  for (int r = 0; r < RT; ++r) {
+    float* s = sc[r];
+    const float mx = max_of(s + lo, hi + 1 - lo);
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = lo; t <= hi; ++t) {
+      const float p = exp_nonpos(s[t] - mx);
+      s[t] = p;
+      l += p;
+    }
+    inv[r] = 1.f / l;
+  }
+  vf acc[RT][NC] = {};
+  for_each_key(it.v, it.c_blk, it.c_tok, it.table, it.bs, lo, hi, [&](int64_t t, const T* row) {
+    vf vx[NC];
+    for (int c = 0; c < NC; ++c) vx[c] = load16(row + c * L);
+    for (int r = 0; r < RT; ++r) {
+      const float p = sc[r][t];
+      for (int c = 0; c < NC; ++c) acc[r][c] += p * vx[c];
+    }
+  });
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < NC; ++c)
+      for (int i = 0; i < L; ++i) out[r][c * L + i] = static_cast<T>(acc[r][c][i] * inv[r]);
+}
+
+// Rows g0 .. g0+RT-1 of query n (position pos): the G heads of one kv head, RT at a time.
+template <typename T, int NC, int RT>
+void attend_rows(const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
+                 const float* kt, int64_t ld, float* const* sc, T* const* out) {
+  vf q[RT][NC];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < NC; ++c) q[r][c] = load16(qr[r] + c * L) * scale;
+  if (kt) scores_tiled<NC, RT>(kt, ld, q, lo, pos, sc);
+  else scores_direct<T, NC, RT>(it, q, lo, pos, sc);
+  softmax_v<T, NC, RT>(it, lo, pos, sc, out);
+}
+
+// Most rows one tile takes: RT * NC accumulators must fit the registers (32 vectors on AVX-512).
+template <int NC>
+constexpr int max_rows() { return std::max(1, std::min(4, 16 / NC)); }
+
+template <typename T, int NC, int RT = max_rows<NC>()>
+void dispatch_rows(int rt, const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
+                   const float* kt, int64_t ld, float* const* sc, T* const* out) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return dispatch_rows<T, NC, RT - 1>(rt, it, qr, scale, lo, pos, kt, ld, sc, out);
+  }
+  attend_rows<T, NC, RT>(it, qr, scale, lo, pos, kt, ld, sc, out);
+}
+
+struct Buffers {
+  std::vector<float> kt, sc;
+};
+
+// Work item (sequence s, kv head hkv): its qlen queries x G heads.
+template <typename T, int NC>
+void attend_item(const Item<T>& it, const T* q, int64_t q_s0, int64_t q_s1, int64_t ctx, int64_t qlen,
+                 int64_t q0, int64_t hkv, int64_t G, float scale, int64_t window, T* out,
+                 int64_t o_s0, int64_t o_s1, Buffers& buf) {
+  constexpr int D = NC * L, R = max_rows<NC>();
+  const int64_t ld = (ctx + L - 1) / L * L + 4 * L;          // (room for a tile's overrun)
+  const bool tiled = qlen * G >= 16;                          // transposing K pays for itself
+  buf.sc.resize(R * ld);
+  float* sc[R];
+  for (int r = 0; r < R; ++r) sc[r] = buf.sc.data() + r * ld;
+  const float* kt = nullptr;
+  if (tiled) {
+    buf.kt.assign(D * ld, 0.f);
+    float* k = buf.kt.data();
+    for_each_key(it.k, it.c_blk, it.c_tok, it.table, it.bs, 0, ctx - 1, [&](int64_t t, const T* row) {
+      for (int c = 0; c < NC; ++c) {
+        const vf x = load16(row + c * L);
+        for (int i = 0; i < L; ++i) k[(c * L + i) * ld + t] = x[i];
+      }
+    });
+    kt = k;
+  }
+  for (int64_t j = 0; j < qlen; ++j) {
+    const int64_t n = q0 + j, pos = ctx - qlen + j;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    for (int64_t g0 = 0; g0 < G; g0 += R) {
+      const int rt = static_cast<int>(std::min<int64_t>(R, G - g0));
+      const T* qr[R];
+      T* orow[R];
+      for (int r = 0; r < rt; ++r) {
+        qr[r] = q + n * q_s0 + (hkv * G + g0 + r) * q_s1;
+        orow[r] = out + n * o_s0 + (hkv * G + g0 + r) * o_s1;
+      }
+      dispatch_rows<T, NC>(rt, it, qr, scale, lo, pos, kt, ld, sc, orow);
+    }
+  }
+}
+
+template <typename T>
+using ItemFn = void (*)(const Item<T>&, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, float, int64_t, T*, int64_t, int64_t, Buffers&);
+
+// The compiled head dims: D / 16 in {1, ..., 8, 16} (head_dim 16 .. 128, and 256).
+template <typename T>
+ItemFn<T> item_fn(int64_t D) {
+  switch (D) {
+    case 16: return attend_item<T, 1>;
+    case 32: return attend_item<T, 2>;
+    case 48: return attend_item<T, 3>;
+    case 64: return attend_item<T, 4>;
+    case 80: return attend_item<T, 5>;
+    case 96: return attend_item<T, 6>;
+    case 112: return attend_item<T, 7>;
+    case 128: return attend_item<T, 8>;
+    case 256: return attend_item<T, 16>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
+
+bool supports_head_dim(int64_t D) { return item_fn<float>(D) != nullptr; }
 
 torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                   torch::Tensor block_tables, torch::Tensor context_lens,
@@ -124,6 +330,7 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch:
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and of the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(supports_head_dim(D), "head_dim=", D, " is not compiled (16, 32, ..., 128 or 256)");
   TORCH_CHECK(H % Hkv == 0, "num_heads=", H, " must be a multiple of num_kv_heads=", Hkv);
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
               "the head dimension must be contiguous and both caches laid out alike");
@@ -143,29 +350,35 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch:
   TORCH_CHECK(q0[S] == N, "query_lens sum to ", q0[S], " but q has ", N, " tokens");
   auto out = torch::empty({N, H, D}, q.options());
   const int64_t G = H / Hkv;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+              q.scalar_type() == at::kHalf, "paged_attention_cpu takes fp32, bf16 or fp16 tensors");
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* tp = bt.data_ptr<int64_t>();
+    const auto fn = item_fn<scalar_t>(D);
     at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qf, acc;
+      Buffers buf;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t s = i / Hkv, hkv = i % Hkv;
-        auto f = D == 64 ? attend_one<scalar_t, 64> : D == 128 ? attend_one<scalar_t, 128>
-                                                             : attend_one<scalar_t, 0>;
-        f(qp, q.stride(0), q.stride(1), kp, vp, k_cache.stride(0), k_cache.stride(1),
-                             k_cache.stride(2), tp + s * bt.size(1), bs, cl_p[s], ql_p[s], q0[s], hkv, G, D,
-                             static_cast<float>(scale), sliding_window, op, out.stride(0), out.stride(1),
-                             scores, qf, acc);
+        const Item<scalar_t> it{kp + hkv * k_cache.stride(2), vp + hkv * k_cache.stride(2),
+                                k_cache.stride(0), k_cache.stride(1), tp + s * bt.size(1), bs};
+        fn(it, qp, q.stride(0), q.stride(1), cl_p[s], ql_p[s], q0[s], hkv, G, static_cast<float>(scale),
+           sliding_window, op, out.stride(0), out.stride(1), buf);
       }
     });
-  });
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else if (q.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  else run(c10::Half{});
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "PagedAttention over block tables on CPU tensors (see paged_attention_cpu.cpp)");
+  m.def("supports_head_dim", &supports_head_dim, "whether a head_dim is compiled");
 }

@@ -1,0 +1,59 @@
+"""Fused elementwise operators for CPU tensors, in C++: the inference engine's RMSNorm (with the
+residual add before it), SiLU-and-multiply and rotary embedding on CPU.
+
+In a decoder layer these are a dozen PyTorch operators (RMSNorm alone is a cast, a square, a
+mean, a reciprocal square root, two products and a cast back), each of which reads and writes
+its whole tensor: for a prompt step of a few thousand tokens on a CPU they cost about as much as
+the attention. ``csrc/fused_ops_cpu.cpp`` does each in one pass over the rows, with the same
+arithmetic and the same roundings as the PyTorch reference (fp32 inside; the result rounded to
+the storage dtype where the reference's operator rounds it), as vLLM's CPU backend fuses them in
+its own C++ operators. ``tests/test_cpu_fused.py`` checks each against the reference.
+
+Select them with ``llmlab.kernels.enable(cpu_fused=True)`` or ``LLMLAB_KERNELS=cpu_fused``: the
+model's :class:`~llmlab.model.layers.RMSNorm`, :class:`~llmlab.model.layers.MLP` and the serving
+path of :class:`~llmlab.model.llama.Attention` then call them for CPU tensors. Built on first use
+like the other CPU kernels (:mod:`llmlab.kernels.cpu_build`: a C++ compiler and ``ninja``).
+"""
+from __future__ import annotations
+
+import torch
+
+from llmlab.kernels.cpu_build import load
+
+
+def _module():
+    return load("fused_ops_cpu", "fused CPU operators (or enable(cpu_fused=False))")
+
+
+def build() -> None:
+    """Compile (or load the cached build of) the operators now (``RuntimeError`` where they
+    cannot be built, see :func:`llmlab.kernels.cpu_build.available`)."""
+    _module()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm of ``x [..., h]`` with ``weight [h]`` (Zhang & Sennrich 2019), as
+    :class:`llmlab.model.layers.RMSNorm` computes it; returns ``[..., h]`` in x's dtype. With
+    ``residual [..., h]``: normalises ``x + residual`` instead and returns ``(normed, x +
+    residual)`` (the sum rounded to the dtype, as ``x + residual`` would be). CPU tensors of one
+    dtype (fp32, bf16, fp16); ``RuntimeError`` naming the constraint otherwise."""
+    out = _module().rms_norm(x, weight, float(eps), residual)
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (SwiGLU, Shazeer 2020) of ``gate, up [..., I]``, which may be the
+    two halves of the fused gate/up projection's output (views with strided rows, read in
+    place) -> ``[..., I]``."""
+    I = gate.shape[-1]
+    out = _module().silu_mul(gate.reshape(-1, I), up.reshape(-1, up.shape[-1]))
+    return out.view(gate.shape)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in place (RoPE, Su et al. 2021, the rotate-half form of
+    :func:`llmlab.model.llama.apply_rotary`): ``x [N, heads, D]`` (rows may be strided, D
+    contiguous) by ``cos, sin [N, D]`` of x's dtype; returns ``x``."""
+    _module().rotary_(x, cos, sin)
+    return x

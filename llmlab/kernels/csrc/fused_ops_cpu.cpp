@@ -1,0 +1,199 @@
+// Fused elementwise operators for CPU tensors: RMSNorm (optionally after the residual add),
+// SiLU-and-multiply, and rotary embedding in place. Each is one pass over its rows instead of the
+// several PyTorch operators (each a full read and write of the tensor) of the reference:
+// llmlab.model.layers.RMSNorm, MLP and llmlab.model.llama.Attention._serve.
+//
+// The arithmetic is the reference's, rounding included: fp32 inside, and the result rounded to
+// the storage dtype wherever the reference's operator would round it (so bf16 results equal the
+// reference's bit for bit, up to the order of the RMSNorm's sum and the exp's last bit).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  union { uint32_t i; float f; } u;                 // (unions, not memcpy: the loops vectorise)
+  u.i = static_cast<uint32_t>(x.x) << 16;
+  return u.f;
+}
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// fp32 -> storage, round to nearest even (bf16: NaN stays NaN).
+inline float from_f(float x, float*) { return x; }
+inline c10::BFloat16 from_f(float x, c10::BFloat16*) {
+  union { float f; uint32_t i; } u{x};
+  const uint32_t r = u.i + 0x7FFFu + ((u.i >> 16) & 1u);
+  c10::BFloat16 b;
+  b.x = static_cast<uint16_t>(x != x ? 0x7FC0u : r >> 16);
+  return b;
+}
+inline c10::Half from_f(float x, c10::Half*) { return static_cast<c10::Half>(x); }
+
+template <typename T> inline T store(float x) { return from_f(x, static_cast<T*>(nullptr)); }
+template <typename T> inline float rnd(float x) { return to_f(store<T>(x)); }   // x as T would hold it
+
+// exp(x), as Cephes' expf (2^n * p(r), relative error ~2e-7), branch-free so loops vectorise.
+inline float exp_f(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  union { int32_t i; float f; } two_n;
+  two_n.i = (static_cast<int32_t>(n) + 127) << 23;
+  return p * two_n.f;
+}
+
+template <typename F>
+void dispatch(const torch::Tensor& t, const char* name, F&& f) {
+  if (t.scalar_type() == at::kFloat) f(float{});
+  else if (t.scalar_type() == at::kBFloat16) f(c10::BFloat16{});
+  else if (t.scalar_type() == at::kHalf) f(c10::Half{});
+  else TORCH_CHECK(false, name, " takes fp32, bf16 or fp16 tensors, got ", t.scalar_type());
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " takes CPU tensors");
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": the last dimension must be contiguous");
+}
+
+}  // namespace
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)), per row of x [..., h] (the reference RMSNorm:
+// fp32 inside, normalised x rounded to x's dtype, then the product with the weight rounded).
+// With residual [..., h]: x := x + residual first (rounded), and that sum is returned too.
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  check_rows(x, "rms_norm");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.is_contiguous(),
+              "rms_norm: weight must be [", h, "], contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must have one dtype");
+  auto xc = x.contiguous().view({-1, h});
+  torch::Tensor rc, sum;
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must have x's shape and dtype");
+    rc = residual->contiguous().view({-1, h});
+    sum = torch::empty_like(xc);
+  }
+  auto out = torch::empty_like(xc);
+  const int64_t rows = xc.size(0);
+  const float e = static_cast<float>(eps);
+  dispatch(x, "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = xc.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    const T* rp = residual ? rc.data_ptr<T>() : nullptr;
+    T* sp = residual ? sum.data_ptr<T>() : nullptr;
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const T* xr = xp + i * h;
+        if (rp) {                                  // x + residual, rounded, is the new residual
+          T* sr = sp + i * h;
+          const T* rr = rp + i * h;
+#pragma omp simd
+          for (int64_t j = 0; j < h; ++j) sr[j] = store<T>(to_f(xr[j]) + to_f(rr[j]));
+          xr = sr;
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < h; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
+        const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
+        T* orow = op + i * h;
+#pragma omp simd
+        for (int64_t j = 0; j < h; ++j) orow[j] = store<T>(to_f(wp[j]) * rnd<T>(to_f(xr[j]) * r));
+      }
+    });
+  });
+  std::vector<torch::Tensor> res{out.view(x.sizes())};
+  if (residual) res.push_back(sum.view(x.sizes()));
+  return res;
+}
+
+// silu(gate) * up for gate, up [rows, I] (rows may be strided: the two halves of the fused
+// gate/up projection's output) -> [rows, I]: silu rounded to the dtype, then the product rounded
+// (the reference's two operators).
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.device().is_cpu() && gate.dim() == 2 && gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_mul: gate and up must be CPU tensors [rows, I] with I contiguous");
+  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
+              "silu_mul: gate and up must have one shape and dtype");
+  const int64_t rows = gate.size(0), I = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  auto out = torch::empty({rows, I}, gate.options());
+  dispatch(gate, "silu_mul", [&](auto zero) {
+    using T = decltype(zero);
+    const T* gp = gate.data_ptr<T>();
+    const T* up_ = up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const T* gr = gp + i * gs;
+        const T* ur = up_ + i * us;
+        T* orow = op + i * I;
+#pragma omp simd
+        for (int64_t j = 0; j < I; ++j) {
+          const float x = to_f(gr[j]);               // sigmoid from exp(-|x|) <= 1: no huge
+          const float e = exp_f(x < 0.f ? x : -x);   // quotients (their subnormal results cost
+          const float sig = (x < 0.f ? e : 1.f) / (1.f + e);   // a microcode assist each)
+          orow[j] = store<T>(rnd<T>(x * sig) * to_f(ur[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotary embedding in place (rotate_half form, Su et al. 2021): x [N, heads, D] (strided rows,
+// the head dimension contiguous), cos, sin [N, D]: x := x * cos + rotate_half(x) * sin, each
+// product and the sum rounded to the dtype as the reference's three operators round them.
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
+              "rotary_: x must be a CPU tensor [N, heads, D] with D contiguous");
+  const int64_t N = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "rotary_: head_dim=", D, " must be even");
+  auto c = cos.contiguous().view({-1, D}), s = sin.contiguous().view({-1, D});
+  TORCH_CHECK(c.size(0) == N && s.size(0) == N, "rotary_: cos and sin must be [", N, ", ", D, "]");
+  TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type(),
+              "rotary_: cos, sin and x must have one dtype");
+  dispatch(x, "rotary_", [&](auto zero) {
+    using T = decltype(zero);
+    T* xp = x.data_ptr<T>();
+    const T* cp = c.data_ptr<T>();
+    const T* sp = s.data_ptr<T>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    at::parallel_for(0, N, 16, [&](int64_t b, int64_t end) {
+      for (int64_t n = b; n < end; ++n) {
+        const T* cr = cp + n * D;
+        const T* sr = sp + n * D;
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          T* r = xp + n * s0 + hd * s1;
+#pragma omp simd
+          for (int64_t j = 0; j < half; ++j) {
+            const float x1 = to_f(r[j]), x2 = to_f(r[j + half]);
+            const float lo = rnd<T>(x1 * to_f(cr[j])) + rnd<T>(-x2 * to_f(sr[j]));
+            const float hi = rnd<T>(x2 * to_f(cr[j + half])) + rnd<T>(x1 * to_f(sr[j + half]));
+            r[j] = store<T>(lo);
+            r[j + half] = store<T>(hi);
+          }
+        }
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after the residual add (fused_ops_cpu.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, [rows, I] each (fused_ops_cpu.cpp)");
+  m.def("rotary_", &rotary_, "rotary embedding in place (fused_ops_cpu.cpp)");
+}
