@@ -4,7 +4,7 @@ Each kernel module (:mod:`~llmlab.kernels.cpu_paged_attention`, :mod:`~llmlab.ke
 is one C++ file compiled by PyTorch's extension builder (:func:`torch.utils.cpp_extension.load`),
 which needs a C++ compiler and the ``ninja`` package (``pip install "llmlab[cpu-kernels]"``). A
 build takes about a minute and is cached under ``~/.cache/torch_extensions``, keyed by the
-source, the flags and this CPU (the flags target the machine they are built on).
+source and the shared headers, the flags and this CPU (the flags target the machine they are built on).
 """
 from __future__ import annotations
 
@@ -51,5 +51,6 @@ def load(stem: str, what: str):
         raise RuntimeError(f"the {what} needs a C++ compiler and the ninja package (pip install ninja)")
     from torch.utils.cpp_extension import load as build
     source = CSRC / f"{stem}.cpp"
-    tag = hashlib.sha1(source.read_bytes() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()[:10]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))   # (included by the sources)
+    tag = hashlib.sha1(source.read_bytes() + headers + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()[:10]
     return build(name=f"llmlab_{stem}_{tag}", sources=[str(source)], extra_cflags=FLAGS, verbose=False)

@@ -7,11 +7,14 @@
 // the storage dtype wherever the reference's operator would round it (so bf16 results equal the
 // reference's bit for bit, up to the order of the RMSNorm's sum and the exp's last bit).
 #include <torch/extension.h>
+#include "cpu_math.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 
 namespace {
+
+using llmlab_cpu::exp_f;
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::BFloat16 x) {
@@ -34,23 +37,6 @@ inline c10::Half from_f(float x, c10::Half*) { return static_cast<c10::Half>(x);
 
 template <typename T> inline T store(float x) { return from_f(x, static_cast<T*>(nullptr)); }
 template <typename T> inline float rnd(float x) { return to_f(store<T>(x)); }   // x as T would hold it
-
-// exp(x), as Cephes' expf (2^n * p(r), relative error ~2e-7), branch-free so loops vectorise.
-inline float exp_f(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  union { int32_t i; float f; } two_n;
-  two_n.i = (static_cast<int32_t>(n) + 127) << 23;
-  return p * two_n.f;
-}
 
 template <typename F>
 void dispatch(const torch::Tensor& t, const char* name, F&& f) {

@@ -20,6 +20,7 @@
 // Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them to AVX-512, AVX2
 // or SSE, whatever the build targets.
 #include <torch/extension.h>
+#include "cpu_math.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -31,6 +32,8 @@
 #endif
 
 namespace {
+
+using llmlab_cpu::exp_f;
 
 constexpr int L = 16;                                            // lanes of one vector
 typedef float vf __attribute__((vector_size(64)));               // 16 x fp32
@@ -94,24 +97,6 @@ inline vf reduce16(vf p[L]) {
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// exp(x) for x <= 0 (scores minus their max), as Cephes' expf: 2^n * p(r), |r| <= ln2/2, a
-// degree-6 polynomial (relative error ~2e-7); branch-free, so the loop over keys vectorises.
-inline float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  union { int32_t i; float f; } two_n;                 // (a union, not memcpy: it vectorises)
-  two_n.i = (static_cast<int32_t>(n) + 127) << 23;
-  return p * two_n.f;
 }
 
 // Calls f(t, row) for the keys t in [lo, hi] of one sequence, block by block: row is key t's
@@ -206,7 +191,7 @@ void softmax_v(const Item<T>& it, int64_t lo, int64_t hi, float* const* sc, T* c
     float l = 0.f;
 #pragma omp simd reduction(+ : l)
     for (int64_t t = lo; t <= hi; ++t) {
-      const float p = exp_nonpos(s[t] - mx);
+      const float p = exp_f(s[t] - mx);
       s[t] = p;
       l += p;
     }
