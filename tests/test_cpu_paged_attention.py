@@ -54,6 +54,19 @@ def test_half_precision_within_its_rounding_of_the_fp32_reference(dtype, tol):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 128), (6, 2, 48), (2, 1, 32)])
+@pytest.mark.parametrize("window", [None, 6, 7])
+def test_bf16_paths_within_its_rounding(H, Hkv, D, window):
+    # bf16 on AVX512-BF16 builds: dot products of bf16 pairs (head dims a multiple of 32; 48 takes
+    # the widening path), K and V copied into key pairs for prompt rows (odd and even contexts:
+    # a lone last key; windows that start on an odd key), V read in place for decode rows
+    q, k, v, t, c, ql = _case(H, Hkv, D, ctx=[33, 40, 71, 1, 18, 100], qlens=[33, 9, 1, 1, 2, 100],
+                              dtype=torch.bfloat16, num_blocks=60)
+    got = C.paged_attention_cpu(q, k, v, t, c, ql, sliding_window=window)
+    want = paged_attention_reference(q.float(), k.float(), v.float(), t, c, ql, sliding_window=window)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_strided_queries_and_a_scale():
     q, k, v, t, c, ql = _case(4, 2, 64, ctx=[10, 20], qlens=[10, 1], dtype=torch.float32)
     qk = torch.cat([q, torch.randn(11, 2, 64)], dim=1)      # q as the serving path hands it over
