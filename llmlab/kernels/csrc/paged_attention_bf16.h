@@ -1,6 +1,6 @@
 // PagedAttention's bf16 passes on CPUs with AVX512-BF16: part of paged_attention_cpu.cpp,
 // included inside its anonymous namespace after its vector helpers (vf, load16, reduce16,
-// max_of, exp_sum, for_each_key, Item), not compiled on its own.
+// max_of, exp_sum, for_each_key, scores_in_place, Item), not compiled on its own.
 #pragma once
 #if defined(__AVX512BF16__)
 // --- bf16 with AVX512-BF16 (head dims a multiple of 32) -------------------------------------------
@@ -19,7 +19,7 @@ inline uint32_t u32_at(const void* p) {
   return x;
 }
 
-// Pass 1, in place, for bf16: sc[r][t] = scale * q_r . k_t, 16 keys reduced at a time.
+// Pass 1 from K rows read in place, for bf16: sc[r][t] = scale * q_r . k_t (scores_in_place).
 template <int NC, int RT>
 void scores_direct_bf16(const Item<c10::BFloat16>& it, const c10::BFloat16* const* qr, float scale,
                         int64_t lo, int64_t hi, float* const* sc) {
@@ -27,17 +27,8 @@ void scores_direct_bf16(const Item<c10::BFloat16>& it, const c10::BFloat16* cons
   __m512i q[RT][NP];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < NP; ++c) q[r][c] = ld512(qr[r] + c * 2 * L);
-  vf part[RT][L];
-  int n = 0;
-  int64_t first = lo;
-  auto flush = [&]() {
-    for (int r = 0; r < RT; ++r) {
-      for (int i = n; i < L; ++i) part[r][i] = vf{};
-      const vf s = reduce16(part[r]) * scale;
-      std::memcpy(sc[r] + first, &s, n * sizeof(float));
-    }
-  };
-  for_each_key(it.k, it.c_blk, it.c_tok, it.table, it.bs, lo, hi, [&](int64_t t, const c10::BFloat16* row) {
+  scores_in_place<RT>(it, lo, hi, scale, NC * L * sizeof(c10::BFloat16), sc,
+                      [&](const c10::BFloat16* row, vf (&part)[RT][L], int n) {
     __m512i kx[NP];
     for (int c = 0; c < NP; ++c) kx[c] = ld512(row + c * 2 * L);
     for (int r = 0; r < RT; ++r) {
@@ -45,13 +36,7 @@ void scores_direct_bf16(const Item<c10::BFloat16>& it, const c10::BFloat16* cons
       for (int c = 1; c < NP; ++c) p = dp(p, q[r][c], kx[c]);
       part[r][n] = p;
     }
-    if (++n == L) {
-      flush();
-      n = 0;
-      first = t + 1;
-    }
-  }, NC * L * sizeof(c10::BFloat16));
-  if (n) flush();
+  });
 }
 
 // Pass 1 from kt [D/2, ld]: the item's K as bf16 pairs (dims 2p, 2p+1) per key, keys in lanes;

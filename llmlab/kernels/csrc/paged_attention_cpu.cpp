@@ -149,20 +149,37 @@ struct Item {
   int64_t bs;
 };
 
-// Pass 1, in place: sc[r][t] = q_r . k_t for t in [lo, hi], 16 keys reduced at a time.
-template <typename T, int NC, int RT>
-void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t hi, float* const* sc) {
+// Pass 1, in place: sc[r][t] = scale * (lane sum of row r's partial products with key t) for t
+// in [lo, hi]. dots(row, part, n) writes each row r's 16-lane partial products with one K row
+// into part[r][n]; 16 keys' partials are then reduced at once (reduce16).
+template <int RT, typename T, typename Dots>
+void scores_in_place(const Item<T>& it, int64_t lo, int64_t hi, float scale, int64_t row_bytes,
+                     float* const* sc, Dots&& dots) {
   vf part[RT][L];
   int n = 0;
   int64_t first = lo;
   auto flush = [&]() {
     for (int r = 0; r < RT; ++r) {
       for (int i = n; i < L; ++i) part[r][i] = vf{};
-      const vf s = reduce16(part[r]);
+      const vf s = reduce16(part[r]) * scale;
       std::memcpy(sc[r] + first, &s, n * sizeof(float));
     }
   };
   for_each_key(it.k, it.c_blk, it.c_tok, it.table, it.bs, lo, hi, [&](int64_t t, const T* row) {
+    dots(row, part, n);
+    if (++n == L) {
+      flush();
+      n = 0;
+      first = t + 1;
+    }
+  }, row_bytes);
+  if (n) flush();
+}
+
+// Pass 1 from K rows read in place, q already scaled (fp32 multiply-adds of the widened rows).
+template <typename T, int NC, int RT>
+void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t hi, float* const* sc) {
+  scores_in_place<RT>(it, lo, hi, 1.f, NC * L * sizeof(T), sc, [&](const T* row, vf (&part)[RT][L], int n) {
     vf kx[NC];
     for (int c = 0; c < NC; ++c) kx[c] = load16(row + c * L);
     for (int r = 0; r < RT; ++r) {
@@ -170,13 +187,7 @@ void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t
       for (int c = 1; c < NC; ++c) p += q[r][c] * kx[c];
       part[r][n] = p;
     }
-    if (++n == L) {
-      flush();
-      n = 0;
-      first = t + 1;
-    }
-  }, NC * L * sizeof(T));
-  if (n) flush();
+  });
 }
 
 // Scores of keys [t0, t0 + TK * 16) from kt [D, ld], the item's K transposed to fp32: keys
