@@ -17,6 +17,7 @@ skipped, and the table is printed anyway. Names are printed with control charact
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -54,7 +55,7 @@ def _time(v) -> float | None:
 def _rows(data) -> dict[str, dict]:
     """The validated rows of a record; ``ValueError`` naming what is wrong."""
     if not isinstance(data, dict) or not isinstance(data.get("exercises"), dict):
-        raise ValueError("no 'exercises' object")
+        raise ValueError(f"{RECORD} has no 'exercises' object")
     rows = {}
     for name, row in data["exercises"].items():
         if not isinstance(row, dict):
@@ -88,7 +89,7 @@ def _read_folder(root_fd: int, name: str, trusted_uid: int) -> dict[str, dict]:
         except FileNotFoundError:
             return {}
         except OSError as e:
-            raise ValueError(f"{RECORD}: {e.strerror} (a link?)") from None
+            raise ValueError(f"{RECORD} is a link" if e.errno == errno.ELOOP else f"{RECORD}: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -98,7 +99,11 @@ def _read_folder(root_fd: int, name: str, trusted_uid: int) -> dict[str, dict]:
             data = f.read(MAX_BYTES + 1)
         if len(data) > MAX_BYTES:
             raise ValueError(f"{RECORD} is larger than {MAX_BYTES} bytes")
-        return _rows(json.loads(data))
+        try:
+            data = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"{RECORD} is not JSON ({e})") from None
+        return _rows(data)
     finally:
         os.close(dfd)
 
