@@ -61,11 +61,6 @@ elif MODE == "system":
     c.JupyterHub.spawner_class = "localprocess"
     c.LocalAuthenticator.create_system_users = os.environ.get("LLMLAB_HUB_CREATE_USERS", "0") == "1"
     c.Authenticator.blocked_users = {"root"}
-    for path in (sys.executable, os.environ.get("LLMLAB_HUB_LABS_SOURCE", str(REPO / "labs"))):
-        if unreachable(path):
-            refuse(f"learners' servers run {path} as the learners, but {unreachable(path)} is closed to "
-                   f"other accounts: install llmlab in an environment every account can read "
-                   f"(e.g. python -m venv /opt/llmlab)")
 else:
     refuse(f"LLMLAB_HUB_MODE must be 'system' or 'demo', got {MODE!r}")
 c.Authenticator.allow_all = True       # every account that authenticates is a learner (system: node accounts)
@@ -104,6 +99,11 @@ c.Spawner.http_timeout = 120
 c.Spawner.env_keep = ["JUPYTERHUB_SINGLEUSER_APP", "LANG", "LC_ALL", "PYTHONPATH", "LLMLAB_SOLUTIONS",
                       "LLMLAB_DEVICE", "LLMLAB_KERNELS", "LLMLAB_LIVE", "LLMLAB_PG_TIMEOUT", "TRITON_INTERPRET"]
 LABS = os.environ.get("LLMLAB_HUB_LABS_SOURCE", str(REPO / "labs"))
+for path in (sys.executable, LABS):
+    if MODE == "system" and unreachable(path):
+        refuse(f"learners' servers run {path} as the learners, but {unreachable(path)} is closed to "
+               f"other accounts: install llmlab in an environment every account can read "
+               f"(e.g. python -m venv /opt/llmlab)")
 
 # --- the hub's state: its database and cookie secret are root's alone ----------------------------------
 # STATE is 0711 (learners pass through to results/ but cannot list it), the database, its journal,
