@@ -1,7 +1,8 @@
 # JupyterHub for an llmlab classroom: one node, a Jupyter server per learner, the node's GPUs and
 # CPU cores shared out so that no two learners share a device. docs/workshop.md, section 3, is the guide.
 #
-#   sudo -E jupyterhub -f classroom/jupyterhub_config.py   # as root, in the folder that keeps the hub's state
+#   cd /srv/llmlab-hub       # the folder that keeps the hub's state; hub.env: the room's LLMLAB_HUB_*, 0600
+#   sudo sh -c 'set -a; . ./hub.env; exec jupyterhub -f /opt/llmlab-src/classroom/jupyterhub_config.py'
 #
 # Everything a room changes is an environment variable read below (LLMLAB_HUB_*); the rest follows
 # the JupyterHub documentation's recommendations (an idle culler, per-user limits, a server limit,

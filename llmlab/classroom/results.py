@@ -63,10 +63,11 @@ def _rows(data) -> dict[str, dict]:
         attempts, solved = row.get("attempts", 1), row.get("solved", False)
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:
             raise ValueError(f"exercise {name!r}: attempts {attempts!r} is not a count")
-        if not isinstance(solved, bool) or not isinstance(row.get("message", ""), str):
-            raise ValueError(f"exercise {name!r}: 'solved' or 'message' has the wrong type")
+        last_ok = row.get("last_ok", solved)
+        if not all(isinstance(v, t) for v, t in ((solved, bool), (last_ok, bool), (row.get("message", ""), str))):
+            raise ValueError(f"exercise {name!r}: 'solved', 'last_ok' or 'message' has the wrong type")
         rows[name] = {"solved": solved, "attempts": attempts, "first_solved": _time(row.get("first_solved")),
-                      "last": _time(row.get("last")), "message": row.get("message", "")}
+                      "last": _time(row.get("last")), "last_ok": last_ok, "message": row.get("message", "")}
     return rows
 
 
@@ -83,7 +84,8 @@ def _read_folder(root_fd: int, name: str, trusted_uid: int) -> dict[str, dict]:
         owner = os.fstat(dfd).st_uid
         account = _account(owner)
         if owner != trusted_uid and account != name:
-            raise ValueError(f"foreign: the folder belongs to {printable(account or str(owner))}, not to {printable(name)}")
+            raise ValueError(f"foreign: the folder belongs to {printable(account or str(owner))}, "
+                             f"not to {printable(name)}")
         try:
             fd = os.open(RECORD, _OPEN, dir_fd=dfd)
         except FileNotFoundError:
