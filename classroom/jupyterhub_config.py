@@ -62,6 +62,9 @@ elif MODE == "system":
     c.JupyterHub.spawner_class = "localprocess"
     c.LocalAuthenticator.create_system_users = os.environ.get("LLMLAB_HUB_CREATE_USERS", "0") == "1"
     c.Authenticator.blocked_users = {"root"}
+    # Kernels talk to their server over Unix sockets in the learner's 0700 runtime folder, not over
+    # TCP ports on 127.0.0.1 where another learner could subscribe to a kernel's output stream.
+    c.Spawner.args = ["--KernelManager.transport=ipc"]
 else:
     refuse(f"LLMLAB_HUB_MODE must be 'system' or 'demo', got {MODE!r}")
 c.Authenticator.allow_all = True       # every account that authenticates is a learner (system: node accounts)

@@ -267,6 +267,9 @@ mine = results / os.environ["JUPYTERHUB_USER"] / "results.json"
 data = json.loads(mine.read_text()); data["learner"] = "{b}"
 mine.write_text(json.dumps(data))                    # a record that claims to be B's
 seen["uid"], seen["home mode"] = os.getuid(), oct(os.stat(Path.home()).st_mode & 0o777)
+from ipykernel.connect import get_connection_info    # the kernel's channels: Unix sockets, private
+info = get_connection_info(unpack=True)
+seen["kernel channels"] = (info["transport"], oct(os.stat(os.path.dirname(info["ip"])).st_mode & 0o777))
 print(json.dumps(seen))
 """
 
@@ -392,6 +395,7 @@ def _nothing_secret_reached(seen: dict, state: Path, hub_tree: list) -> None:
                                    "write b record", "link in b folder"}, seen["denied"]
     assert seen["b server"] == 403
     assert seen["uid"] != 0 and seen["home mode"] == "0o700"
+    assert seen["kernel channels"] == ["ipc", "0o700"], seen["kernel channels"]
 
 
 def _up(port: int) -> bool:
