@@ -53,6 +53,7 @@ def results_file() -> Path | None:
 def _own_folder(folder: Path) -> int:
     """An fd of ``folder``, made (0700) if missing. Raises ``PermissionError`` when it is a link,
     not a folder, or another user's (someone took the name: the instructor removes it)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)   # a results folder of one's own (no hub)
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
