@@ -13,6 +13,8 @@ cookie secret, the proxy's token: not in its environment, not in any process env
 command line it can read, not in a file it can open: the state folder, the database and the
 secret are closed to it), cannot list or read B's home, is refused by B's server, and cannot
 forge, squat or replace B's results; ``llmlab classroom results`` then shows each learner's own row.
+A second, smaller hub runs demo mode (no isolation, loopback only): its required shared password
+logs a learner in, a wrong one does not, and the learner's server starts.
 
 The learners' servers run this test's Python. Where it lives under a folder closed to other
 accounts (``/root`` is 0700 on most machines), the hub runs in a private mount namespace in which
@@ -72,9 +74,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 class Hub:
-    def __init__(self, base: str, cafile: str):
-        self.base, self.ctx = base, ssl.create_default_context(cafile=cafile)
-        self.cafile = cafile
+    def __init__(self, base: str, cafile: str | None = None):
+        self.base, self.cafile = base, cafile
+        self.ctx = ssl.create_default_context(cafile=cafile) if cafile else None
 
     def api(self, method: str, path: str, body=None, token: str = TOKEN, timeout: float = 20):
         req = urllib.request.Request(f"{self.base}{path}", method=method,
@@ -99,10 +101,11 @@ class Hub:
         raise TimeoutError(f"{user}'s server was not ready in time")
 
     def log_in(self, user: str, password: str) -> bool:
-        """A learner's login through the hub's form (PAM); True when the hub sets its login cookie."""
+        """A learner's login through the hub's form (PAM, or demo mode's shared password); True when
+        the hub sets its login cookie."""
         jar = http.cookiejar.CookieJar()
-        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar),
-                                             urllib.request.HTTPSHandler(context=self.ctx))
+        handlers = [urllib.request.HTTPSHandler(context=self.ctx)] if self.ctx else []
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar), *handlers)
         opener.open(f"{self.base}/hub/login", timeout=20).read()           # sets the _xsrf cookie
         xsrf = next(c.value for c in jar if c.name == "_xsrf")
         form = urllib.parse.urlencode({"username": user, "password": password, "_xsrf": xsrf}).encode()
@@ -300,12 +303,10 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
                             start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, two))
     hub = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem"))
     try:
-        deadline = time.monotonic() + 120  # the hub imports torch (llmlab doctor's inventory)
-        while not (_up(port) and hub.api("GET", "/hub/api/")[0] == 200):
-            assert proc.poll() is None, "the hub exited:\n" + (certs / "hub.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the hub did not answer in 120 s"
-            time.sleep(0.3)
-        _listens_on_loopback_with_tls_only(port)
+        _wait_up(hub, port, proc, certs / "hub.log")
+        _listens_on_loopback(port)
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):   # no plain HTTP
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api/", timeout=10).read()
         assert not hub.log_in(a, "wrong-password")
         assert hub.log_in(a, a_pw)                                 # A logs in herself (PAM)...
         for user in (b, c):
@@ -370,11 +371,9 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
         shutil.rmtree(certs, ignore_errors=True)
 
 
-def _listens_on_loopback_with_tls_only(port: int) -> None:
+def _listens_on_loopback(port: int) -> None:
     bound = {c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port}
     assert bound == {"127.0.0.1"}, bound
-    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):   # no plain HTTP
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api/", timeout=10).read()
 
 
 def _nothing_secret_reached(seen: dict, state: Path, hub_tree: list) -> None:
@@ -396,6 +395,48 @@ def _nothing_secret_reached(seen: dict, state: Path, hub_tree: list) -> None:
     assert seen["b server"] == 403
     assert seen["uid"] != 0 and seen["home mode"] == "0o700"
     assert seen["kernel channels"] == ["ipc", "0o700"], seen["kernel channels"]
+
+
+def _wait_up(hub: Hub, port: int, proc, log: Path) -> None:
+    deadline = time.monotonic() + 120  # the hub imports torch (llmlab doctor's inventory)
+    while not (_up(port) and hub.api("GET", "/hub/api/")[0] == 200):
+        assert proc.poll() is None, "the hub exited:\n" + log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the hub did not answer in 120 s"
+        time.sleep(0.3)
+
+
+def test_demo_room_on_loopback_with_its_required_password(tmp_path):
+    """Demo mode (one machine, no isolation): the shared password it requires logs a learner in,
+    a wrong one does not; the learner's server starts, with its own results folder."""
+    port, hub_port, api_port = _free_ports(3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_")}
+    password = uuid.uuid4().hex[:12]
+    env.update({"PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]), "PYTHONPATH": str(ROOT),
+                "LLMLAB_HUB_MODE": "demo", "LLMLAB_HUB_PASSWORD": password, "LLMLAB_HUB_STATE_DIR": str(tmp_path),
+                "LLMLAB_HUB_PORT": str(port), "LLMLAB_HUB_API_PORT": str(hub_port),
+                "LLMLAB_HUB_PROXY_API_PORT": str(api_port), "LLMLAB_HUB_API_TOKEN": TOKEN,
+                "LLMLAB_HUB_CORES_PER_LEARNER": "1", "CUDA_VISIBLE_DEVICES": ""})
+    log_path = tmp_path.parent / f"{tmp_path.name}-hub.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)], cwd=tmp_path, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        hub = Hub(f"http://127.0.0.1:{port}")
+        try:
+            _wait_up(hub, port, proc, log_path)
+            _listens_on_loopback(port)
+            assert not hub.log_in("dora", "wrong-password")
+            assert hub.log_in("dora", password)
+            status, body = hub.api("POST", "/hub/api/users/dora/server")
+            assert status in (201, 202), body
+            hub.wait_ready("dora", proc, time.monotonic() + 120)
+            assert (tmp_path / "results" / "dora").is_dir() and (tmp_path / "home" / "dora" / "labs").is_dir()
+        except BaseException:
+            log.flush()
+            print(log_path.read_text()[-6000:])
+            raise
+        finally:
+            _stop(proc, [])
+            log_path.unlink()
 
 
 def _up(port: int) -> bool:
