@@ -277,18 +277,14 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the isolated room makes learner accounts: needs root")
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two one-core seats need two cores")
-def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(learners):
-    (a, a_pw), (b, _), (c, _) = learners["a"], learners["b"], learners["c"]
-    uids = [pwd.getpwnam(n).pw_uid for n in (a, b, c)]
-    state = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-state-"))
-    certs = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-tls-"))
+def _start_isolated_hub(state: Path, certs: Path, port: int, log) -> subprocess.Popen:
+    """JupyterHub with the recipe in system mode, as root, serving TLS on 127.0.0.1:``port`` with a
+    self-signed certificate made in ``certs``, on two of this machine's cores (two one-core seats)."""
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-keyout", str(certs / "key.pem"), "-out", str(certs / "cert.pem"), "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
-    port, hub_port, api_port = _free_ports(3)
-    two = set(sorted(os.sched_getaffinity(0))[:2])  # the hub's node: two cores, so two one-core seats
+    hub_port, api_port = _free_ports(2)
+    two = set(sorted(os.sched_getaffinity(0))[:2])
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_")}
     env.update({"PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]), "PYTHONPATH": str(ROOT),
                 "LLMLAB_HUB_MODE": "system", "LLMLAB_HUB_STATE_DIR": str(state),
@@ -297,12 +293,23 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
                 "LLMLAB_HUB_SSL_CERT": str(certs / "cert.pem"), "LLMLAB_HUB_SSL_KEY": str(certs / "key.pem"),
                 "LLMLAB_HUB_API_TOKEN": TOKEN, "LLMLAB_HUB_CORES_PER_LEARNER": "1",
                 "CUDA_VISIBLE_DEVICES": "", "LLMLAB_LIVE": "0"})
-    log = open(certs / "hub.log", "w")
-    proc = subprocess.Popen(_hub_command([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)]),
+    return subprocess.Popen(_hub_command([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)]),
                             cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, two))
-    hub = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the isolated room makes learner accounts: needs root")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two one-core seats need two cores")
+def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(learners):
+    (a, a_pw), (b, _), (c, _) = learners["a"], learners["b"], learners["c"]
+    uids = [pwd.getpwnam(n).pw_uid for n in (a, b, c)]
+    state = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-state-"))
+    certs = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-tls-"))
+    port = _free_ports(1)[0]
+    log = open(certs / "hub.log", "w")
+    hub, proc = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem")), None
     try:
+        proc = _start_isolated_hub(state, certs, port, log)
         _wait_up(hub, port, proc, certs / "hub.log")
         _listens_on_loopback(port)
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):   # no plain HTTP
@@ -330,7 +337,7 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
             assert home.st_mode & 0o777 == 0o700 and home.st_uid == uid
             folder = os.stat(state / "results" / user)
             assert folder.st_uid == uid and folder.st_mode & 0o777 == 0o700
-        for f in ("jupyterhub.sqlite", "jupyterhub_cookie_secret"):
+        for f in ("jupyterhub.sqlite", "jupyterhub_cookie_secret", "jupyterhub-proxy.pid"):
             st = os.stat(state / f)
             assert st.st_uid == 0 and st.st_mode & 0o077 == 0, (f, oct(st.st_mode))
         assert os.stat(state).st_mode & 0o777 == 0o711 and os.stat(state / "results").st_mode & 0o777 == 0o711
@@ -365,7 +372,8 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
         print("\n".join(line for line in lines if "GET /hub/api/users/" not in line)[-8000:])
         raise
     finally:
-        _stop(proc, uids)
+        if proc is not None:
+            _stop(proc, uids)
         log.close()
         shutil.rmtree(state, ignore_errors=True)
         shutil.rmtree(certs, ignore_errors=True)
