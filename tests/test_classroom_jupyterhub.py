@@ -307,9 +307,10 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
     certs = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-tls-"))
     port = _free_ports(1)[0]
     log = open(certs / "hub.log", "w")
-    hub, proc = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem")), None
+    proc = None
     try:
         proc = _start_isolated_hub(state, certs, port, log)
+        hub = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem"))
         _wait_up(hub, port, proc, certs / "hub.log")
         _listens_on_loopback(port)
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):   # no plain HTTP
