@@ -52,6 +52,9 @@ class TrainConfig:
     ``llmlab/metrics/train_metrics.schema.json`` too.
     """
     model: str = option("tiny", "model preset (llmlab.model.config.PRESETS)", choices=sorted(PRESETS))
+    init_from: str | None = option(None, "start from this Hugging Face Llama/Qwen2 checkpoint folder "
+                                         "(config.json + safetensors + tokenizer) instead of --model; "
+                                         "llmlab.training.hf_init")
     dp: int = option(1, "data-parallel degree (model replicas)")
     tp: int = option(1, "tensor-parallel degree (ranks that split each layer's matrices)")
     pp: int = option(1, "pipeline-parallel degree (ranks that split the layers into stages)")
@@ -160,7 +163,10 @@ class TrainConfig:
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model preset with the MoE flags applied."""
+    """The model preset with the MoE flags applied (or the ``--init-from`` checkpoint's)."""
+    if cfg.init_from:
+        from llmlab.training.hf_init import hf_model_config
+        return hf_model_config(cfg.init_from)   # --seq-len beyond its positions is refused
     overrides = {"max_position_embeddings": max(cfg.seq_len, get_preset(cfg.model).max_position_embeddings)}
     if cfg.num_experts is not None:
         overrides["num_experts"] = cfg.num_experts
@@ -215,6 +221,9 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     if cfg.grad_clip is not None and cfg.grad_clip <= 0:
         raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
+    if cfg.init_from and (cfg.num_experts or cfg.top_k or cfg.capacity_factor):
+        raise ValueError("--num-experts/--top-k/--capacity-factor do not apply to --init-from "
+                         "(llama/qwen2 checkpoints are dense)")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "

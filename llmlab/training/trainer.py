@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
 from llmlab.metrics.schema import strict_json
@@ -45,6 +44,7 @@ from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
+from llmlab.training.data_source import make_loader
 
 
 class LocalModule(torch.nn.Module):
@@ -127,7 +127,11 @@ class Engine:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_config = model_config(cfg)
-        model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
+        if cfg.init_from:   # a Hugging Face checkpoint's weights, sharded below like any model
+            from llmlab.training.hf_init import load_pretrained
+            model = load_pretrained(cfg.init_from)
+        else:
+            model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
         # Full-model shapes, before any sharding: checkpoints store slices of these.
         self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
@@ -351,7 +355,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
     engine = Engine(cfg, mesh, device)
-    loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    loader = make_loader(cfg)
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
     peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
