@@ -17,8 +17,14 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(llama):
-    return llmlab.train(TrainConfig(init_from=llama, **KW), progress=False)["steps"]
+def saved(tmp_path_factory):
+    return tmp_path_factory.mktemp("saved")
+
+
+@pytest.fixture(scope="module")
+def one_rank(llama, saved):
+    cfg = TrainConfig(init_from=llama, save_model=str(saved / "one"), **KW)
+    return llmlab.train(cfg, progress=False)["steps"]
 
 
 def _gap(steps, ref, key):
@@ -42,10 +48,30 @@ def test_first_step_loss_is_transformers_loss_on_the_same_batch(llama, one_rank)
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(tp=3, sequence_parallel=True),
                                     dict(pp=2, num_microbatches=2), dict(dp=2, zero=2)],
                          ids=["dp2", "tp3+sp", "pp2", "zero2"])
-def test_every_layout_gives_the_one_rank_losses_and_grad_norms(llama, one_rank, layout):
-    m = llmlab.train(TrainConfig(init_from=llama, **KW, **layout), progress=False)
+def test_every_layout_gives_the_one_rank_losses_and_grad_norms(llama, one_rank, saved, layout):
+    out = saved / "_".join(f"{k}{v}" for k, v in layout.items())
+    m = llmlab.train(TrainConfig(init_from=llama, save_model=str(out), **KW, **layout),
+                     progress=False)
     assert _gap(m["steps"], one_rank, "loss") < 1e-5
     assert _gap(m["steps"], one_rank, "grad_norm") < 1e-4
+    # --save-model gathers the shards: the same trained weights as one rank's
+    from safetensors.torch import load_file
+    a, b = load_file(str(saved / "one" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert not (out / ".llmlab-gather").exists()
+
+
+def test_saved_model_loads_in_transformers_and_llmlab_with_equal_logits(one_rank, saved):
+    from transformers import AutoModelForCausalLM
+
+    from llmlab.inference.loader import load
+    model, tok, eos, _ = load(str(saved / "one"))
+    ids = torch.tensor([tok.encode("Thou art a villain")])
+    hf = AutoModelForCausalLM.from_pretrained(str(saved / "one"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert eos == [tok.eos_token_id]
 
 
 def test_unsupported_family_and_missing_pieces_are_named(tmp_path, llama):

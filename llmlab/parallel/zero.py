@@ -81,9 +81,6 @@ def validate_layout(cfg: ZeroConfig, model_config) -> None:
         raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
                          "belong to two units, the embedding's and the LM head's, and be gathered "
                          "and reduced twice); untie the embeddings or use --zero 1 or 2")
-    if cfg.stage == 3 and cfg.full_model_saved:
-        raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
-                         "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
 
 def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsize: int):

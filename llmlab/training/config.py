@@ -254,9 +254,9 @@ def validate(cfg: TrainConfig) -> ModelConfig:
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
     if cfg.metrics_json and Path(cfg.metrics_json).is_dir():
         raise ValueError(f"--metrics-json {cfg.metrics_json!r} is a folder; it must be a file path")
-    if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
-        raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
-                                  "(the model would have to be gathered from its shards)")
+    if cfg.save_model and model_config(cfg).num_experts:
+        raise ValueError("--save-model writes a Llama/Qwen2 checkpoint: a mixture-of-experts "
+                         "model has no such format")
     resolve_device(cfg)
     from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
                                  tensor_parallel, zero)

@@ -419,9 +419,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         out["memory_bytes"]["cuda"] = cuda_memory(device)
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
-    if cfg.save_model and mesh.rank == 0:
-        from llmlab.model.hf import save_hf_checkpoint
-        save_hf_checkpoint(engine.model, cfg.save_model)
+    if cfg.save_model:   # collective: gathered from every layout's shards
+        from llmlab.training.export import save_model
+        save_model(engine, cfg.save_model)
     return out
 
 
