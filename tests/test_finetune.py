@@ -85,3 +85,77 @@ def test_unsupported_family_and_missing_pieces_are_named(tmp_path, llama):
         validate(TrainConfig(init_from=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="--seq-len 200 exceeds max_position_embeddings 128"):
         validate(TrainConfig(init_from=llama, seq_len=200))
+
+
+# --- --data: JSONL examples ------------------------------------------------------------------
+NAMES = ["Romeo", "Juliet", "Macbeth", "Banquo", "Duncan", "Tybalt"]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"Who speaks to {a}?"},
+                           {"role": "assistant", "content": f"{b} speaks to {a}."}]}
+             for a in NAMES for b in NAMES]
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return str(f)
+
+
+DATA_KW = dict(steps=4, global_batch_size=4, seq_len=64, seed=1, eval_every=2, lr=1e-2)
+
+
+def test_chat_examples_train_on_the_assistant_tokens_only(llama, chat):
+    from llmlab.data.jsonl import read_examples
+    from llmlab.training.hf_init import load_tokenizer
+    tok = load_tokenizer(llama)
+    ex = read_examples(chat, tok, 64)[0]
+    trained = tok.decode([i for i, t in zip(ex.ids, ex.trained) if t])
+    assert trained == "Romeo speaks to Romeo.<|im_end|>\n"
+    assert "Who speaks" in tok.decode(list(ex.ids))
+    every = read_examples(chat, tok, 64, all_tokens=True)[0]
+    assert all(every.trained) and every.ids == ex.ids
+
+
+@pytest.fixture(scope="module")
+def data_one_rank(llama, chat):
+    return llmlab.train(TrainConfig(init_from=llama, data=chat, **DATA_KW), progress=False)["steps"]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, num_microbatches=2), dict(tp=3)], ids=["dp2xmb2", "tp3"])
+def test_data_runs_give_the_one_rank_losses_and_eval_losses(llama, chat, data_one_rank, layout):
+    m = llmlab.train(TrainConfig(init_from=llama, data=chat, **DATA_KW, **layout), progress=False)
+    assert _gap(m["steps"], data_one_rank, "loss") < 1e-5
+    evals = [(s["step"], s["eval_loss"]) for s in m["steps"] if "eval_loss" in s]
+    ref = [(s["step"], s["eval_loss"]) for s in data_one_rank if "eval_loss" in s]
+    assert [s for s, _ in evals] == [2, 4]
+    assert [v for _, v in evals] == pytest.approx([v for _, v in ref], rel=1e-5)
+    assert ref[1][1] < ref[0][1]     # the held-out loss falls
+
+
+def test_data_order_is_a_function_of_seed_and_step(llama, chat):
+    from llmlab.training.data_source import make_loader
+    cfg = TrainConfig(init_from=llama, data=chat, **DATA_KW)
+    a, b = make_loader(cfg), make_loader(cfg)
+    later = b.global_batch(11)[0]
+    for s in range(1, 12):
+        a.global_batch(s)
+    assert torch.equal(a.global_batch(11)[0], later)
+    assert not torch.equal(a.global_batch(11)[0], a.global_batch(10)[0])
+    held = set(map(tuple, a.eval_batch()[0].tolist()))
+    seen = {tuple(r) for s in range(1, 30) for r in a.global_batch(s)[0].tolist()}
+    assert held and not held & seen            # held-out examples are never trained on
+
+
+@pytest.mark.parametrize("content, msg", [
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad.jsonl:3: not JSON"),
+    ('{"text": "ok"}\n{"prompt": "x"}\n', r"bad.jsonl:2: missing field: expected \"text\" or \"messages\""),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"bad.jsonl:1: .*no \"assistant\" message"),
+    ('{"text": ""}\n', r"bad.jsonl:1: \"text\" must be a non-empty string"),
+    ("\n\n", r"bad.jsonl: the file holds no example \(empty\)"),
+    ('{"text": "' + "Romeo and Juliet " * 40 + '"}\n', r"bad.jsonl:1: the example is \d+ tokens, longer than --seq-len 64"),
+])
+def test_bad_data_files_are_refused_naming_the_line(llama, tmp_path, content, msg):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=msg):
+        validate(TrainConfig(init_from=llama, data=str(f), seq_len=64))

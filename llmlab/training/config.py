@@ -75,6 +75,15 @@ class TrainConfig:
     top_k: int | None = option(None, "experts each token is routed to (default: the preset's)")
     capacity_factor: float | None = option(None, "expert capacity as a multiple of the even share of "
                                                  "tokens (default: the preset's)")
+    data: str | None = option(None, "train on this JSONL file (or folder of *.jsonl): {\"text\"} or chat "
+                                    "{\"messages\"} lines, one padded example per row "
+                                    "(llmlab.data.jsonl)")
+    loss_tokens: str = option("assistant", "with --data chat examples: the loss counts the assistant "
+                                           "tokens only, or all tokens", choices=("assistant", "all"))
+    eval_fraction: float = option(0.1, "with --data: the fraction of examples held out for the "
+                                       "evaluation loss")
+    eval_every: int = option(0, "with --data: the held-out loss every N steps (and after the last); "
+                                "0 never")
     steps: int = option(100, "optimizer steps")
     global_batch_size: int = option(16, "sequences per step, over all data-parallel ranks")
     seq_len: int = option(64, "tokens per sequence")
@@ -241,6 +250,9 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"ep={cfg.ep} must divide num_experts={mc.num_experts}")
     if cfg.ep > 1 and not mc.num_experts:
         raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if cfg.data or cfg.eval_every:
+        from llmlab.training.data_source import check_data
+        check_data(cfg)        # reads and tokenizes every example: errors name file and line
     if cfg.max_consecutive_skips < 0:
         raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
     if cfg.checkpoint_every < 0:

@@ -247,6 +247,15 @@ class Engine:
             total += loss.item()
         return total
 
+    @torch.no_grad()
+    def eval_loss(self, micro) -> float:
+        """This rank's share of the mean loss over the trained labels of ``micro`` (forward only;
+        weighted as :meth:`loss_weights`); :func:`global_loss` makes it the job's. Not with
+        pipeline parallelism (its schedule runs forward and backward together)."""
+        weights = self.loss_weights(micro)
+        return sum(float((self.wrapper(x, y) - self.model.aux_loss()) * w)
+                   for (x, y), w in zip(micro, weights))
+
     def loss_scale(self) -> float:
         """The fp16 loss scale (1 for fp32/bf16); pipeline runners multiply their loss by it too."""
         return self.scaler.scale if self.scaler is not None else 1.0
@@ -348,6 +357,19 @@ def _force_overflow(rank: int) -> int | None:
     return s if r == rank else None
 
 
+def _eval_micro(loader, cfg: TrainConfig, mesh: Mesh, device) -> list:
+    """This rank's micro-batches of the held-out examples (``--data``), as a training step's."""
+    x, y = loader.eval_batch(mesh.dp * cfg.num_microbatches)
+    n = x.shape[0] // mesh.dp
+    r = mesh.coords["dp"]
+    x, y = x[r * n:(r + 1) * n].to(device), y[r * n:(r + 1) * n].to(device)
+    micro = list(zip(x.chunk(cfg.num_microbatches), y.chunk(cfg.num_microbatches)))
+    if cfg.cp > 1:
+        from llmlab.parallel.context_parallel import shard_microbatches
+        micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+    return micro
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -396,6 +418,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            rec["eval_loss"] = global_loss(engine.eval_loss(_eval_micro(loader, cfg, mesh, device)),
+                                           mesh, device)
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
