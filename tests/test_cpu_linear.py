@@ -84,17 +84,16 @@ def test_engine_tokens_equal_with_packed_weights(level):
     prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     out = {}
-    for packed in (False, True):
-        with K.use(packed_linear=packed):
-            llm = LLM(model, block_size=4)
-            assert (type(llm.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear) == packed
-            out[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for packed in (False, True):                 # (False first: packing changes the model)
+        llm = LLM(model, block_size=4, packed_linear=packed)      # the engine's own choice
+        assert (type(llm.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear) == packed
+        out[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out[True] == out[False] and all(len(t) == 10 for t in out[True])
     assert K._from_env("packed_linear").packed_linear is True
 
 
 AVX2_ONEDNN = """
-import torch, llmlab.kernels as K
+import torch
 from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import cpu_linear
 from llmlab.model.config import ModelConfig
@@ -107,12 +106,11 @@ except RuntimeError as e:
 assert cpu_linear.path(torch.bfloat16) == "aten" and cpu_linear.path(torch.float32) == "onednn"
 cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-model, params = LlamaForCausalLM(cfg, seed=0), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 out = []
 for packed in (True, False):
-    with K.use(packed_linear=packed):
-        llm = LLM(model, block_size=4, dtype=torch.bfloat16)
-        out.append([o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params)])
+    llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=torch.bfloat16, packed_linear=packed)
+    out.append([o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params)])
 assert out[0] == out[1] and len(out[0][0]) == 8, out
 print("served", out[0])
 """
