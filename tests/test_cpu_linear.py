@@ -22,7 +22,7 @@ from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears, 
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
-LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # this CPU's, and the one below
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
 
 
 @pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")

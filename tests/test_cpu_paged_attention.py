@@ -28,7 +28,7 @@ from llmlab.kernels import cpu_paged_attention as C
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
-LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # this CPU's, and the one below
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
 
 
 @pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
@@ -37,7 +37,7 @@ def level(request, monkeypatch):
     level below it (its own build: no AVX-512 code under avx2), and checks which build ran."""
     if request.param:
         monkeypatch.setenv(cpu_isa.ENV, request.param)
-    assert C.isa() == (request.param or cpu_isa.detected())
+    assert C.isa() == (request.param or cpu_isa.cpu_isa())
     return request.param
 
 

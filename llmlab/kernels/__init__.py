@@ -33,6 +33,13 @@ The environment variable ``LLMLAB_KERNELS`` (e.g. ``attention=triton,rmsnorm,swi
 initial state, which reaches ``llmlab train`` and ranks started by :func:`llmlab.launch`
 when set before Python starts; otherwise call ``enable`` inside the rank function.
 
+The inference engine's three choices (``paged_attention``, ``packed_linear``, ``cpu_fused``) are
+fields of its :class:`~llmlab.inference.engine_config.EngineConfig`: the settings here (and
+``LLMLAB_KERNELS``) are only their defaults, read when a config is made, and the engine then
+uses its config's (``LLM(model, paged_attention="cpu", packed_linear=True, cpu_fused=True)``).
+Every CPU fast path chooses by what the CPU offers (:mod:`~llmlab.kernels.cpu_isa`;
+``LLMLAB_CPU_ISA=avx2`` makes it choose as an AVX2-only CPU would).
+
 The inference engine's PagedAttention is the exception: ``paged_attention="auto"`` (default)
 uses the Triton kernel on CUDA tensors whenever triton is installed, the PyTorch reference
 otherwise; ``"triton"`` also uses it on CPU tensors under the interpreter, ``"reference"``
@@ -76,7 +83,9 @@ class KernelSettings:
     (``"auto"``: Triton on CUDA tensors when triton is installed; ``"cpu"``: also the C++
     kernel on CPU tensors); ``packed_linear``: the engine's linear layers on a CPU device use
     weights prepacked once for oneDNN (:mod:`~llmlab.kernels.cpu_linear`); ``cpu_fused``: the
-    C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (:mod:`~llmlab.kernels.cpu_fused`)."""
+    C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (:mod:`~llmlab.kernels.cpu_fused`).
+    The last three are the defaults of the engine's ``EngineConfig`` fields of the same names
+    (``cpu_fused`` also applies to the model run outside an engine)."""
 
     attention: str = "sdpa"
     rmsnorm: bool = False

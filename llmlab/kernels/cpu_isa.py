@@ -76,9 +76,9 @@ def detected() -> str:
 
 
 def fallback() -> str | None:
-    """The level below this CPU's whose fallbacks the tests and ``LLMLAB_CPU_ISA`` examples force:
-    ``avx2`` under an AVX-512 CPU, ``generic`` under an AVX2 one, ``None`` on a generic CPU."""
-    found = LEVELS.index(detected())
+    """The level below the current one (:func:`cpu_isa`) whose fallbacks the tests force:
+    ``avx2`` under AVX-512, ``generic`` under AVX2, ``None`` at ``generic``."""
+    found = LEVELS.index(cpu_isa())
     return None if found == 0 else ("avx2" if found > 1 else "generic")
 
 
