@@ -73,11 +73,12 @@ def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     cmds = []
     for lang, body in _fenced(text):
-        if lang in ("bash", "sh", "") and body.lstrip().startswith(("llmlab", "pip", "#", "torchrun", "curl")):
+        if lang in ("bash", "sh") or (lang == "" and body.lstrip().startswith(PROGRAMS)):
             cmds += _shell_lines(body)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     for span in re.findall(r"`([^`\n]+)`", prose):
-        if span.startswith(PROGRAMS) and " " in _strip_env(span) and not span.startswith("llmlab."):
+        if (span.startswith(PROGRAMS) and " " in _strip_env(span) and not span.startswith("llmlab.")
+                and not re.match(r"llmlab [A-Z]", span)):          # (`llmlab CPU fast paths: ...`: output)
             cmds.append(span.strip())
     return cmds
 
