@@ -165,7 +165,7 @@ def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | No
     hints = typing.get_type_hints(EngineConfig)
     for name in names if names is not None else field_names():
         f, over = _FIELDS[name], (overrides or {}).get(name, {})
-        field_default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        field_default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         kind = hints[name]
         args = typing.get_args(kind)
         if args:                                               # X | None

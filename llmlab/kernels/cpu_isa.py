@@ -60,7 +60,7 @@ def cpu_flags() -> frozenset[str]:
 def level_of(flags: frozenset[str] | set[str]) -> str:
     """The highest level of :data:`LEVELS` whose flags (cumulative :data:`REQUIRES`) are all in
     ``flags``."""
-    best, need = "generic", set()
+    best, need = "generic", set[str]()
     for level in LEVELS[1:]:
         need |= REQUIRES[level]
         if not need <= set(flags):

@@ -41,7 +41,7 @@ def available() -> bool:
 
 
 # The CPU flags oneDNN's packed linear needs per dtype (any one of the sets; PyTorch's own checks).
-NEEDS = {torch.float32: [frozenset()],
+NEEDS: dict[torch.dtype, list[frozenset[str]]] = {torch.float32: [frozenset()],
          torch.bfloat16: [frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"})],
          torch.float16: [frozenset({"avx512_fp16"}), frozenset({"avx_ne_convert"})]}
 
@@ -122,7 +122,7 @@ def pack_linears(model: nn.Module) -> int:
     as they are."""
     n = 0
     for parent in list(model.modules()):
-        skip = set()
+        skip: set[str] = set()
         for attr, views in FUSED.items():
             fused = getattr(parent, attr, None)
             if fused is not None:

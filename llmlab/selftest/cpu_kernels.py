@@ -38,7 +38,8 @@ def _record(errs: dict, key: str, got: torch.Tensor, want: torch.Tensor, dtype) 
 def check_cpu_packed_linear(quick: bool) -> dict:
     from llmlab.kernels import cpu_linear
     rows = (1, 9) if quick else (1, 9, 64, 300)
-    errs, paths = {}, {}
+    errs: dict[str, dict] = {}
+    paths: dict[str, str] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         paths[_name(dtype)] = cpu_linear.path(dtype)
         g = torch.Generator().manual_seed(5)
@@ -67,7 +68,7 @@ def check_cpu_paged_attention(quick: bool) -> dict:
     from llmlab.kernels import cpu_paged_attention as C
     ctx = [9, 33, 1] if quick else [9, 33, 1, 70, 128]
     qlens = [9, 5] + [1] * (len(ctx) - 2)           # a prompt, a chunk, decodes
-    errs = {}
+    errs: dict[str, dict] = {}
     for dtype in (torch.float32, torch.bfloat16):
         for D in (64, 48):                            # 48: not a multiple of 32 (widening path)
             args = paged_case(8, 6, 2, D, ctx, qlens, dtype, seed=D)
@@ -85,7 +86,7 @@ def check_cpu_fused_ops(quick: bool) -> dict:
     from llmlab.kernels.reference import rms_norm_reference, swiglu_reference
     from llmlab.model.llama import rotary_cos_sin
     n, h = (7, 96) if quick else (37, 576)
-    errs = {}
+    errs: dict[str, dict] = {}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(6)
         x, r, gate, up = (torch.randn(n, h, generator=g).to(dtype) for _ in range(4))
