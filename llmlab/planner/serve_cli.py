@@ -83,7 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from llmlab.planner.serve_validate import calibrate_serving, format_serve_validation, validate_serving
         here = calibrate_serving()
         print(f"calibrated this machine: memory bandwidth {here['hbm_bandwidth'] / 1e9:.1f} GB/s, "
-              f"{here['flop_rate'] / 1e9:.1f} GFLOP/s, engine step overhead {here['overhead_s'] * 1e3:.2f} ms")
+              f"{here['flop_rate'] / 1e9:.1f} GFLOP/s; engine costs {here['overhead_s'] * 1e3:.2f} ms a step + "
+              f"{here['per_seq_s'] * 1e3:.2f} ms a sequence")
         v = validate_serving(here)
         print(format_serve_validation(v))
         _write(args.json, v)
