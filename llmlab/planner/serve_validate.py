@@ -82,6 +82,21 @@ def calibrate_serving(seconds: float = 0.3) -> dict:
     leaves out, fitted to decode steps of 1 and 16 sequences of 16 tokens: ``overhead_s`` per
     step and ``per_seq_s`` per sequence."""
     import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                             # as the engine is measured
+    try:
+        bw, fl = _bandwidth_and_flops(torch, seconds)
+    finally:
+        torch.set_num_threads(threads)
+    here = {"hbm_bandwidth": bw, "flop_rate": fl, "overhead_s": 0.0, "per_seq_s": 0.0}
+    one, many = measure_decode_step(1, 16), measure_decode_step(16, 16)
+    roof_one, roof_many = predict_decode_step(here, 1, 16), predict_decode_step(here, 16, 16)
+    here["per_seq_s"] = max(0.0, ((many - roof_many) - (one - roof_one)) / 15)
+    here["overhead_s"] = max(0.0, one - roof_one - here["per_seq_s"])
+    return here
+
+
+def _bandwidth_and_flops(torch, seconds: float) -> tuple[float, float]:
     x = torch.ones(64 * 2**20)                           # 256 MiB of fp32
     a, b = torch.randn(512, 512), torch.randn(512, 2048)
     bw = fl = 0.0
@@ -93,12 +108,7 @@ def calibrate_serving(seconds: float = 0.3) -> dict:
         t0 = time.perf_counter()
         a @ b
         fl = max(fl, 2 * 512 * 512 * 2048 / (time.perf_counter() - t0))
-    here = {"hbm_bandwidth": bw, "flop_rate": fl, "overhead_s": 0.0, "per_seq_s": 0.0}
-    one, many = measure_decode_step(1, 16), measure_decode_step(16, 16)
-    roof_one, roof_many = predict_decode_step(here, 1, 16), predict_decode_step(here, 16, 16)
-    here["per_seq_s"] = max(0.0, ((many - roof_many) - (one - roof_one)) / 15)
-    here["overhead_s"] = max(0.0, one - roof_one - here["per_seq_s"])
-    return here
+    return bw, fl
 
 
 def _model_config():
@@ -123,8 +133,19 @@ def measure_decode_step(batch: int, context: int, new_tokens: int = 12) -> float
     """Fastest of the engine's decode steps (no prefill in the step; the least disturbed on a
     loaded machine) with ``batch``
     sequences of ``context`` prompt tokens each generating ``new_tokens``."""
+    import torch
+
     from llmlab.inference.engine import LLMEngine
     from llmlab.inference.sampling import SamplingParams
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # one thread: a loaded machine cannot stall a step on a lagging one
+    try:
+        return _measure(LLMEngine, SamplingParams, batch, context, new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(LLMEngine, SamplingParams, batch: int, context: int, new_tokens: int) -> float:
     eng = LLMEngine(_model_config(), device="cpu", max_num_seqs=batch, kv_cache_memory_bytes=2**28,
                     max_num_batched_tokens=max(2048, batch * context))
     for i in range(batch):
