@@ -156,3 +156,15 @@ def test_presets_param_counts():
     for name, n in (("qwen2.5-7b", 7.62e9), ("qwen2.5-72b", 72.7e9), ("llama3-8b", 8.03e9),
                     ("llama3-70b", 70.6e9)):
         assert SERVE_MODELS[name].num_params == pytest.approx(n, rel=0.005)
+
+
+def test_llmlab_plan_serve_true_and_a_request_rate():
+    import llmlab
+    w = ServeWorkload(prompt_len=512, output_len=128, max_model_len=4096, request_rate=10.0)
+    res = llmlab.plan("llama3-8b", serve=True, cluster="h100", num_gpus=2, workload=w)
+    top = res["layouts"][0]
+    assert top["fits"] and top["meets_load"]
+    assert top["tokens_per_s"] == pytest.approx(10.0 * 128, rel=0.1)    # what the rate asks for
+    over = llmlab.plan_serve("llama3-8b", cluster="h100", num_gpus=1, workload=ServeWorkload(
+        prompt_len=512, output_len=128, max_model_len=4096, request_rate=1e5))["layouts"][0]
+    assert not over["meets_load"] and over["batch_per_instance"] == over["concurrency_at_workload"]

@@ -41,6 +41,12 @@ def recommend(rows: list[dict], model, cluster: ClusterSpec) -> str:
                 f"{s['tpot_s'] * 1e3:.1f} ms; with tensor parallelism {t['name']}: "
                 f"{t['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, TPOT {t['tpot_s'] * 1e3:.1f} ms "
                 f"(tensor parallelism buys latency, not throughput per GPU).")
+    if solo:
+        s = solo[0]
+        return (f"{model.name} fits one GPU ({s['memory']['weights'] / GB:.3g} GB of weights, "
+                f"{s['max_concurrency_per_instance']} sequences of max-model-len per GPU): run one "
+                f"instance per GPU ({s['name']}: {s['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
+                f"TPOT {s['tpot_s'] * 1e3:.3g} ms).")
     smallest = min(fit, key=lambda r: (r["tp"] * r["pp"], r["pp"]))
     inside = smallest["tp"] <= cluster.gpus_per_node
     return (f"{model.name} does not fit one GPU: the smallest instance that serves it is "

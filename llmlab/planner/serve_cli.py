@@ -4,7 +4,7 @@ Examples::
 
     llmlab plan --serve --model qwen2.5-7b --num-gpus 8 --max-model-len 10240
     llmlab plan --serve --model qwen2.5-72b --cluster a800 --num-gpus 16 --concurrency 64 --json s.json
-    llmlab plan --serve --config path/to/config.json --weight-dtype int8 --kv-dtype fp8
+    llmlab plan --serve --config llmlab/assets/models/shakespeare/config.json --num-gpus 1 --prompt-len 256 --output-len 128 --request-rate 20 --weight-dtype int8 --kv-dtype fp8
     llmlab plan --serve --calibrate          # this machine's bandwidth and FLOP/s, then the engine
     llmlab plan --articles                   # the source articles' figures, computed
 """
@@ -44,7 +44,9 @@ def format_serve_table(res: dict, top: int = 15) -> str:
     m, c, w = res["model"], res["cluster"], res["workload"]
     load = (f"concurrency {w['concurrency']}" if w["concurrency"] else
             f"{w['request_rate']:g} requests/s" if w["request_rate"] else "as many requests as fit")
-    lines = [f"{m['name']}: {m['num_params'] / 1e9:.3g}B parameters ({m['num_layers']} layers, "
+    n = m["num_params"]
+    count = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    lines = [f"{m['name']}: {count} parameters ({m['num_layers']} layers, "
              f"{m['kv_heads']} KV heads x {m['head_dim']}); {c['num_gpus']} x {c['name']} GPUs "
              f"({c['gpu_memory_bytes'] / 1e9:.0f} GB, {c['hbm_bandwidth'] / 1e12:.2f} TB/s, "
              f"{c['gpus_per_node']} per node); weights {w['weight_dtype']}, KV "
@@ -55,7 +57,7 @@ def format_serve_table(res: dict, top: int = 15) -> str:
     for i, r in enumerate([r for r in res["layouts"] if r["fits"]][:top], 1):
         lines.append(f"{i:>3} {r['name']:<26} {r['kv_bytes_per_token']:>9,.0f} {r['kv_tokens']:>11,} "
                      f"{r['max_concurrency']:>8,} {r['concurrency_at_workload']:>7,} "
-                     f"{r['batch_per_instance']:>6.4g} {r['ttft_s'] * 1e3:>8.1f} {r['tpot_s'] * 1e3:>8.2f} "
+                     f"{r['batch_per_instance']:>6.3g} {r['ttft_s'] * 1e3:>8.3g} {r['tpot_s'] * 1e3:>8.3g} "
                      f"{r['tokens_per_s']:>9,.0f} {r['tokens_per_s_per_gpu']:>9,.0f}"
                      + ("" if r["meets_load"] else "  (overloaded)"))
     for r in [r for r in res["layouts"] if not r["fits"]]:

@@ -68,8 +68,8 @@ def _batch(w, replicas: int, cap: int, tpot_of, ttft: float) -> tuple[float, boo
     if w.request_rate is None:
         return cap, True
     rate, b = w.request_rate / replicas, 1.0
-    for _ in range(50):
-        b = min(cap, max(1.0, rate * (ttft + (w.output_len - 1) * tpot_of(b))))
+    for _ in range(50):     # sequences in flight = rate x latency; a step costs at least one sequence's
+        b = min(cap, rate * (ttft + (w.output_len - 1) * tpot_of(max(b, 1.0))))
     served = cap / (ttft + (w.output_len - 1) * tpot_of(cap))
     return b, served >= rate
 
@@ -109,7 +109,7 @@ def evaluate_serving(m, w, tp: int, pp: int, replicas: int, cluster, hbm: float,
     ttft = pp * (stage_prefill + tp_prefill)
     tpot_of = lambda b: pp * _tick(m, w, tp, pp, cluster, hbm, flop_rate, b, mem)["tick_s"]  # noqa: E731
     batch, meets = _batch(w, replicas, conc_wl, tpot_of, ttft)
-    tick = _tick(m, w, tp, pp, cluster, hbm, flop_rate, batch, mem)
+    tick = _tick(m, w, tp, pp, cluster, hbm, flop_rate, max(batch, 1.0), mem)
     tpot = pp * tick["tick_s"]
     tps = replicas * batch / tpot
     return row | {

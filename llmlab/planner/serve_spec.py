@@ -99,7 +99,7 @@ def serve_model_from_hf_config(path: str | Path) -> ServeModel:
     else:
         sliding = 0
     experts = c.get("num_local_experts") or 0
-    return _model(c.get("_name_or_path") or family, L, c["hidden_size"], heads,
+    return _model(c.get("_name_or_path") or p.parent.name or family, L, c["hidden_size"], heads,
                   c.get("num_key_value_heads") or heads, c["intermediate_size"], c["vocab_size"],
                   hd=c.get("head_dim"), tied=bool(c.get("tie_word_embeddings", False)),
                   qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
@@ -120,8 +120,9 @@ def serve_model(model=None, params=None, config=None, **shape) -> ServeModel:
         return serve_model_from_hf_config(config)
     if model in SERVE_MODELS:
         return SERVE_MODELS[model]
-    from llmlab.planner.api import resolve_model
-    s = resolve_model(model, params, None, **shape)
+    from llmlab.planner.specs import from_params, from_preset
+    s = (from_preset(model) if model is not None
+         else from_params(params, **{k: v for k, v in shape.items() if v is not None}))
     max_pos = 131072
     if model is not None:
         from llmlab.model.config import PRESETS, get_preset
