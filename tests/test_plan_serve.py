@@ -106,6 +106,9 @@ def test_hf_config_gqa_head_dim_sliding_and_refusals(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         serve_model_from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        serve_model_from_hf_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="--config"):
         serve_model_from_hf_config(tmp_path / "nothere.json")
 
@@ -116,6 +119,11 @@ def test_hf_config_gqa_head_dim_sliding_and_refusals(tmp_path):
     (["--max-model-len", "100", "--prompt-len", "200"], "exceed --max-model-len 100"),
     (["--kv-dtype", "int3"], "--kv-dtype 'int3'"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be an integer >= 1"),
+    (["--max-model-len", "65536"], "larger than qwen2.5-7b's context"),
+    (["--hbm-bw-gb-s", "-1"], "--hbm-bw-gb-s must be > 0"),
+    (["--hbm-bw-gb-s", "0"], "--hbm-bw-gb-s must be > 0"),
 ])
 def test_cli_bad_input_names_the_flag(argv, message, capsys):
     assert main(["plan", "--serve", "--model", "qwen2.5-7b", *argv]) == 2

@@ -82,6 +82,8 @@ def plan_serve(model=None, *, params=None, config=None, cluster: ClusterSpec | s
         ValueError: a bad model, workload or cluster value, named by its flag.
     """
     m = serve_model(model, params, config, **shape)
+    if hbm_bandwidth is not None and not hbm_bandwidth > 0:
+        raise ValueError(f"--hbm-bw-gb-s must be > 0, got {hbm_bandwidth / 1e9:g}")
     if gpu_memory_gb is not None and not gpu_memory_gb > 0:
         raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
     if isinstance(cluster, str):

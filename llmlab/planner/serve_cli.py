@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     res = plan_serve(args.model, params=args.params, config=args.config, cluster=args.cluster,
                      num_gpus=args.num_gpus, workload=w,
-                     hbm_bandwidth=args.hbm_bw_gb_s and args.hbm_bw_gb_s * 1e9,
+                     hbm_bandwidth=None if args.hbm_bw_gb_s is None else args.hbm_bw_gb_s * 1e9,
                      gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node, **shape)
     print(format_serve_table(res, args.top))
     _write(args.json, res)

@@ -80,6 +80,8 @@ def serve_model_from_hf_config(path: str | Path) -> ServeModel:
         c = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--config {path}: not JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of a model's config")
     family = c.get("model_type")
     if family not in HF_FAMILIES:
         raise ValueError(f"--config {path}: model_type {family!r} is not supported by the serving "
@@ -179,6 +181,9 @@ class ServeWorkload:
         """Defaults filled from the model: ``max_model_len`` (its context) and
         ``max_num_batched_tokens``. ``ValueError`` when the requests exceed ``max_model_len``."""
         mml = self.max_model_len or model.max_position
+        if mml > model.max_position:
+            raise ValueError(f"--max-model-len {mml} is larger than {model.name}'s context "
+                             f"(max_position_embeddings {model.max_position})")
         if self.prompt_len + self.output_len > mml:
             raise ValueError(f"--prompt-len {self.prompt_len} + --output-len {self.output_len} "
                              f"exceed --max-model-len {mml}")
