@@ -3,6 +3,7 @@ serving formulas (:mod:`llmlab.formulas.serving`)."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from llmlab.check._base import _fail, _ok
 from llmlab.formulas import serving as F
@@ -14,7 +15,7 @@ _SHAPES = [("Llama-3-8B bf16", 32, 8, 128, 2, 1), ("Qwen2.5-7B bf16", 28, 4, 128
            ("Qwen2.5-72B fp32 TP2", 80, 8, 128, 4, 2)]
 
 
-def kv_bytes_per_token(fn) -> bool:
+def kv_bytes_per_token(fn: Callable) -> bool:
     name = "kv_bytes_per_token"
     for label, L, kv, hd, b, tp in _SHAPES:
         want, got = F.kv_bytes_per_token(L, kv, hd, b, tp), fn(L, kv, hd, b, tp)
@@ -28,7 +29,7 @@ def kv_bytes_per_token(fn) -> bool:
     return _ok(name, "KV bytes per token per GPU of five published shapes, GQA and TP included")
 
 
-def kv_concurrency(fn) -> bool:
+def kv_concurrency(fn: Callable) -> bool:
     name = "kv_concurrency"
     cases = [(53.7e9, 40960, 16, 10240), (1e6, 100, 16, 33), (1e6, 100, 16, 32), (16 * 100 * 3 - 1, 100, 16, 16),
              (0.0, 100, 16, 16), (-1e9, 100, 16, 16), (5e9, 57344, 8, 1000)]
@@ -45,7 +46,7 @@ def kv_concurrency(fn) -> bool:
     return _ok(name, "sequences in a paged pool, whole blocks, on seven budgets")
 
 
-def decode_tpot(fn) -> bool:
+def decode_tpot(fn: Callable) -> bool:
     name = "decode_tpot"
     cases = [(16e9, 131072, 1, 512, 3.35e12), (16e9, 131072, 64, 4096, 3.35e12),
              (145e9 / 8, 40960, 128, 10240, 2.039e12), (1e6, 1000, 3, 7, 1e9)]

@@ -53,7 +53,7 @@ def activations_8b(target_gb: float = 96.0) -> dict:
     gives ``target_gb``; the total 32 + 32 + 64 + 96."""
     layers, h, a = 32, 4096, 32
 
-    def act(b, s):
+    def act(b: int, s: int) -> float:
         return layers * activation_bytes_per_layer(s, b, h, a)
     grid = {f"b={b} s={s}": act(b, s) for b in (1, 2, 4) for s in (1024, 2048, 4096, 8192)}
     lo, hi = 1, 65536                                         # smallest s with act(1, s) >= target

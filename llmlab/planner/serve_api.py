@@ -4,9 +4,11 @@ model for serving on a cluster, ranked, with the recommendation in the source ar
 one GPU: tensor parallelism inside a node)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from llmlab.planner.cluster import GB, ClusterSpec, cluster_preset
 from llmlab.planner.serve_cost import HBM_BANDWIDTH, evaluate_serving
-from llmlab.planner.serve_spec import ServeWorkload, serve_model
+from llmlab.planner.serve_spec import ServeModel, ServeWorkload, serve_model
 
 
 def _divisors(n: int) -> list[int]:
@@ -20,7 +22,7 @@ def _rank_key(r: dict) -> tuple:
     return (0, not r["meets_load"], -float(f"{r['tokens_per_s_per_gpu']:.3g}"), r["tpot_s"])
 
 
-def recommend(rows: list[dict], model, cluster: ClusterSpec) -> str:
+def recommend(rows: list[dict], model: ServeModel, cluster: ClusterSpec) -> str:
     """One paragraph: instances against TP when one GPU holds the model, else the smallest TP
     inside a node that fits (the articles' rules, with this plan's numbers)."""
     fit = [r for r in rows if r["fits"]]
@@ -57,11 +59,12 @@ def recommend(rows: list[dict], model, cluster: ClusterSpec) -> str:
             f"{best['max_concurrency']} sequences of max-model-len in all.")
 
 
-def plan_serve(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "a800",
+def plan_serve(model: str | ServeModel | None = None, *, params: float | None = None,
+               config: str | Path | None = None, cluster: ClusterSpec | str = "a800",
                num_gpus: int = 8, workload: ServeWorkload | None = None,
                hbm_bandwidth: float | None = None, kv_budget_bytes: float | None = None,
                gpu_memory_gb: float | None = None, gpus_per_node: int | None = None,
-               **shape) -> dict:
+               **shape: int | None) -> dict:
     """Rank every TP x PP x instances layout of a model for serving.
 
     Args:

@@ -100,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if any(r["fits"] for r in res["layouts"]) else 1
 
 
-def _write(path, obj) -> None:
+def _write(path: str | None, obj: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1, default=str)

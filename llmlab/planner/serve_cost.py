@@ -11,6 +11,7 @@ prompt's prefill FLOPs at the achievable FLOP/s, stage after stage.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 from llmlab.formulas.communication import p2p_time, ring_all_reduce_time
 from llmlab.formulas.serving import (blocks_for, decode_flops, decode_step_time, kv_bytes_per_token,
@@ -22,7 +23,7 @@ from llmlab.formulas.serving import (blocks_for, decode_flops, decode_step_time,
 HBM_BANDWIDTH = {"a100": 2.039e12, "a800": 2.039e12, "h100": 3.35e12, "h200": 4.8e12}
 
 
-def _memory(m, w, tp: int, pp: int, cluster, kv_budget_bytes: float | None) -> dict:
+def _memory(m: Any, w: Any, tp: int, pp: int, cluster: Any, kv_budget_bytes: float | None) -> dict:
     wb = serve_dtype_bytes(w.weight_dtype) * m.num_params / (tp * pp)
     act_bytes = 4 if w.weight_dtype == "fp32" else 2
     act = profile_activation_bytes(w.max_num_batched_tokens, m.hidden, m.ffn, m.vocab, act_bytes,
@@ -36,7 +37,8 @@ def _memory(m, w, tp: int, pp: int, cluster, kv_budget_bytes: float | None) -> d
             "kv_blocks": blocks, "kv_tokens": blocks * w.block_size}
 
 
-def _tick(m, w, tp, pp, cluster, hbm, flop_rate, batch: float, mem: dict) -> dict:
+def _tick(m: Any, w: Any, tp: int, pp: int, cluster: Any, hbm: float, flop_rate: float, batch: float,
+          mem: dict) -> dict:
     """One stage's decode step for ``batch / pp`` sequences (seconds), split by cause."""
     mb = batch / pp
     ctx = w.prompt_len + w.output_len / 2                      # mean context over the decode
@@ -59,7 +61,8 @@ def _tick(m, w, tp, pp, cluster, hbm, flop_rate, batch: float, mem: dict) -> dic
 
 
 
-def _batch(w, replicas: int, cap: int, tpot_of, ttft: float) -> tuple[float, bool]:
+def _batch(w: Any, replicas: int, cap: int, tpot_of: Callable[[float], float],
+           ttft: float) -> tuple[float, bool]:
     """Sequences an instance runs: the concurrency shared by the replicas, the requests a rate
     keeps in flight (Little's law, iterated), or all that fit; and whether that meets the load."""
     if w.concurrency is not None:
@@ -74,7 +77,7 @@ def _batch(w, replicas: int, cap: int, tpot_of, ttft: float) -> tuple[float, boo
     return b, served >= rate
 
 
-def evaluate_serving(m, w, tp: int, pp: int, replicas: int, cluster, hbm: float,
+def evaluate_serving(m: Any, w: Any, tp: int, pp: int, replicas: int, cluster: Any, hbm: float,
                      kv_budget_bytes: float | None = None) -> dict:
     """One JSON-ready row (bytes, seconds, tokens/s); ``fits`` False with ``why_not`` when the
     layout cannot serve one sequence of ``max_model_len``."""

@@ -40,7 +40,8 @@ class ServeModel:
         return asdict(self)
 
 
-def _params(L, h, heads, kv, hd, ffn, vocab, tied, qkv_bias=False, experts=0, top_k=1, moe_ffn=0):
+def _params(L: int, h: int, heads: int, kv: int, hd: int, ffn: int, vocab: int, tied: bool,
+            qkv_bias: bool = False, experts: int = 0, top_k: int = 1, moe_ffn: int = 0) -> tuple[int, int]:
     attn = 2 * h * heads * hd + 2 * h * kv * hd + ((heads + 2 * kv) * hd if qkv_bias else 0)
     mlp = 3 * h * ffn if not experts else experts * 3 * h * moe_ffn + h * experts
     total = vocab * h * (1 if tied else 2) + L * (attn + mlp + 2 * h) + h
@@ -48,8 +49,9 @@ def _params(L, h, heads, kv, hd, ffn, vocab, tied, qkv_bias=False, experts=0, to
     return total, active
 
 
-def _model(name, L, h, heads, kv, ffn, vocab, hd=None, tied=False, qkv_bias=False, max_pos=131072,
-           window=None, sliding=0, experts=0, top_k=1, moe_ffn=0) -> ServeModel:
+def _model(name: str, L: int, h: int, heads: int, kv: int, ffn: int, vocab: int, hd: int | None = None,
+           tied: bool = False, qkv_bias: bool = False, max_pos: int = 131072, window: int | None = None,
+           sliding: int = 0, experts: int = 0, top_k: int = 1, moe_ffn: int = 0) -> ServeModel:
     hd = hd or h // heads
     total, active = _params(L, h, heads, kv, hd, ffn, vocab, tied, qkv_bias, experts, top_k, moe_ffn)
     return ServeModel(name, L, h, heads, kv, hd, ffn, vocab, total, active, max_pos, window, sliding)
@@ -111,7 +113,8 @@ def serve_model_from_hf_config(path: str | Path) -> ServeModel:
                   moe_ffn=c["intermediate_size"] if experts else 0)
 
 
-def serve_model(model=None, params=None, config=None, **shape) -> ServeModel:
+def serve_model(model: str | ServeModel | None = None, params: float | None = None,
+                config: str | Path | None = None, **shape: int | None) -> ServeModel:
     """Exactly one of a preset name (:data:`SERVE_MODELS` or a ``llmlab plan`` preset), a
     :class:`ServeModel`, ``params`` (with optional shape keywords) or ``config``."""
     if sum(x is not None for x in (model, params, config)) != 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from llmlab.planner.cluster import ClusterSpec
 from llmlab.planner.serve_spec import ServeModel, ServeWorkload
@@ -23,7 +24,7 @@ VALIDATION_MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, 
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
-def serve_model_from_model_config(mc) -> ServeModel:
+def serve_model_from_model_config(mc: Any) -> ServeModel:
     """A :class:`ServeModel` of an llmlab :class:`~llmlab.model.config.ModelConfig` (or an
     engine's ``model_config``)."""
     n = mc.num_parameters()
@@ -55,7 +56,7 @@ def predicted_kv_pool(model: ServeModel, block_size: int, kv_cache_memory_bytes:
             "kv_bytes_per_token": row["kv_bytes_per_token"], "fits": row["fits"]}
 
 
-def engine_kv_pool(model, block_size: int, kv_cache_memory_bytes: int, max_model_len: int,
+def engine_kv_pool(model: Any, block_size: int, kv_cache_memory_bytes: int, max_model_len: int,
                    seq_len: int | None = None) -> dict:
     """The engine's pool (``num_gpu_blocks``, cache tensor bytes) and how many requests of
     ``max_model_len`` (and ``seq_len``) tokens its scheduler admits into it at once."""
@@ -96,7 +97,7 @@ def calibrate_serving(seconds: float = 0.3) -> dict:
     return here
 
 
-def _bandwidth_and_flops(torch, seconds: float) -> tuple[float, float]:
+def _bandwidth_and_flops(torch: Any, seconds: float) -> tuple[float, float]:
     x = torch.ones(64 * 2**20)                           # 256 MiB of fp32
     a, b = torch.randn(512, 512), torch.randn(512, 2048)
     bw = fl = 0.0
@@ -111,7 +112,7 @@ def _bandwidth_and_flops(torch, seconds: float) -> tuple[float, float]:
     return bw, fl
 
 
-def _model_config():
+def _model_config() -> Any:
     from llmlab.model.config import ModelConfig
     return ModelConfig(name="serve-validation", **VALIDATION_MODEL)
 
@@ -145,7 +146,7 @@ def measure_decode_step(batch: int, context: int, new_tokens: int = 12) -> float
         torch.set_num_threads(threads)
 
 
-def _measure(LLMEngine, SamplingParams, batch: int, context: int, new_tokens: int) -> float:
+def _measure(LLMEngine: Any, SamplingParams: Any, batch: int, context: int, new_tokens: int) -> float:
     eng = LLMEngine(_model_config(), device="cpu", max_num_seqs=batch, kv_cache_memory_bytes=2**28,
                     max_num_batched_tokens=max(2048, batch * context))
     for i in range(batch):
@@ -160,7 +161,7 @@ def _measure(LLMEngine, SamplingParams, batch: int, context: int, new_tokens: in
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (no ties expected)."""
-    def ranks(v):
+    def ranks(v: list[float]) -> list[int]:
         order = sorted(range(len(v)), key=v.__getitem__)
         r = [0] * len(v)
         for i, k in enumerate(order):
@@ -173,7 +174,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 POINTS = ((1, 32), (4, 128), (16, 64), (8, 512), (32, 256), (32, 512))
 
 
-def validate_serving(here: dict, points=POINTS) -> dict:
+def validate_serving(here: dict, points: tuple = POINTS) -> dict:
     """Predicted against measured decode step times at ``(batch, context)`` points."""
     rows = []
     for b, c in points:
