@@ -85,6 +85,20 @@ def test_7b_recommends_instances_and_72b_tp_inside_a_node():
     assert "exceed the 0.9 x 80 GB" in no["TP1 x PP1 x 16 instances"]
 
 
+def test_tp_wins_at_light_load_and_instances_when_busy():
+    def at(n):
+        r = plan_serve("qwen2.5-7b", cluster="a800", num_gpus=8, workload=ServeWorkload(
+            prompt_len=1024, output_len=256, max_model_len=10240, concurrency=n))
+        rows = {(x["tp"], x["pp"]): x for x in r["layouts"] if x["fits"]}
+        return rows[(1, 1)], rows[(2, 1)], r["recommendation"]
+    one, two, rec = at(32)
+    assert two["tokens_per_s_per_gpu"] > one["tokens_per_s_per_gpu"] and two["tpot_s"] < one["tpot_s"]
+    assert "at this load" in rec and "memory-bound" in rec
+    one, two, rec = at(2048)
+    assert one["meets_load"] and not two["meets_load"]
+    assert "add instances rather than tensor or pipeline parallelism" in rec
+
+
 def test_roofline_grows_with_batch_and_context():
     base = dict(cluster="h100", num_gpus=1)
     t = {(c, p): plan_serve("llama3-8b", **base, workload=ServeWorkload(

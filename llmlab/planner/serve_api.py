@@ -36,7 +36,9 @@ def recommend(rows: list[dict], model: ServeModel, cluster: ClusterSpec) -> str:
         s, t = solo[0], sharded[0]
         verdict = ("add instances rather than tensor or pipeline parallelism" if s is best or
                    s["tokens_per_s_per_gpu"] >= t["tokens_per_s_per_gpu"] else
-                   f"{t['name']} beats instances here: one GPU's KV pool is too small")
+                   f"at this load {t['name']} beats instances: {s['batch_per_instance']:.3g} sequences "
+                   f"per GPU leave decode memory-bound and TP shares each step's weight reads over its "
+                   f"GPUs; instances win once the GPUs are busy (compute-bound or at max-num-seqs)")
         return (f"{model.name} fits one GPU ({s['memory']['weights'] / GB:.1f} GB of weights, "
                 f"{s['max_concurrency_per_instance']} sequences of max-model-len per GPU): "
                 f"{verdict}. {s['name']}: {s['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, TPOT "
