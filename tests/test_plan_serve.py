@@ -138,6 +138,8 @@ def test_hf_config_gqa_head_dim_sliding_and_refusals(tmp_path):
     (["--max-model-len", "65536"], "larger than qwen2.5-7b's context"),
     (["--hbm-bw-gb-s", "-1"], "--hbm-bw-gb-s must be > 0"),
     (["--hbm-bw-gb-s", "0"], "--hbm-bw-gb-s must be > 0"),
+    (["--achievable-fraction", "0"], "--achievable-fraction must be in (0, 1]"),
+    (["--validate"], "with --serve use --calibrate"),
 ])
 def test_cli_bad_input_names_the_flag(argv, message, capsys):
     assert main(["plan", "--serve", "--model", "qwen2.5-7b", *argv]) == 2

@@ -66,7 +66,7 @@ def plan_serve(model: str | ServeModel | None = None, *, params: float | None = 
                num_gpus: int = 8, workload: ServeWorkload | None = None,
                hbm_bandwidth: float | None = None, kv_budget_bytes: float | None = None,
                gpu_memory_gb: float | None = None, gpus_per_node: int | None = None,
-               **shape: int | None) -> dict:
+               cluster_overrides: dict | None = None, **shape: int | None) -> dict:
     """Rank every TP x PP x instances layout of a model for serving.
 
     Args:
@@ -79,6 +79,8 @@ def plan_serve(model: str | ServeModel | None = None, *, params: float | None = 
         hbm_bandwidth: bytes/s per GPU (default: the preset's data sheet; required otherwise).
         kv_budget_bytes: the KV cache's bytes per GPU given directly (llmlab's engine's
             ``kv_cache_memory_bytes``) instead of what memory leaves after weights and activations.
+        cluster_overrides: other :class:`ClusterSpec` fields for a preset (``peak_flops``,
+            ``achievable_fraction``, bandwidths, latencies).
 
     Returns:
         ``{"model", "cluster", "workload", "layouts": [...], "recommendation"}`` (bytes, seconds).
@@ -97,7 +99,7 @@ def plan_serve(model: str | ServeModel | None = None, *, params: float | None = 
         if "gpus_per_node" not in over and num_gpus < 8:
             over["gpus_per_node"] = num_gpus
         hbm = hbm_bandwidth or HBM_BANDWIDTH.get(cluster)
-        cluster = cluster_preset(cluster, num_gpus, **over)
+        cluster = cluster_preset(cluster, num_gpus, **over, **(cluster_overrides or {}))
     else:
         hbm = hbm_bandwidth or HBM_BANDWIDTH.get(cluster.name)
     cluster = cluster.validate()

@@ -91,13 +91,32 @@ def run_serve(args: argparse.Namespace) -> int:
         print(format_serve_validation(v))
         _write(args.json, v)
         return 0
+    if args.validate:
+        raise ValueError("--validate trains layouts; with --serve use --calibrate")
     res = plan_serve(args.model, params=args.params, config=args.config, cluster=args.cluster,
-                     num_gpus=args.num_gpus, workload=w,
+                     num_gpus=args.num_gpus, workload=w, cluster_overrides=_overrides(args),
                      hbm_bandwidth=None if args.hbm_bw_gb_s is None else args.hbm_bw_gb_s * 1e9,
                      gpu_memory_gb=args.gpu_memory_gb, gpus_per_node=args.gpus_per_node, **shape)
     print(format_serve_table(res, args.top))
     _write(args.json, res)
     return 0 if any(r["fits"] for r in res["layouts"]) else 1
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """The training planner's cluster flags that the serving model uses too (FLOP/s for prefill
+    and compute-bound decode; link bandwidth and latency for TP's all-reduces)."""
+    from llmlab.planner.cluster import GB, cluster_preset
+    kw: dict = {}
+    for flag, field, scale in (("achievable_fraction", "achievable_fraction", 1),
+                               ("intra_bw_gb_s", "intra_bandwidth", GB), ("inter_bw_gb_s", "inter_bandwidth", GB),
+                               ("intra_latency_us", "intra_latency", 1e-6),
+                               ("inter_latency_us", "inter_latency", 1e-6)):
+        if getattr(args, flag, None) is not None:
+            kw[field] = getattr(args, flag) * scale
+    if getattr(args, "peak_tflops", None) is not None:
+        peak = dict(cluster_preset(args.cluster).peak_flops)
+        kw["peak_flops"] = peak | {d: args.peak_tflops * 1e12 for d in ("bf16", "fp16")}
+    return kw
 
 
 def _write(path: str | None, obj: dict) -> None:
