@@ -39,10 +39,10 @@ def option(default, help: str, choices=None, cli: bool = True, factory=None):
     return dataclasses.field(default=default, metadata=meta)
 
 
-def _kernel_default(name: str):
+def _kernel_default(name: str) -> typing.Callable[[], typing.Any]:
     """The process-wide default of kernel choice ``name`` (:func:`llmlab.kernels.settings`,
     which ``LLMLAB_KERNELS`` initialises), read when a config is made."""
-    def default():
+    def default() -> typing.Any:
         from llmlab import kernels
         return getattr(kernels.settings(), name)
     return default
@@ -189,7 +189,7 @@ def from_args(args, names: list[str] | None = None, **extra) -> EngineConfig:
     return EngineConfig(**{**kw, **extra})
 
 
-def resolve(config: EngineConfig | None, engine_args: dict) -> EngineConfig:
+def resolve(config: EngineConfig | None, engine_args: dict[str, typing.Any]) -> EngineConfig:
     """The config an engine runs: ``config`` as it is (checked when it was made), with
     ``engine_args`` replacing its fields (a new config, checked), or one made of ``engine_args``."""
     if config is None:
