@@ -159,3 +159,95 @@ def test_bad_data_files_are_refused_naming_the_line(llama, tmp_path, content, ms
     f.write_text(content)
     with pytest.raises(ValueError, match=msg):
         validate(TrainConfig(init_from=llama, data=str(f), seq_len=64))
+
+
+# --- LoRA ------------------------------------------------------------------------------------
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target="q_proj,v_proj,down_proj")
+
+
+def test_lora_step_equals_transformers_and_peft(llama, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from llmlab.model.hf import load_hf_model
+    from llmlab.model.lora import apply_lora, lora_state, save_peft_adapter
+    targets = ["q_proj", "v_proj", "down_proj"]
+    model = load_hf_model(llama)
+    apply_lora(model, targets, 4, 8.0, seed=0)
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    with torch.no_grad():       # B = 0 at init would make A's gradient zero: make both non-trivial
+        for n, p in lora_state(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    save_peft_adapter(lora_state(model), tmp_path, base=llama, rank=4, alpha=8.0, targets=targets)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32),
+                                     str(tmp_path), is_trainable=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 320, (2, 16), generator=g), torch.randint(0, 320, (2, 16), generator=g)
+    y[0, :5] = -100
+    ours = model(x, y)
+    ours.backward()
+    theirs = torch.nn.functional.cross_entropy(peft(input_ids=x).logits.flatten(0, 1), y.flatten())
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+             for n, p in peft.named_parameters() if p.requires_grad}
+    ad = lora_state(model)
+    assert sorted(grads) == sorted(ad) and len(ad) == 12
+    for n, p in ad.items():
+        assert p.grad.abs().max() > 0
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def lora_one_rank(llama, chat, saved):
+    cfg = TrainConfig(init_from=llama, data=chat, save_model=str(saved / "adapter"), **LORA,
+                      **dict(DATA_KW, eval_every=0, steps=3))
+    return llmlab.train(cfg, progress=False)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=2), dict(pp=2, num_microbatches=2)],
+                         ids=["zero2", "pp2"])
+def test_lora_layouts_give_the_one_rank_losses_and_hold_no_base_state(llama, chat, lora_one_rank,
+                                                                       layout):
+    m = llmlab.train(TrainConfig(init_from=llama, data=chat, **LORA, **layout,
+                                 **dict(DATA_KW, eval_every=0, steps=3)), progress=False)
+    ref = lora_one_rank["steps"]
+    assert _gap(m["steps"], ref, "loss") < 1e-5
+    assert _gap(m["steps"], ref, "grad_norm") < 1e-4
+    adapters = 2 * 4 * ((36 + 36) + (36 + 12) + (72 + 36))     # layers x rank x (in + out)
+    one = lora_one_rank["ranks"][0]["memory_bytes"]
+    assert one["grads"] == 4 * adapters                         # fp32 gradients of A and B only
+    assert 8 * adapters <= one["optimizer_states"] <= 8 * adapters + 4 * 12   # Adam moments + steps
+    assert one["params"] > 20 * one["grads"]                    # the frozen base: no grads, no states
+    assert sum(r["memory_bytes"]["grads"] for r in m["ranks"]) == 4 * adapters   # sharded / split
+
+
+def test_saved_adapter_loads_in_peft_and_gives_llmlab_logits(llama, lora_one_rank, saved):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from llmlab.model.hf import load_hf_model
+    from llmlab.model.lora import apply_lora, load_peft_adapter
+    config, state = load_peft_adapter(saved / "adapter")
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert all(t.abs().max() > 0 for t in state.values())     # trained: B moved away from 0
+    model = load_hf_model(llama)
+    apply_lora(model, config["target_modules"], config["r"], config["lora_alpha"])
+    model.load_state_dict(state, strict=False)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32),
+                                     str(saved / "adapter")).merge_and_unload()
+    ids = torch.tensor([[5, 17, 99, 200, 3, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), peft(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, err, msg", [
+    (dict(lora_rank=0), ValueError, "--lora-rank must be >= 1"),
+    (dict(lora_rank=13, lora_target="k_proj"), ValueError, r"--lora-rank 13 is larger than k_proj"),
+    (dict(lora_rank=2, lora_target="qkv"), ValueError, "--lora-target 'qkv'"),
+    (dict(lora_rank=2, tp=3), NotImplementedError, "--lora-rank with --tp > 1"),
+])
+def test_bad_lora_flags_are_refused(llama, kw, err, msg):
+    with pytest.raises(err, match=msg):
+        validate(TrainConfig(init_from=llama, **kw))

@@ -84,6 +84,13 @@ class TrainConfig:
                                        "evaluation loss")
     eval_every: int = option(0, "with --data: the held-out loss every N steps (and after the last); "
                                 "0 never")
+    lora_rank: int | None = option(None, "train LoRA adapters of this rank on the frozen --init-from "
+                                         "model (llmlab.model.lora); --save-model then writes a PEFT "
+                                         "adapter")
+    lora_alpha: float = option(16.0, "LoRA scale numerator: the adapter's output is multiplied by "
+                                     "alpha / rank")
+    lora_target: str = option("q_proj,v_proj", "comma-separated linear layers that get adapters "
+                                               "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     steps: int = option(100, "optimizer steps")
     global_batch_size: int = option(16, "sequences per step, over all data-parallel ranks")
     seq_len: int = option(64, "tokens per sequence")
@@ -253,6 +260,8 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     if cfg.data or cfg.eval_every:
         from llmlab.training.data_source import check_data
         check_data(cfg)        # reads and tokenizes every example: errors name file and line
+    if cfg.lora_rank is not None:
+        check_lora(cfg, mc)
     if cfg.max_consecutive_skips < 0:
         raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
     if cfg.checkpoint_every < 0:
@@ -278,6 +287,17 @@ def validate(cfg: TrainConfig) -> ModelConfig:
                      (zero.validate_layout, sc.zero), (context_parallel.validate_layout, sc.cp)):
         check(c, mc)   # each strategy's own checks, on its own config (ValueError naming the constraint)
     return mc
+
+
+def check_lora(cfg: TrainConfig, mc: ModelConfig) -> None:
+    """The ``--lora-*`` checks (``ValueError``/``NotImplementedError`` naming the flag)."""
+    from llmlab.model.lora import check_rank, parse_targets
+    if not cfg.init_from:
+        raise ValueError("--lora-rank needs --init-from (adapters are trained on a pretrained base)")
+    if cfg.tp > 1:
+        raise NotImplementedError("--lora-rank with --tp > 1 is not supported yet (use dp, zero, "
+                                  "pp or cp)")
+    check_rank(mc, cfg.lora_rank, parse_targets(cfg.lora_target))
 
 
 @dataclass(frozen=True)

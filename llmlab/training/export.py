@@ -41,13 +41,22 @@ def full_weights(engine, directory: Path) -> dict[str, torch.Tensor] | None:
 
 def save_model(engine, directory: str | Path) -> None:
     """Collective: write the engine's model to ``directory`` as a Hugging Face checkpoint (see the
-    module docstring). Raises ``ValueError`` if the gathered tensors do not make the model."""
+    module docstring), or, with ``--lora-rank``, its adapters as a PEFT adapter folder
+    (:func:`llmlab.model.lora.save_peft_adapter`; the checkpoint holds only the trained tensors).
+    Raises ``ValueError`` if the gathered tensors do not make the model."""
     from llmlab.model.hf import save_hf_checkpoint
     from llmlab.model.llama import LlamaForCausalLM
     directory = Path(directory)
     gather = directory / GATHER
     weights = full_weights(engine, gather)
-    if weights is not None:
+    cfg = engine.cfg
+    if weights is not None and getattr(cfg, "lora_rank", None) is not None:
+        from llmlab.model.lora import parse_targets, save_peft_adapter
+        save_peft_adapter(weights, directory, base=str(Path(cfg.init_from).resolve()),
+                          rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                          targets=parse_targets(cfg.lora_target))
+        shutil.rmtree(gather, ignore_errors=True)
+    elif weights is not None:
         model = LlamaForCausalLM(engine.model_config, seed=None)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight"

@@ -151,6 +151,10 @@ class Engine:
             # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
             from llmlab.parallel.expert_parallel import apply_expert_parallel
             model = apply_expert_parallel(model, mesh)
+        if cfg.lora_rank is not None:   # adapters on the frozen base (llmlab.model.lora)
+            from llmlab.model.lora import apply_lora, parse_targets
+            apply_lora(model, parse_targets(cfg.lora_target), cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+            self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
         if cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
             apply_activation_checkpointing(model)
@@ -192,12 +196,13 @@ class Engine:
                                                   bucket_mb=cfg.bucket_mb)
             else:
                 self.wrapper = LocalModule(local)
+            trainable = [p for p in local.parameters() if p.requires_grad]   # LoRA: adapters only
             if cfg.dtype != "fp32":
                 # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
                 from llmlab.training.precision import MixedPrecisionOptimizer
-                self.optimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
+                self.optimizer = MixedPrecisionOptimizer(trainable, opt_factory, self.scaler)
             else:
-                self.optimizer = FP32Optimizer(opt_factory(local.parameters()))
+                self.optimizer = FP32Optimizer(opt_factory(trainable))
         if self.pipeline is not None:
             self.pipeline.attach(self.wrapper)
         self.local = local
