@@ -240,12 +240,51 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
 
+    # --- LoRA adapters (llmlab.inference.lora) ---------------------------------------------------
+    def enable_lora(self, max_loras: int, max_lora_rank: int = 16) -> None:
+        """Serve up to ``max_loras`` LoRA adapters beside the base (one engine, one device)."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
+        from llmlab.inference.lora import enable_lora
+        self.runner.lora = enable_lora(self.runner.model, max_loras, max_lora_rank)
+
+    def add_lora(self, name: str, path) -> None:
+        """Load the PEFT adapter in ``path`` as ``name`` (``ValueError``: no slot free, name
+        taken, an adapter for another base; requests name it from the next step on)."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled: start with --max-loras N (enable_lora)")
+        self.runner.lora.load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter ``name``: ``KeyError`` when none is loaded by that name,
+        ``ValueError`` while unfinished requests use it."""
+        lora = self.runner.lora
+        if lora is None or name not in lora.by_name:
+            raise KeyError(name)
+        lid = lora.lora_id(name)
+        if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values()
+               for seq in r.seqs):
+            raise ValueError(f"adapter {name!r} is in use by unfinished requests")
+        lora.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``{name: folder}`` of the loaded adapters."""
+        lora = self.runner.lora
+        return {} if lora is None else {n: p for n, (_, _, p) in lora.by_name.items()}
+
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served.
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    lora: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served,
+        ``KeyError`` when ``lora`` names no loaded adapter.
 
         ``params`` fields left unset take the engine's ``generation_defaults`` (recorded in the
-        request's outputs as ``sampling_defaults``)."""
+        request's outputs as ``sampling_defaults``); ``lora`` runs it with that adapter."""
+        lora_id = 0
+        if lora is not None:
+            if self.runner.lora is None or lora not in self.runner.lora.by_name:
+                raise KeyError(lora)
+            lora_id = self.runner.lora.lora_id(lora)
         params, used = (params or SamplingParams()).with_defaults(self.generation_defaults)
         params.validate()
         self.check_limits(params)
@@ -258,7 +297,8 @@ class LLMEngine:
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n,
+                       lora_id=lora_id)
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base

@@ -55,6 +55,7 @@ class ModelRunner:
                  packed_linear: bool = False, cpu_fused: bool = False):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
         self.paged_attention, self.cpu_fused = paged_attention, cpu_fused
+        self.lora = None     # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora)
         if packed_linear and device.type == "cpu":
             from llmlab.kernels.cpu_linear import pack_linears
             pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
@@ -145,6 +146,9 @@ class ModelRunner:
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
         batches, sample_rows, sample_seqs = self.prepare(out)
+        if self.lora is not None:    # each token's adapter slot (llmlab.inference.lora)
+            order = [x for g in self.attention_groups(out.scheduled) for x in g]
+            self.lora.set_tokens([(seq.lora_id, n) for seq, n in order], self.device)
         logits = self.forward(batches, sample_rows)
         if not sample_rows:
             return {}

@@ -50,6 +50,7 @@ class Sequence:
     pending_fork: int = 1                # > 1: fork into this many samples after the prompt
     num_preemptions: int = 0
     num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
+    lora_id: int = 0                     # the LoRA adapter it runs with (0: the base; inference/lora.py)
     # Timestamps (seconds, time.perf_counter): first_scheduled/first_token/finish.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -112,5 +113,5 @@ class Sequence:
                          num_computed_tokens=self.num_computed_tokens,
                          block_table=list(self.block_table), status=self.status,
                          pending_fork=1, num_prefix_cached_tokens=self.num_prefix_cached_tokens,
-                         first_scheduled_time=self.first_scheduled_time)
+                         first_scheduled_time=self.first_scheduled_time, lora_id=self.lora_id)
         return child
