@@ -6,9 +6,10 @@ setting, with its default and ``--help`` text (:func:`option`). A CLI adds the f
 it offers with :func:`add_engine_arguments` and builds the config back with :func:`from_args`, so a
 setting is declared once, here, as ``TrainConfig`` declares training's.
 
-The request limits (``max_logprobs`` ... ``max_request_body_bytes``) keep one request from taking
-a small machine down: each is a ``llmlab serve`` flag; the engine enforces those of a single
-request in ``add_request`` (so ``LLM.generate`` too), the HTTP server the others.
+The request limits (``max_logprobs`` ... ``max_tokens_limit``) keep one request from taking a
+small machine down: each is a ``llmlab serve`` flag, enforced by the engine in ``add_request``
+(so ``LLM.generate`` too). The HTTP server's own limits (body size, prompts per request,
+streams) are :class:`llmlab.serve.config.ServerConfig`'s.
 """
 from __future__ import annotations
 
@@ -78,14 +79,11 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
-    max_prompts_per_request: int = option(64, "most prompts in one /v1/completions request")
-    max_request_body_bytes: int = option(2 * 2**20, "largest HTTP request body, bytes (413 above)")
 
     def validate(self) -> "EngineConfig":
         """Raise ``ValueError`` naming the first field out of its range."""
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_n",
-                     "max_stop_strings", "max_stop_string_chars", "max_prompts_per_request",
-                     "max_request_body_bytes"):
+                     "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len", "max_tokens_limit"):

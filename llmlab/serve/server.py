@@ -17,6 +17,9 @@ import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from llmlab.serve.generation import ABORT_CONNECTION
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -29,6 +32,18 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+class AbortableH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that also hands each request a way to abort its connection
+    (``scope["extensions"]["llmlab.abort_connection"]``): a stream whose client stopped reading
+    is cut at once, not left waiting for its unread bytes to drain."""
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        scope = getattr(self, "scope", None)   # the request this call parsed, its task not yet run
+        if scope is not None:
+            scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
 
 
 class LLMLabServer(uvicorn.Server):
@@ -60,7 +75,7 @@ class LLMLabServer(uvicorn.Server):
 
 def make_server(app, engines: list, *, log_level: str = "warning",
                 shutdown_timeout: float = 30.0) -> LLMLabServer:
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", http=AbortableH11Protocol,
                             timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))),
                             access_log=log_level in ("info", "debug"))
     return LLMLabServer(config, engines)
