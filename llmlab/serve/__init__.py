@@ -105,6 +105,7 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                     allow_special_tokens_in_chat=allow_special_tokens_in_chat,
                     routing_policy=routing_policy, server=server_config,
                     allowed_hosts=server_config.hosts_for(host))
-    server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout)
+    server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                          send_buffer_bytes=server_config.send_buffer_bytes)
     server.app, server.metrics = app, metrics
     return server.start()

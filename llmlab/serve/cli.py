@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     template = load_template(args.chat_template)
     name = args.served_model_name or default_served_name(args.model)
     config = engine_config(args)
-    server = server_config(args)
+    http = server_config(args)
     metrics = ServerMetrics(name, device_type=_device_type(args.device))
     try:  # before any model is loaded: a taken port fails at once, nothing to stop
         sock = bind_socket(args.host, args.port)
@@ -118,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
                     metrics=metrics, public_metrics=args.public_metrics,
                     allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
-                    server=server, allowed_hosts=server.hosts_for(args.host))
+                    server=http, allowed_hosts=http.hosts_for(args.host))
     host, port = sock.getsockname()[:2]
-    server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                         send_buffer_bytes=http.send_buffer_bytes)
     if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
         print(f"llmlab serve: warning: listening on {host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr, flush=True)

@@ -7,14 +7,17 @@
 - ``stream_timeout_s``: seconds a streamed response may wait for its client to take the next
   chunk; a client that reads nothing for that long is disconnected and its request aborted (its
   KV blocks freed).
+- ``send_buffer_bytes``: each connection's kernel send buffer (``SO_SNDBUF``; Linux doubles it
+  for its bookkeeping).
 - ``allowed_hosts``: the ``Host`` header values served (DNS-rebinding defence, as Django's
   ``ALLOWED_HOSTS``); ``None``: the loopback names when bound to a loopback address, else any.
 
 What one stalled stream costs the server is bounded: the engine hands its handler only the
-newest output (outputs are cumulative, so a newer one replaces the undelivered one), and uvicorn
-stops taking chunks from the handler once 64 KiB wait in the connection's write buffer. So a
-stalled stream holds at most one output (its token ids, text and logprobs: O(tokens), never
-O(tokens²)) and 64 KiB plus one chunk, for at most ``stream_timeout_s`` seconds, and at most
+newest output (outputs are cumulative, so a newer one replaces the undelivered one), uvicorn
+stops taking chunks from the handler once 64 KiB wait in the connection's write buffer, and the
+kernel holds at most ``2 * send_buffer_bytes``. So a stalled stream holds, per prompt, at most
+two outputs (its token ids, text and logprobs: O(tokens), never O(tokens²)), 64 KiB plus one
+chunk and the kernel's buffer, for at most ``stream_timeout_s`` seconds, and at most
 ``max_concurrent_streams`` such streams exist.
 """
 from __future__ import annotations
@@ -36,10 +39,12 @@ class ServerConfig:
     max_prompts_per_request: int = 64
     max_concurrent_streams: int = 256
     stream_timeout_s: float = 60.0
+    send_buffer_bytes: int = 256 * 2**10
     allowed_hosts: tuple[str, ...] | None = None
 
     def validate(self) -> "ServerConfig":
-        for name in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_streams"):
+        for name in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_streams",
+                     "send_buffer_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -77,6 +82,8 @@ FIELD_HELP = {
     "max_concurrent_streams": "streamed responses open at once; one more gets 503 (default 256)",
     "stream_timeout_s": "seconds a stream waits for its client to read the next chunk before the "
                         "client is disconnected and its request aborted (default 60)",
+    "send_buffer_bytes": "kernel send buffer of each connection, bytes (SO_SNDBUF; bounds what a "
+                         "client that stops reading leaves queued; default 256 KiB)",
 }
 
 

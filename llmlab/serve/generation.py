@@ -210,7 +210,7 @@ async def merge(streams: list, raw: Request | None):
         try:
             async for out in s:
                 await q.put((i, out))
-        except BaseException as e:               # noqa: BLE001  (handed to the consumer)
+        except Exception as e:                   # handed to the consumer (not a cancellation)
             await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -269,7 +269,9 @@ class _EngineStream(StreamingResponse):
             if abort is None:
                 raise SlowReaderError("the client stopped reading") from None
             abort()
+            await asyncio.sleep(0)               # let uvicorn see the connection is gone
         finally:
+            await self.body_iterator.aclose()    # the body's merge() stops its tasks now
             for s in self._streams:
                 s.abort()
             self._ctx.open_streams -= 1
