@@ -151,9 +151,10 @@ class ModelRunner:
         batches, sample_rows, sample_seqs = self.prepare(out)
         prompt_rows = self.prompt_rows(out, seq_ids)
         extra = [r for _, _, rows in prompt_rows for r in rows]
+        logits = self.forward(batches, sample_rows + extra)    # always: it writes the K/V
         if not sample_rows and not extra:
             return {}, {}
-        logits = self.forward(batches, sample_rows + extra).float().cpu()
+        logits = logits.float().cpu()
         sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
         prompt, at = {}, len(sample_rows)
         for sid, first, rows in prompt_rows:
