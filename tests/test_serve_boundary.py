@@ -11,11 +11,11 @@ import socket
 
 import openai
 import pytest
+from test_openai_server import _post
 
 from llmlab.serve import start_server
 from llmlab.serve.config import ServerConfig
 from llmlab.serve.middleware import host_allowed
-from test_openai_server import _get, _post
 
 MODEL = "shakespeare"
 TIMEOUT = 60
@@ -140,6 +140,14 @@ def test_allowed_hosts_defaults_and_matching():
         ServerConfig(allowed_hosts=()).validate()
     with pytest.raises(ValueError, match="stream_timeout_s"):
         ServerConfig(stream_timeout_s=float("nan")).validate()
+    from llmlab.cli import build_parser
+    from llmlab.serve import cli as serve_cli
+    for flags, named in ((["--stream-timeout-s", "0"], "--stream-timeout-s 0.0 must"),
+                         (["--max-concurrent-streams", "0"], "--max-concurrent-streams 0 must")):
+        with pytest.raises(ValueError, match=named):
+            serve_cli.validate(build_parser().parse_args(["serve", *flags]))
+    args = build_parser().parse_args(["serve", "--allowed-hosts", "lab.example", "*"])
+    assert serve_cli.server_config(args).hosts_for("127.0.0.1") == ("lab.example", "*")
 
 
 def test_model_route_request_ids_and_tokenizer_routes(server, client):

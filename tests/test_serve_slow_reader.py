@@ -10,8 +10,9 @@ import socket
 import threading
 import time
 
-from llmlab.serve import start_server
 from test_openai_server import _post, _wait
+
+from llmlab.serve import start_server
 
 MODEL = "shakespeare"
 MiB = 2**20

@@ -210,7 +210,7 @@ async def merge(streams: list, raw: Request | None):
         try:
             async for out in s:
                 await q.put((i, out))
-        except Exception as e:                   # handed to the consumer (not a cancellation)
+        except Exception as e:  # noqa: BLE001  (handed to the consumer; not a cancellation)
             await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
