@@ -37,7 +37,7 @@ from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,
                                       RequestOutput, StepMetrics)
 from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
                                        sample_token, top_logprobs)
-from llmlab.inference.scheduler import Scheduler, SchedulerConfig
+from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
 
@@ -294,16 +294,17 @@ class LLMEngine:
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
 
-    def _prompt_logit_seqs(self, out) -> frozenset[int]:
+    def _prompt_logit_seqs(self, out: SchedulerOutput) -> frozenset[int]:
         """The step's sequences still computing prompt positions whose prompt logprobs are wanted."""
-        ids = set()
+        ids: set[int] = set()
         for seq, _ in out.scheduled:
             req = self.requests[seq.request_id]
             if req.prompt_logprobs is not None and len(req.prompt_logprobs) < seq.num_prompt_tokens:
                 ids.add(seq.seq_id)
         return frozenset(ids)
 
-    def _add_prompt_logprobs(self, out, prompt_logits: dict) -> None:
+    def _add_prompt_logprobs(self, out: SchedulerOutput,
+                             prompt_logits: dict[int, tuple[int, torch.Tensor]]) -> None:
         """vLLM's ``prompt_logprobs`` from the step's own forward: per prompt token after the
         first, ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
         log-softmax of the prediction at the previous position. A position computed again

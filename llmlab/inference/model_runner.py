@@ -156,7 +156,8 @@ class ModelRunner:
             return {}, {}
         logits = logits.float().cpu()
         sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
-        prompt, at = {}, len(sample_rows)
+        prompt: dict[int, tuple[int, torch.Tensor]] = {}
+        at = len(sample_rows)
         for sid, first, rows in prompt_rows:
             prompt[sid] = (first, logits[at:at + len(rows)])
             at += len(rows)

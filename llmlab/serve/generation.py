@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from llmlab.inference.sampling import SamplingParams
 from llmlab.serve import responses as R
 from llmlab.serve.async_engine import EngineStoppedError, QueueFullError
 from llmlab.serve.context import ServingContext
@@ -40,7 +41,7 @@ ABORT_CONNECTION = "llmlab.abort_connection"
 class Prompt:
     echo: str               # text put before the generated text ("" without echo)
     token_ids: list[int]
-    params: object          # SamplingParams
+    params: SamplingParams
 
 
 @dataclass
@@ -280,5 +281,5 @@ class _EngineStream(StreamingResponse):
 def _is_slow_reader(e: BaseException) -> bool:
     if isinstance(e, SlowReaderError):
         return True
-    group = getattr(e, "exceptions", None)      # an exception group (anyio's task group)
+    group = getattr(e, "exceptions", None) or ()    # an exception group (anyio's task group)
     return bool(group) and all(_is_slow_reader(x) for x in group)

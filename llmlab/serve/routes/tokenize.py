@@ -35,9 +35,10 @@ async def tokenize(req: TokenizeRequest, raw: Request):
     else:
         if ctx.renderer is None:
             raise APIError("this model has no chat template renderer", param="messages")
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
-        for i, m in enumerate(req.messages):
+        given = req.messages or []
+        for i, m in enumerate(given):
             m.check_fields(i)
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(given)]
         check_text_size(ctx, "".join(m["content"] for m in messages), "messages")
         try:
             _, ids = await ctx.off_loop(ctx.renderer.render, messages, req.add_generation_prompt,
