@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="50,100,200,400,800", help="tokens per sequence")
     p.add_argument("--n", type=int, default=16, help="sequences per request (default 16)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
