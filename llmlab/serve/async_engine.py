@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 import traceback
+import typing
 from dataclasses import dataclass
 
 from llmlab.inference.errors import EngineDeadError
@@ -50,17 +51,17 @@ class Mailbox:
     not one per step. A finished output or an exception is never replaced (nothing follows it)."""
 
     def __init__(self) -> None:
-        self._item: object = None
+        self._item: typing.Any = None      # a RequestOutput or the exception that ends the request
         self._full = False
         self._ready = asyncio.Event()
 
-    def put(self, item) -> None:
+    def put(self, item: typing.Any) -> None:
         if self._full and (isinstance(self._item, BaseException) or self._item.finished):
             return
         self._item, self._full = item, True
         self._ready.set()
 
-    async def get(self):
+    async def get(self) -> typing.Any:
         await self._ready.wait()
         item, self._item, self._full = self._item, None, False
         self._ready.clear()
