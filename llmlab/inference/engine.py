@@ -239,6 +239,9 @@ class LLMEngine:
         params.check_vocab(self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
+        if params.prompt_logprobs is not None and not hasattr(self.runner, "execute_with_prompt_logits"):
+            raise ValueError("prompt_logprobs: not supported by this engine's runner "
+                             f"({type(self.runner).__name__})")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
