@@ -90,3 +90,55 @@ def test_an_adapter_for_another_base_is_refused_by_name(setup, tmp_path):
     small.enable_lora(max_loras=1, max_lora_rank=2)
     with pytest.raises(ValueError, match="rank 4 is outside 1..--max-lora-rank 2"):
         small.add_lora("a", a)
+
+
+def test_http_serves_adapters_by_model_name_and_loads_them_at_run_time(setup):
+    """``llmlab serve --lora-modules a=DIR``: ``model`` picks the adapter or the base (both in
+    flight at once), ``/v1/models`` lists it, load/unload at run time behind the API key, 404
+    for a name not loaded."""
+    import concurrent.futures
+    import json
+    import urllib.error
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from llmlab.serve import start_server
+    base, a, b = setup
+    tok = AutoTokenizer.from_pretrained(base)
+    key = {"Authorization": "Bearer finetune-key"}
+
+    def post(url, body, headers=key):
+        r = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+                                   | headers)
+        try:
+            with urllib.request.urlopen(r, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def complete(url, model, prompt):
+        return post(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": N,
+                                              "temperature": 0, "ignore_eos": True})
+
+    with start_server(base, served_model_name="tiny", api_key="finetune-key", lora_modules={"a": str(a)},
+                      max_loras=2, max_lora_rank=8, num_gpu_blocks=64, block_size=8) as s:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda m: complete(s.url, m[0], m[1]),
+                                 [("a", PROMPTS[0]), ("tiny", PROMPTS[1]), ("tiny", PROMPTS[2])]))
+        want_a, want_base = _hf_greedy(base, a), _hf_greedy(base)
+        texts = [o[1]["choices"][0]["text"] for o in outs]
+        assert texts == [tok.decode(want_a[0]), tok.decode(want_base[1]), tok.decode(want_base[2])]
+        r = urllib.request.Request(s.url + "/v1/models", headers=key)
+        with urllib.request.urlopen(r, timeout=10) as resp:
+            cards = {m["id"]: m for m in json.loads(resp.read())["data"]}
+        assert sorted(cards) == ["a", "tiny"] and cards["a"]["parent"] == "tiny"
+        assert complete(s.url, "b", PROMPTS[0])[0] == 404
+        assert post(s.url + "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(b)},
+                    headers={})[0] == 401
+        assert post(s.url + "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(b)})[0] == 200
+        status, body = complete(s.url, "b", PROMPTS[0])
+        assert status == 200 and body["choices"][0]["text"] == tok.decode(_hf_greedy(base, b)[0])
+        assert post(s.url + "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 200
+        assert complete(s.url, "a", PROMPTS[0])[0] == 404
+        assert post(s.url + "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 404
