@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,11 +58,11 @@ def data_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def _chat_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def _chat_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns: the text each
     assistant message adds to the prompt that asks for it (``add_generation_prompt``)."""
-    def render(msgs, prompt):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+    def render(msgs: list[dict[str, str]], prompt: bool) -> str:
+        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt))
 
     text, spans = render(messages, False), []
     for i, m in enumerate(messages):
@@ -75,7 +76,7 @@ def _chat_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     return text, spans
 
 
-def _encode_chat(tokenizer, messages: list[dict], all_tokens: bool) -> Example:
+def _encode_chat(tokenizer: Any, messages: list[dict[str, str]], all_tokens: bool) -> Example:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("a chat example needs a tokenizer with a chat template (the --init-from "
                          "checkpoint has none)")
@@ -86,7 +87,7 @@ def _encode_chat(tokenizer, messages: list[dict], all_tokens: bool) -> Example:
     return Example(tuple(ids), tuple(trained))
 
 
-def _encode_text(tokenizer, text: str) -> Example:
+def _encode_text(tokenizer: Any, text: str) -> Example:
     ids = list(tokenizer.encode(text))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None and (not ids or ids[-1] != eos):
@@ -94,7 +95,7 @@ def _encode_text(tokenizer, text: str) -> Example:
     return Example(tuple(ids), (True,) * len(ids))
 
 
-def _check_messages(messages) -> None:
+def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
     for m in messages:
@@ -105,7 +106,7 @@ def _check_messages(messages) -> None:
         raise ValueError('the conversation has no "assistant" message (nothing to train)')
 
 
-def encode_line(line: str, tokenizer, all_tokens: bool = False) -> Example:
+def encode_line(line: str, tokenizer: Any, all_tokens: bool = False) -> Example:
     """One JSONL line as an :class:`Example`; ``ValueError`` saying what is wrong with it."""
     try:
         obj = json.loads(line)
@@ -123,7 +124,7 @@ def encode_line(line: str, tokenizer, all_tokens: bool = False) -> Example:
     raise ValueError(f'missing field: expected "text" or "messages", got keys {sorted(obj)}')
 
 
-def read_examples(path: str | Path, tokenizer, seq_len: int, all_tokens: bool = False) -> list[Example]:
+def read_examples(path: str | Path, tokenizer: Any, seq_len: int, all_tokens: bool = False) -> list[Example]:
     """Every example of ``--data path`` (see the module docstring). Raises ``ValueError`` naming
     ``file:line`` and the problem."""
     out: list[Example] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +29,10 @@ from llmlab.model.lora import TARGETS, load_peft_adapter
 class MultiLoRALinear(nn.Module):
     """``base(x) + (B[s] A[s] x)`` for each token's slot ``s``. ``x [..., in] -> [..., out]``."""
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: "LoRASlots"):
+    lora_A: torch.Tensor       # [max_loras + 1, max_lora_rank, in] (buffers: not trained here)
+    lora_B: torch.Tensor       # [max_loras + 1, out, max_lora_rank], alpha / r folded in
+
+    def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: "LoRASlots") -> None:
         super().__init__()
         self.base, self.slots = base, slots
         self.in_features, self.out_features = in_features, out_features
@@ -38,7 +42,7 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer("lora_B", torch.zeros(S, out_features, R, dtype=w.dtype, device=w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         token_slots = self.slots.token_slots
         if token_slots is None or not self.slots.active:
             return y
@@ -53,7 +57,7 @@ class LoRASlots:
     """The adapters loaded into a model (:func:`enable_lora`), by name, and the slot of each
     token of the current step (:meth:`set_tokens`)."""
 
-    def __init__(self, max_loras: int, max_lora_rank: int):
+    def __init__(self, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"--max-loras and --max-lora-rank must be >= 1, got {max_loras}, "
                              f"{max_lora_rank}")
@@ -66,7 +70,7 @@ class LoRASlots:
         self.rows: dict[int, torch.Tensor] = {}
 
     # --- adapters ------------------------------------------------------------------------------
-    def _check(self, path, config: dict, state: dict) -> None:
+    def _check(self, path: str | Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
         r = int(config.get("r", 0))
         if not 1 <= r <= self.max_lora_rank:
             raise ValueError(f"adapter {path}: rank {r} is outside 1..--max-lora-rank "
@@ -152,10 +156,9 @@ def enable_lora(model: nn.Module, max_loras: int, max_lora_rank: int) -> LoRASlo
             continue
         out_f, in_f = w.shape
         parent = model.get_submodule(parent_name)
-        if hasattr(parent, "fused_qkv"):
-            parent.fused_qkv = None           # q/k/v as separate matmuls, adapters after each
-        if hasattr(parent, "fused_gate_up"):
-            parent.fused_gate_up = None
+        for fused in ("fused_qkv", "fused_gate_up"):   # separate matmuls, adapters after each
+            if hasattr(parent, fused):
+                setattr(parent, fused, None)
         wrapped = MultiLoRALinear(module, in_f, out_f, slots)
         setattr(parent, leaf, wrapped)
         slots.layers[name] = wrapped

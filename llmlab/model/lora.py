@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ class LoRALinear(nn.Linear):
     """``nn.Linear`` (the base's own ``weight``/``bias`` Parameters, frozen) plus ``lora_A``
     ``[r, in]`` and ``lora_B`` ``[out, r]``. ``forward(x [..., in]) -> [..., out]``."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -37,7 +38,8 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        out: torch.Tensor = F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        return out
 
 
 def parse_targets(spec: str) -> list[str]:
@@ -50,7 +52,7 @@ def parse_targets(spec: str) -> list[str]:
     return names
 
 
-def check_rank(config, rank: int, targets: list[str]) -> None:
+def check_rank(config: Any, rank: int, targets: list[str]) -> None:
     """``ValueError`` for a rank below 1 or above a target layer's smaller side."""
     if rank < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {rank}")
@@ -111,7 +113,7 @@ def save_peft_adapter(tensors: dict[str, torch.Tensor], path: str | Path, *, bas
     return path
 
 
-def load_peft_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_peft_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(adapter_config, {llmlab name: tensor})`` of a PEFT LoRA adapter folder. Raises
     ``ValueError`` naming what is missing or not LoRA."""
     from safetensors.torch import load_file

@@ -9,6 +9,8 @@ selection, checks against the base) is :mod:`llmlab.inference.lora`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 
 from llmlab.serve.context import get_context
@@ -28,7 +30,7 @@ def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def enable(engines: list, modules: dict[str, str], max_loras: int, max_lora_rank: int) -> None:
+def enable(engines: list[Any], modules: dict[str, str], max_loras: int, max_lora_rank: int) -> None:
     """Before the engines start: LoRA slots on every replica and the ``modules`` loaded.
     ``ValueError`` naming the adapter that does not fit."""
     if len(modules) > max_loras:
@@ -52,7 +54,7 @@ async def _body(raw: Request, *fields: str) -> list[str]:
     return [body[f] for f in fields]
 
 
-async def load_lora_adapter(raw: Request):
+async def load_lora_adapter(raw: Request) -> dict[str, str]:
     ctx = get_context(raw)
     name, path = await _body(raw, "lora_name", "lora_path")
     if name == ctx.served_model_name:
@@ -69,7 +71,7 @@ async def load_lora_adapter(raw: Request):
     return {"object": "lora_adapter", "id": name, "root": path}
 
 
-async def unload_lora_adapter(raw: Request):
+async def unload_lora_adapter(raw: Request) -> dict[str, Any]:
     ctx = get_context(raw)
     (name,) = await _body(raw, "lora_name")
     try:

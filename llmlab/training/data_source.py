@@ -11,10 +11,12 @@ resume at step ``s`` continues exactly.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from llmlab.data import BatchLoader, ByteTokenizer
 
 
-def data_tokenizer(cfg):
+def data_tokenizer(cfg: Any) -> Any:
     """The tokenizer of ``cfg``'s text: the ``--init-from`` checkpoint's, else bytes (a preset
     with a 256-symbol vocabulary); ``ValueError`` naming the flags otherwise."""
     if cfg.init_from:
@@ -27,7 +29,7 @@ def data_tokenizer(cfg):
     return ByteTokenizer()
 
 
-def pad_id(tokenizer) -> int:
+def pad_id(tokenizer: Any) -> int:
     for name in ("pad_token_id", "eos_token_id"):
         v = getattr(tokenizer, name, None)
         if v is not None:
@@ -35,14 +37,14 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
-def example_split(cfg) -> tuple[list, list]:
+def example_split(cfg: Any) -> tuple[list[Any], list[Any]]:
     """``(train, held_out)`` examples of ``--data`` (``ValueError`` naming file:line)."""
     from llmlab.data.jsonl import read_examples, split_examples
     ex = read_examples(cfg.data, data_tokenizer(cfg), cfg.seq_len, cfg.loss_tokens == "all")
     return split_examples(ex, cfg.eval_fraction, cfg.seed)
 
 
-def check_data(cfg) -> None:
+def check_data(cfg: Any) -> None:
     """The ``--data``/``--eval-*`` checks, in the caller before any rank starts."""
     if not cfg.data:
         raise ValueError("--eval-every needs --data (the held-out examples)")
@@ -58,7 +60,7 @@ def check_data(cfg) -> None:
     example_split(cfg)
 
 
-def make_loader(cfg) -> BatchLoader:
+def make_loader(cfg: Any) -> BatchLoader:
     """The training loader of ``cfg`` (see the module docstring)."""
     if cfg.data:
         from llmlab.data.jsonl import ExampleLoader

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def full_weights(engine, directory: Path) -> dict[str, torch.Tensor] | None:
+def full_weights(engine: Any, directory: Path) -> dict[str, torch.Tensor] | None:
     """Collective: the whole model's weights ``{name: fp32 tensor}`` on rank 0 (``None``
     elsewhere), gathered through a checkpoint written into ``directory``."""
     from llmlab.training.checkpoint import _assemble, _weights, save_checkpoint, verify
@@ -39,7 +40,7 @@ def full_weights(engine, directory: Path) -> dict[str, torch.Tensor] | None:
     return {n: _weights(full, n).float() for n in full if "::" not in n}
 
 
-def save_model(engine, directory: str | Path) -> None:
+def save_model(engine: Any, directory: str | Path) -> None:
     """Collective: write the engine's model to ``directory`` as a Hugging Face checkpoint (see the
     module docstring), or, with ``--lora-rank``, its adapters as a PEFT adapter folder
     (:func:`llmlab.model.lora.save_peft_adapter`; the checkpoint holds only the trained tensors).
@@ -67,7 +68,7 @@ def save_model(engine, directory: str | Path) -> None:
         save_hf_checkpoint(model, directory)
         init = getattr(engine.cfg, "init_from", None)
         for name in TOKENIZER_FILES if init else ():
-            if (Path(init) / name).is_file():
+            if init and (Path(init) / name).is_file():
                 shutil.copy(Path(init) / name, directory / name)
         shutil.rmtree(gather, ignore_errors=True)
     _barrier()

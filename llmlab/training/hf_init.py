@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ def load_pretrained(path: str) -> LlamaForCausalLM:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Any:
     """The checkpoint's tokenizer (``transformers.AutoTokenizer``, local files only); raises
     ``ValueError`` naming the flag when the folder has none."""
     p = Path(path)
