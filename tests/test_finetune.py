@@ -231,6 +231,14 @@ def test_lora_layouts_give_the_one_rank_losses_and_hold_no_base_state(llama, cha
     assert sum(r["memory_bytes"]["grads"] for r in m["ranks"]) == 4 * adapters   # sharded / split
 
 
+def test_lora_with_zero_in_bf16_casts_the_frozen_base_too(llama, chat, lora_one_rank):
+    m = llmlab.train(TrainConfig(init_from=llama, data=chat, **LORA, dp=2, zero=1, dtype="bf16",
+                                 **dict(DATA_KW, eval_every=0, steps=3)), progress=False)
+    assert _gap(m["steps"], lora_one_rank["steps"], "loss") < 2e-2
+    one = lora_one_rank["ranks"][0]["memory_bytes"]["params"]
+    assert m["ranks"][0]["memory_bytes"]["params"] < 0.55 * one        # a bf16 base on every rank
+
+
 def test_saved_adapter_loads_in_peft_and_gives_llmlab_logits(llama, lora_one_rank, saved):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -179,6 +179,11 @@ class Engine:
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
+        elif cfg.dtype != "fp32" and cfg.lora_rank is not None:   # ZeRO casts the adapters only
+            from llmlab.training.precision import DTYPES
+            for p in local.parameters():
+                if not p.requires_grad:        # the frozen base computes in the run's dtype too
+                    p.data = p.data.to(DTYPES[cfg.dtype])
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         self.wrapper: TrainedModule
         self.optimizer: TrainerOptimizer
