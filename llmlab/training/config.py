@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.parallel.configs import (ContextParallelConfig, DataParallelConfig, ExpertParallelConfig,
                                      PipelineConfig, TensorParallelConfig, ZeroConfig)
+from llmlab.runtime.hardware import resolve_device as resolve_hw_device
 from llmlab.runtime.mesh import check_degrees
 
 
@@ -175,22 +175,10 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    """``cpu`` or ``cuda``; raises ``ValueError`` if CUDA is asked for but absent or too small."""
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {cfg.device!r}: expected auto, cpu or cuda")
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.device == "cuda":
-        if n == 0:
-            raise ValueError("--device cuda, but no CUDA GPU is available")
-        from llmlab.runtime.launch import under_torchrun
-        if not under_torchrun() and cfg.world_size > n:
-            raise ValueError(f"{cfg.world_size} ranks need {cfg.world_size} GPUs, but only {n} "
-                             f"are visible (one GPU per rank)")
-        return "cuda"
-    if cfg.device == "cpu":
-        return "cpu"
-    from llmlab.runtime.launch import under_torchrun
-    return "cuda" if n > 0 and (cfg.world_size <= n or under_torchrun()) else "cpu"
+    """``cpu`` or ``cuda`` for ``cfg.world_size`` ranks (:func:`llmlab.runtime.hardware.
+    resolve_device`); raises ``ValueError`` if CUDA is asked for but absent or too small."""
+    from llmlab.runtime.process import under_torchrun
+    return resolve_hw_device(cfg.device, cfg.world_size, flag="--device", torchrun=under_torchrun())
 
 
 def validate(cfg: TrainConfig) -> ModelConfig:
