@@ -113,6 +113,8 @@ def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
     bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
     if dist.is_initialized():
         return backend, False
+    from llmlab.runtime.elastic import check_torchrun_environment
+    check_torchrun_environment(backend)  # interface variables, restarts: refused before joining
     dist.init_process_group(backend, init_method="env://", timeout=pg_timeout())
     return backend, True
 
