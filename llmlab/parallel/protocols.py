@@ -6,7 +6,7 @@ and the trainer's one-replica ``LocalModule``: the trainer calls it without aski
 """
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -41,6 +41,12 @@ def replica_grads(module: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in module.parameters() if p.grad is not None]
 
 
+#: A lookup the checkpoint hands to ``load_param_state``: for a model parameter this rank holds,
+#: its whole (tensor-parallel-local) fp32 tensors to install: ``"param"`` (the weights) and any
+#: optimizer state saved with it (``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``).
+ParamStateLookup = Callable[[nn.Parameter], dict[str, torch.Tensor]]
+
+
 class TrainerOptimizer(Protocol):
     """The optimizer the trainer steps: fp32 (the trainer's ``FP32Optimizer``), mixed precision
     (:class:`~llmlab.training.precision.MixedPrecisionOptimizer`) or ZeRO's
@@ -49,9 +55,16 @@ class TrainerOptimizer(Protocol):
     ``unscale()``: the gradients it will use, fp32 and divided by the fp16 loss scale;
     ``grad_pieces()``: then ``(gradient, model parameter)`` for every element this rank holds;
     ``apply()``: the update (with the learning rate set in ``param_groups``); ``zero_grad()``.
+
+    The checkpoint's pair, whatever shards the states: ``param_state()`` gives, for every model
+    parameter this rank holds, its whole (tensor-parallel-local) tensors on the CPU: ``"param"``
+    (the weights, in the model's dtype), ``"master"`` (the fp32 master, where it is a separate
+    tensor) and the optimizer's state (Adam ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``);
+    ``load_param_state(lookup)`` installs them (:data:`ParamStateLookup`). Under ZeRO both are
+    collective over the data-parallel group (the shards are gathered or cut).
     """
 
-    param_groups: list
+    param_groups: list[dict[str, Any]]
 
     def unscale(self) -> None: ...
 
@@ -60,3 +73,40 @@ class TrainerOptimizer(Protocol):
     def apply(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def param_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]: ...
+
+    def load_param_state(self, lookup: ParamStateLookup) -> None: ...
+
+
+def replica_param_state(pairs: list[tuple[nn.Parameter, torch.Tensor]],
+                        optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """``param_state()`` of an optimizer that holds whole tensors: ``pairs`` of (model parameter,
+    the tensor ``optimizer`` updates: the parameter itself, or its fp32 master)."""
+    out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for p, target in pairs:
+        st = {"param": p.detach().to("cpu").clone()}
+        if target is not p:
+            st["master"] = target.detach().to("cpu").clone()
+        for k, v in optimizer.state.get(target, {}).items():
+            if isinstance(v, torch.Tensor):
+                st[k] = v.detach().to("cpu").clone()
+        out[p] = st
+    return out
+
+
+@torch.no_grad()
+def load_replica_param_state(pairs: list[tuple[nn.Parameter, torch.Tensor]],
+                             optimizer: torch.optim.Optimizer, lookup: ParamStateLookup) -> None:
+    """``load_param_state(lookup)`` of an optimizer that holds whole tensors (see
+    :func:`replica_param_state`): weights into the parameter and its master, the moments on the
+    master's device, Adam's ``step`` kept on the CPU (as torch does unless capturable)."""
+    for p, target in pairs:
+        st = dict(lookup(p))
+        weights = st.pop("param")
+        p.copy_(weights.to(p.dtype))
+        if target is not p:
+            target.copy_(weights.to(target.dtype))
+        state = {k: v.clone() if v.dim() == 0 else v.clone().to(target.device) for k, v in st.items()}
+        if state:
+            optimizer.state[target] = state

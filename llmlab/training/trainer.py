@@ -37,7 +37,8 @@ from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_stat
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
-from llmlab.parallel.protocols import TrainedModule, TrainerOptimizer, replica_grads
+from llmlab.parallel.protocols import (ParamStateLookup, TrainedModule, TrainerOptimizer,
+                                      load_replica_param_state, replica_grads, replica_param_state)
 from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
@@ -118,6 +119,16 @@ class FP32Optimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd)
+
+    def _pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, p) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def param_state(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's weights and Adam state, whole, on the CPU (the checkpoint's pair)."""
+        return replica_param_state(self._pairs(), self.optimizer)
+
+    def load_param_state(self, lookup: ParamStateLookup) -> None:
+        load_replica_param_state(self._pairs(), self.optimizer, lookup)
 
 
 class Engine:
