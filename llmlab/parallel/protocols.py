@@ -1,8 +1,11 @@
-"""What the trainer calls on the module it trains, whichever strategy wraps it.
+"""The contracts between the strategies and the trainer: what each side calls on the other.
 
-:class:`TrainedModule` is the one interface of the data-parallel wrappers
-(:mod:`llmlab.parallel.data_parallel`), ZeRO's (:class:`~llmlab.parallel.zero.ZeroDataParallel`)
-and the trainer's one-replica ``LocalModule``: the trainer calls it without asking what it is.
+* :class:`Strategy`: what every strategy module offers (``validate``, ``apply``);
+* :class:`TrainedModule`: the one interface of the data-parallel wrappers
+  (:mod:`llmlab.parallel.data_parallel`), ZeRO's (:class:`~llmlab.parallel.zero.ZeroDataParallel`)
+  and the trainer's one-replica ``LocalModule``: the trainer calls it without asking what it is;
+* :class:`TrainerOptimizer`: the optimizer the trainer steps and the checkpoint saves, whatever
+  shards its states (whole tensors in and out: ``param_state``, ``load_param_state``).
 """
 from __future__ import annotations
 
@@ -10,6 +13,27 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
+
+from llmlab.model.config import ModelConfig
+from llmlab.runtime.mesh import Mesh
+
+
+class Strategy(Protocol):
+    """The contract every strategy module of :mod:`llmlab.parallel` offers (data parallelism,
+    tensor + sequence parallelism in ``tp_plan``, pipeline, expert, ZeRO, context parallelism):
+
+    * ``validate(config, mesh, model_config)``: before any rank starts, raise ``ValueError``
+      (or ``NotImplementedError``) naming the constraint and the flag; the one home of each of
+      its layout rules. ``config``: its dataclass in :mod:`llmlab.parallel.configs`; ``mesh``:
+      the layout's degrees (a :class:`~llmlab.runtime.mesh.Mesh`, process groups not needed);
+    * ``apply(model, mesh, config)``: on each rank, this rank's part of ``model`` (sharded,
+      split or wrapped), ``model`` itself when the strategy's degree is 1. ZeRO's also takes the
+      optimizer factory and returns ``(wrapper, optimizer)``: it shards the optimizer's states;
+    * where it shards state, whole tensors through the optimizer's ``param_state`` /
+      ``load_param_state`` (:class:`TrainerOptimizer`), so checkpoints never see the shards.
+    """
+
+    def validate(self, config: Any, mesh: Mesh, model_config: ModelConfig, /) -> None: ...
 
 
 class TrainedModule(Protocol):

@@ -17,6 +17,12 @@ from llmlab.parallel.protocols import ParamStateLookup
 from llmlab.runtime import comm
 
 
+class LossScaler(Protocol):
+    """The fp16 loss scaler (:class:`~llmlab.training.precision.DynamicLossScaler`): its ``scale``."""
+
+    scale: float
+
+
 class ShardedBuckets(Protocol):
     """What the optimizer reads of the wrapper that shards the gradients and parameters
     (:class:`~llmlab.parallel.zero.ZeroDataParallel`): its public face, nothing private."""
