@@ -154,7 +154,7 @@ def _dtensor_rank(tp):
     from llmlab.runtime.mesh import Mesh
     mc = get_preset("tiny", num_hidden_layers=1)
     mesh = Mesh.build(tp=tp)
-    group, r = mesh.groups["tp"], mesh.coords["tp"]
+    group = mesh.groups["tp"]
     dmesh = init_device_mesh("cpu", (tp,))
     ours = LlamaForCausalLM(mc, seed=0).model.layers[0]
     theirs = LlamaForCausalLM(mc, seed=0).model.layers[0]

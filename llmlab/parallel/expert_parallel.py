@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmlab.formulas.communication import moe_a2a_bytes as a2a_bytes_formula  # noqa: F401  (re-exported)
 from llmlab.model.config import ModelConfig
 from llmlab.model.moe import MoE, moe_layers
 from llmlab.parallel.grad_reduce import predivide_
@@ -153,12 +154,6 @@ def sync_moe_grads(model: nn.Module, mesh) -> None:
         group = mesh.groups.get(name)
         if group is not None:   # divided before the sum (llmlab.parallel.grad_reduce)
             comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
-
-
-def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:
-    """Payload bytes one rank passes to the dispatch all-to-all of one MoE layer when dropless:
-    ``K * N * h * bytes`` (the combine sends as many back; backward repeats both)."""
-    return top_k * tokens * hidden * bytes_per_element
 
 
 # --------------------------------------------------------------------------------------------

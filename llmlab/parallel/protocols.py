@@ -7,6 +7,7 @@
 * :class:`TrainerOptimizer`: the optimizer the trainer steps and the checkpoint saves, whatever
   shards its states (whole tensors in and out: ``param_state``, ``load_param_state``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Protocol
@@ -103,8 +104,9 @@ class TrainerOptimizer(Protocol):
     def load_param_state(self, lookup: ParamStateLookup) -> None: ...
 
 
-def replica_param_state(pairs: list[tuple[nn.Parameter, torch.Tensor]],
-                        optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+def replica_param_state(
+    pairs: list[tuple[nn.Parameter, torch.Tensor]], optimizer: torch.optim.Optimizer
+) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
     """``param_state()`` of an optimizer that holds whole tensors: ``pairs`` of (model parameter,
     the tensor ``optimizer`` updates: the parameter itself, or its fp32 master)."""
     out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
@@ -120,8 +122,9 @@ def replica_param_state(pairs: list[tuple[nn.Parameter, torch.Tensor]],
 
 
 @torch.no_grad()
-def load_replica_param_state(pairs: list[tuple[nn.Parameter, torch.Tensor]],
-                             optimizer: torch.optim.Optimizer, lookup: ParamStateLookup) -> None:
+def load_replica_param_state(
+    pairs: list[tuple[nn.Parameter, torch.Tensor]], optimizer: torch.optim.Optimizer, lookup: ParamStateLookup
+) -> None:
     """``load_param_state(lookup)`` of an optimizer that holds whole tensors (see
     :func:`replica_param_state`): weights into the parameter and its master, the moments on the
     master's device, Adam's ``step`` kept on the CPU (as torch does unless capturable)."""
