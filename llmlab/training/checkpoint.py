@@ -212,9 +212,12 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: str | Path, keep: int = 3) -> Path | None:
+def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: str | Path, keep: int = 3,
+                    extra: dict | None = None) -> Path | None:
     """Collectively save this step. Ranks holding a distinct part of the model write a file
-    (data-parallel replicas do not repeat it). Returns the finished directory (on rank 0)."""
+    (data-parallel replicas do not repeat it). ``extra`` (JSON) joins ``metadata.json`` (the
+    trainer's wall-clock time, elapsed time, hardware: :mod:`llmlab.training.checkpoint_clock`).
+    Returns the finished directory (on rank 0)."""
     directory = Path(directory)
     mesh = engine.mesh
     final = directory / f"step_{step:08d}"
@@ -245,6 +248,7 @@ def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: s
                 # the flags the schedule and optimizer were made with (checked on resume)
                 "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
                 "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
+        meta.update(extra or {})
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

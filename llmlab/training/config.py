@@ -97,6 +97,9 @@ class TrainConfig:
     checkpoint_dir: str | None = option(None, "folder for training checkpoints")
     checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
                                       "(a checkpoint is always written after the last step)")
+    checkpoint_every_minutes: float = option(0.0, "with --checkpoint-dir, also save when this many "
+                                                  "minutes of training have passed since the last "
+                                                  "save (rank 0's clock decides; 0: never by time)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
     override_opt_param_scheduler: bool = option(
         False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
@@ -217,8 +220,11 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if cfg.checkpoint_every and not cfg.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if cfg.checkpoint_every_minutes < 0:
+        raise ValueError(f"--checkpoint-every-minutes must be >= 0, got {cfg.checkpoint_every_minutes}")
+    for flag in ("checkpoint_every", "checkpoint_every_minutes"):
+        if getattr(cfg, flag) and not cfg.checkpoint_dir:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --checkpoint-dir")
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")

@@ -49,6 +49,7 @@ from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
+from llmlab.training.checkpoint_clock import CheckpointClock
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 
 
@@ -357,7 +358,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
     peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
     reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
-    first = 1
+    first, meta = 1, None
     if cfg.checkpoint_dir:  # every rank writes into it: it must be one directory for all nodes
         check_shared_directory(cfg.checkpoint_dir)
     if cfg.resume:
@@ -365,6 +366,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         meta = load_checkpoint(engine, cfg.checkpoint_dir)
         if meta is not None:
             first = meta["next_data_step"]
+    clock = CheckpointClock(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.checkpoint_every_minutes,
+                            cfg.steps, meta, device)  # when to save: steps, minutes, the last
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
@@ -396,10 +399,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                   or step == cfg.steps):
+        if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
-            save_checkpoint(engine, step, loss, cfg.checkpoint_dir)
+            save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
