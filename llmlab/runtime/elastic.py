@@ -10,7 +10,8 @@ would otherwise end in a cryptic error or a wait of minutes, so it is refused at
   "Unable to find address for: eth1" from C++; NCCL waits);
 * a job over several nodes whose gloo sockets would sit on loopback (the interface variable names
   ``lo``, or is unset and the host name resolves to 127.x, as on many stock images): the other
-  nodes would be told 127.0.0.1 and connect to themselves;
+  nodes would be told 127.0.0.1 and connect to themselves (allowed when ``MASTER_ADDR`` is itself
+  a loopback address: then every node is on this machine, as :class:`Hosts` in loopback mode);
 * ``--max-restarts K > 0`` with torchrun's shared rendezvous store (its default). torchrun's agent
   on node 0 hosts one ``TCPStore`` for the workers' ``env://`` rendezvous and keeps it across
   restarts (``DynamicRendezvousHandler._shared_tcp_store_server``), while the workers use it
@@ -85,6 +86,8 @@ def check_interface_variables(env: Mapping[str, str] | None = None, backend: str
     ifaces = ipv4_interfaces() if ifaces is None else ifaces
     host = socket.gethostname()
     nodes = int(env.get("WORLD_SIZE", "1")) // max(1, int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+    if env.get("MASTER_ADDR", "").startswith("127."):
+        nodes = 1  # the nodes reach rank 0 on loopback: they are all on this machine
     gloo = env.get("GLOO_SOCKET_IFNAME")
     if gloo:
         for name in gloo.split(","):
@@ -243,15 +246,16 @@ class NodeJob:
 
 def start_torchrun(hosts: Hosts, args: Sequence[str], *, nproc_per_node: int, log_dir: str | os.PathLike,
                    max_restarts: int = 0, port: int = 0, env: Mapping[str, str] | None = None,
-                   module: str = "llmlab") -> NodeJob:
+                   interface: str | None = None, module: str = "llmlab") -> NodeJob:
     """Start ``torchrun ... -m <module> <args>`` on every host of ``hosts`` (one node each), after
-    :func:`preflight`. Returns the :class:`NodeJob`; nothing is started when a check fails."""
+    :func:`preflight`; ``interface``: ``GLOO_SOCKET_IFNAME`` (default: the hosts' interface).
+    Returns the :class:`NodeJob`; nothing is started when a check fails."""
     port = preflight(hosts, port)
     endpoint = f"{hosts.addresses[0]}:{port}"
     run_id = f"llmlab-{uuid.uuid4().hex[:8]}"
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
-    base = node_env(hosts.interface, env)
+    base = node_env(interface or hosts.interface, env)
     base["LLMLAB_RUN_ID"] = run_id  # on the agents and their ranks: what kill() ends
     for i in range(hosts.n):
         argv = torchrun_argv(args, nnodes=hosts.n, nproc_per_node=nproc_per_node, endpoint=endpoint,
