@@ -146,3 +146,29 @@ def test_interface_and_restart_checks_name_the_variable_and_the_fix(monkeypatch)
     check_restart_store({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"})
     with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         check_restart_store({"TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+
+
+def test_doctor_nodes_lists_both_hosts_with_measured_links_and_fails_a_bad_checkpoint_dir(hosts, tmp_path):
+    out = tmp_path / "doctor.json"
+    job = start_torchrun(hosts, ["doctor", "--nodes", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                 "--json", str(out)], nproc_per_node=2, log_dir=tmp_path / "a")
+    assert job.wait(180) == [0, 0], job.output(0)[-3000:]
+    rows = json.loads(out.read_text())
+    assert all(r["result"] == "PASS" for r in rows)
+    where = {(r["check"], r["where"]) for r in rows}
+    assert {("inventory", "node0"), ("inventory", "node1"), ("rendezvous", "node1"),
+            ("all-reduce inside node", "node0"), ("all-reduce inside node", "node1"),
+            ("all-reduce between nodes", "node0-node1"), ("checkpoint dir", "all nodes")} <= where
+    links = [r for r in rows if r["check"].startswith("all-reduce")]
+    assert all(r["busbw_GBps"] > 0 and r["latency_ms"] > 0 for r in links)
+    assert f"{hosts.addresses[1]}" in next(r["detail"] for r in rows if r["where"] == "node1")
+    table = job.output(0)
+    assert "all-reduce between nodes  node0-node1  PASS" in table and f"{len(rows)} PASS, 0 FAIL" in table
+    assert not list((tmp_path / "ckpt").iterdir())  # the probe files are removed again
+    (tmp_path / "file").write_text("not a folder")
+    job = start_torchrun(hosts, ["doctor", "--nodes", "--checkpoint-dir", str(tmp_path / "file" / "d")],
+                         nproc_per_node=1, log_dir=tmp_path / "b")
+    assert job.wait(180) == [1, 1]
+    table = job.output(0)
+    assert "checkpoint dir" in table and "node0 cannot write there" in table and "1 FAIL" in table
+    assert "fix: use a directory on a filesystem every node mounts" in table
