@@ -174,7 +174,7 @@ def _static_rows(reports: list[dict]) -> list[dict]:
                          "set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME with NCCL) on this node to its interface "
                          "between nodes, one of those listed"))
         rows.append(_row("rendezvous", f"node{k}", True,
-                         f"{len(mine)} ranks reached {os.environ.get('MASTER_ADDR')}:"
+                         f"{len(mine)} ranks reached the job's store {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} (slowest in {max(r['join_s'] for r in mine):.2f} s)"))
     for v in VARS:
         values = {r["node"]: r["vars"][v] for r in reports}
