@@ -36,7 +36,7 @@ GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's sl
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.formulas.communication import moe_a2a_bytes as a2a_bytes_formula  # noqa: F401  (re-exported)
 from llmlab.model.config import ModelConfig
@@ -46,20 +46,22 @@ from llmlab.parallel.configs import ExpertParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any
 
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd: backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor):
         out_splits, in_splits = ctx.splits
         g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -70,12 +72,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``scale`` in backward."""
 
     @staticmethod
-    def forward(ctx, x, scale: float):
+    def forward(ctx: Any, x: Tensor, scale: float):
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor):
         return grad * ctx.scale, None
 
 
@@ -117,7 +119,7 @@ class ExpertParallelMoE(MoE):
         return _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
 
 
-def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     """Keep this rank's ``E/ep`` experts of every MoE layer of the full (seeded) ``model`` and
     route tokens to the others with all-to-all over ``mesh.groups["ep"]``.
 
@@ -143,7 +145,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def sync_moe_grads(model: nn.Module, mesh) -> None:
+def sync_moe_grads(model: nn.Module, mesh: Mesh) -> None:
     """Average gradients over their data-parallel group: ``edp`` for expert parameters, ``dp``
     for the rest. The plain (no bucketing, no overlap) form of what data parallelism does for a
     MoE model; used by the tests and the lab before ``llmlab.parallel.data_parallel`` exists."""

@@ -41,6 +41,8 @@ from llmlab.parallel.pipeline_schedules import (
 from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any
 
 
 def validate(config: PipelineConfig, mesh: Mesh, model_config: ModelConfig) -> None:
@@ -74,7 +76,7 @@ class StageChunk(nn.Module):
     logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
     ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers, seq_len: int | None):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
         super().__init__()
         self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -104,7 +106,7 @@ class StageChunk(nn.Module):
 class PipelineModule(nn.Module):
     """What a rank holds: ``chunks[c]`` is virtual stage ``c*p + r``. Not called directly."""
 
-    def __init__(self, chunks: list[StageChunk]):
+    def __init__(self, chunks: list[StageChunk]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
@@ -137,23 +139,23 @@ class _Flush:
     received, outputs kept for backward, gradients received or to send, activations to send), the
     sends not yet waited for, the timeline events and the running losses."""
 
-    microbatches: list
-    weights: list
+    microbatches: list[Any]
+    weights: list[Any]
     loss_scale: float
     last_b: int                     # index of the flush's last backward action
     dtype: torch.dtype
-    inputs: dict = dataclasses.field(default_factory=dict)
-    outputs: dict = dataclasses.field(default_factory=dict)
-    grads: dict = dataclasses.field(default_factory=dict)
-    to_send: dict = dataclasses.field(default_factory=dict)
-    pending_sends: list = dataclasses.field(default_factory=list)
-    events: list = dataclasses.field(default_factory=list)
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    grads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    to_send: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pending_sends: list[Any] = dataclasses.field(default_factory=list)
+    events: list[Any] = dataclasses.field(default_factory=list)
     loss_total: float = 0.0
     aux_total: float = 0.0
     inflight: int = 0
     t_start: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.m = len(self.microbatches)
         self.device = self.microbatches[0][0].device
         self.now = device_clock(self.device)  # on a GPU: after the queued work is done, not when queued
@@ -170,7 +172,7 @@ class PipelineRunner:
     """
 
     def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
-                 group, schedule: str, hidden_shape_fn, wrapper: TrainedModule | None = None):
+                 group: Group, schedule: str, hidden_shape_fn: Any, wrapper: TrainedModule | None = None) -> None:
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
         self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
@@ -181,7 +183,7 @@ class PipelineRunner:
         self.wrapper = wrapper
         self.has_aux = bool(getattr(model.config, "num_experts", 0))
         self._schedules: dict[int, list[Action]] = {}
-        self.timelines: list[list] = []
+        self.timelines: list[list[Any]] = []
         self.bubbles: list[float] = []
         self.peak_inflight = 0
         self.num_microbatches = None
@@ -324,7 +326,7 @@ class PipelineRunner:
             return f.loss_total
         return None
 
-    def _record(self, events: list, local_end: float, device) -> None:
+    def _record(self, events: list[Any], local_end: float, device: Any) -> None:
         """Flush time = slowest rank's end (an all-reduce MAX on the pipeline group)."""
         t = torch.tensor([local_end], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # bookkeeping, not counted
@@ -333,7 +335,7 @@ class PipelineRunner:
         self.timelines.append({"span_s": span, "events": events})
         self.bubbles.append(1.0 - busy / span if span > 0 else 0.0)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """This rank's CONTRACT ``pipeline`` fields plus details: ``bubble_fraction_measured``
         (mean over steps after the first, which includes connection set-up), per-step values,
         ``timeline`` (per step: ``span_s`` and events ``[op, chunk, mb, t0_s, t1_s]``, op in

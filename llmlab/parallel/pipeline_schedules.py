@@ -30,9 +30,12 @@ Bubble fraction (CONTRACT): idle time over the total time of one flush, averaged
 """
 from __future__ import annotations
 
+from typing import Any
+
 from typing import NamedTuple
 
 from llmlab.formulas.pipeline import pipeline_bubble_fraction
+from torch import Tensor
 
 F, B = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"
@@ -84,7 +87,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         if schedule == "interleaved":
             total = m * v
 
-            def fwd(k, back=False):
+            def fwd(k: Tensor, back: bool=False):
                 group, pos = divmod(k, p * v)  # groups of p micro-batches through all chunks
                 chunk = pos // p
                 return (v - 1 - chunk if back else chunk), group * p + pos % p
@@ -93,7 +96,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         else:
             total = m
 
-            def fwd(k, back=False):
+            def fwd(k: Tensor, back: bool=False):
                 return 0, k
 
             warmup = m if schedule == "gpipe" else min(m, p - r - 1)
@@ -130,8 +133,8 @@ def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
     S = p * v
     acts: list[list[Action]] = [[] for _ in range(p)]
     nxt, busy = [0] * p, [0.0] * p
-    arrived: list[set] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
-    outbox: list[list] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
+    arrived: list[set[Any]] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
+    outbox: list[list[Any]] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
     t = 0.0
     while any(nxt[r] < len(orders[r]) or outbox[r] for r in range(p)):
         for r in range(p):  # the round at time t: sends of ready outputs, and their receives
@@ -186,7 +189,7 @@ def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
 
 
 def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
-             blocking_sends: bool = False) -> dict:
+             blocking_sends: bool = False) -> dict[str, Any]:
     """Run the action lists with unit costs and instant p2p, as an event simulation.
 
     Each rank executes its actions in order; ``t_f``/``t_b`` are the costs of a forward/backward
@@ -203,8 +206,8 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
     actions if the schedule deadlocks or a message is never matched.
     """
     p = len(schedule)
-    sent: dict[tuple, float] = {}
-    posted: dict[tuple, float] = {}  # blocking model: (key, is_send) -> time posted
+    sent: dict[tuple[Any, ...], float] = {}
+    posted: dict[tuple[Any, ...], float] = {}  # blocking model: (key, is_send) -> time posted
     pc = [0] * p
     clock = [0.0] * p
     timeline = [[] for _ in range(p)]

@@ -15,7 +15,7 @@ ad-hoc attributes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
@@ -35,10 +35,10 @@ class ParamRecord:
 class ModelRecord:
     """What the strategies left on a model for the trainer (see the module docstring)."""
 
-    grad_finalizers: list[Callable] = field(default_factory=list)
+    grad_finalizers: list[Callable[..., Any]] = field(default_factory=list)
 
 
-def _record(obj, make):
+def _record(obj: Any, make: Any):
     rec = getattr(obj, _ATTR, None)
     if rec is None:
         rec = make()

@@ -53,11 +53,11 @@ import contextlib
 import functools
 import re
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.model.config import ModelConfig
 from llmlab.parallel.grad_reduce import predivide_
@@ -67,6 +67,7 @@ from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import LossScaler, ZeroOptimizer
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from torch.nn import Module
 
 
 def validate(cfg: ZeroConfig, mesh: Mesh, model_config: ModelConfig) -> None:
@@ -108,7 +109,7 @@ def _is_expert(p: nn.Parameter) -> bool:
     return param_record(p).expert_parallel
 
 
-def _split_by_group(ps):
+def _split_by_group(ps: list[Any]):
     """``ps`` split into the dense run and the expert run (either may be empty)."""
     return [run for run in ([q for q in ps if not _is_expert(q[1])], [q for q in ps if _is_expert(q[1])])
             if run]
@@ -159,8 +160,8 @@ class ZeroDataParallel(nn.Module):
     the same collectives in the same order.
     """
 
-    def __init__(self, module: nn.Module, mesh, stage: int, dtype: str = "fp32",
-                 bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, mesh: Mesh, stage: int, dtype: str = "fp32",
+                 bucket_mb: float = 25.0) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: expected 1, 2 or 3")
@@ -171,10 +172,10 @@ class ZeroDataParallel(nn.Module):
         self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         device = next(module.parameters()).device
         self.param_names = [n for n, _ in module.named_parameters()]
-        self.events: list[dict] = []
+        self.events: list[dict[str, Any]] = []
         self.max_events = 2000
 
-        def bucket(name, ps):
+        def bucket(name: str, ps: list[Any]):
             g = groups_of[_is_expert(ps[0][1])]
             n = comm.group_size(g)
             b = FlatBucket(name, ps, n, dist.get_rank(g) if n > 1 else 0, self.compute_dtype, device)
@@ -192,7 +193,7 @@ class ZeroDataParallel(nn.Module):
             self.buckets = [bucket(f"bucket{i}", ps) for i, ps in enumerate(
                 _size_buckets(params, bucket_mb * 2**20, torch.finfo(self.compute_dtype).bits // 8))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._pending: list = []      # in-flight reduce-scatters: (bucket, out, work, staging)
+        self._pending: list[Any] = []      # in-flight reduce-scatters: (bucket, out, work, staging)
         self._next_launch = 0
         self._callback_queued = False
         self._gathering: dict[int, object] = {}
@@ -229,7 +230,7 @@ class ZeroDataParallel(nn.Module):
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def finish_grad_sync(self):
+    def finish_grad_sync(self) -> None:
         """Reduce-scatter what is left and wait: the gradient shards hold the mean over N.
 
         Every bucket is divided by N *before* its reduce-scatter (:func:`predivide_`, the rule of
@@ -256,7 +257,7 @@ class ZeroDataParallel(nn.Module):
         return [b.grad_full if self.stage == 1 else b.grad_shard for b in self.buckets]
 
     @torch.no_grad()
-    def zero_grad_buffers(self):
+    def zero_grad_buffers(self) -> None:
         for b in self.buckets:
             if self.stage == 1:
                 b.grad_full.zero_()
@@ -284,7 +285,7 @@ class ZeroDataParallel(nn.Module):
 
     # --- stages 2 and 3: gradients ----------------------------------------------------------
     @torch.no_grad()
-    def _on_grad(self, p: nn.Parameter):
+    def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:     # reduce what is incomplete when this backward ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -304,7 +305,7 @@ class ZeroDataParallel(nn.Module):
                 self._next_launch += 1
 
     @torch.no_grad()
-    def _end_of_backward(self):
+    def _end_of_backward(self) -> None:
         """Launch, in order, every bucket not yet reduced in this backward pass (zeros where a
         parameter got no gradient), so that all ranks issue the same reduce-scatters."""
         for b in self.buckets[self._next_launch:]:
@@ -317,7 +318,7 @@ class ZeroDataParallel(nn.Module):
             for i in range(len(self.units)):
                 self._free_unit(i)
 
-    def _launch(self, b: FlatBucket, phase: str):
+    def _launch(self, b: FlatBucket, phase: str) -> None:
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
         self.log_event("reduce_scatter", b.name, phase)
         work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
@@ -327,7 +328,7 @@ class ZeroDataParallel(nn.Module):
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
             self._retire()
 
-    def _retire(self):
+    def _retire(self) -> None:
         b, out, work, _staging = self._pending.pop(0)
         if work is not None:
             work.wait()
@@ -335,7 +336,7 @@ class ZeroDataParallel(nn.Module):
 
     # --- stage 3: parameters ----------------------------------------------------------------
     @torch.no_grad()
-    def _gather(self, i: int, phase: str, wait: bool = True):
+    def _gather(self, i: int, phase: str, wait: bool = True) -> None:
         for j, b in enumerate(self.units[i]):
             key = (i, j)
             if not b.is_full and key not in self._gathering:
@@ -348,7 +349,7 @@ class ZeroDataParallel(nn.Module):
                 if work is not None:
                     work.wait()
 
-    def _free_unit(self, i: int):
+    def _free_unit(self, i: int) -> None:
         """Free unit ``i``'s gathered parameters (after any gather of it still in flight)."""
         for j, b in enumerate(self.units[i]):
             work = self._gathering.pop((i, j), None)
@@ -356,12 +357,12 @@ class ZeroDataParallel(nn.Module):
                 work.wait()
             b.free()
 
-    def _pre_forward(self, i, module, args):
+    def _pre_forward(self, i: int, module: Module, args) -> None:
         self._gather(i, "forward")
         if i + 1 < len(self.units):
             self._gather(i + 1, "forward", wait=False)      # prefetch the next layer
 
-    def _post_forward(self, i, module, args, output):
+    def _post_forward(self, i: int, module: Module, args, output: Any):
         self._free_unit(i)                # a prefetch of layer i + 1 may still be in flight
         if torch.is_grad_enabled():
             outs = output if isinstance(output, (tuple, list)) else (output,)
@@ -371,7 +372,7 @@ class ZeroDataParallel(nn.Module):
                     break
         return output
 
-    def _pre_backward(self, i, grad):
+    def _pre_backward(self, i: int, grad: Tensor):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True

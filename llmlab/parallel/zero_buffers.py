@@ -34,7 +34,7 @@ class FlatBucket:
     """
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device) -> None:
         if not params:
             raise ValueError(f"bucket {name!r} has no parameters")
         self.name, self.world, self.rank = name, world, rank

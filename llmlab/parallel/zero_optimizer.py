@@ -8,7 +8,7 @@ the update runs there. The gradient and parameter sharding is :class:`~llmlab.pa
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,17 +27,17 @@ class ShardedBuckets(Protocol):
     """What the optimizer reads of the wrapper that shards the gradients and parameters
     (:class:`~llmlab.parallel.zero.ZeroDataParallel`): its public face, nothing private."""
 
-    buckets: list        # flat buckets: params, offsets, numels, shard_range, alias, group, name
+    buckets: list[Any]        # flat buckets: params, offsets, numels, shard_range, alias, group, name
     stage: int           # 1, 2 or 3
 
-    def grad_shard(self, bucket) -> torch.Tensor: ...
+    def grad_shard(self, bucket: Any) -> torch.Tensor: ...
 
     def zero_grad_buffers(self) -> None: ...
 
     def log_event(self, op: str, unit: str, phase: str) -> None: ...
 
 
-def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
+def _gather_flat(b: Any, shard: torch.Tensor) -> torch.Tensor:
     """Bucket ``b``'s full padded flat tensor from every rank's ``shard`` (collective over the
     bucket's group; bookkeeping: not counted in the comm bytes)."""
     if b.world == 1:
@@ -59,8 +59,8 @@ class ZeroOptimizer:
     parameters; ``step()`` does both.
     """
 
-    def __init__(self, wrapper: ShardedBuckets, make_optimizer, cpu_offload: bool = False,
-                 scaler=None):
+    def __init__(self, wrapper: ShardedBuckets, make_optimizer: Any, cpu_offload: bool = False,
+                 scaler=None) -> None:
         self.wrapper, self.scaler = wrapper, scaler
         self.masters, self.separate = [], []
         for b in wrapper.buckets:
@@ -83,14 +83,14 @@ class ZeroOptimizer:
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         st = {}
         for m, sep in zip(self.masters, self.separate):
             st[m] = dict(self.optimizer.state.get(m, {})) | ({"master_param": m} if sep else {})
         return st
 
     @torch.no_grad()
-    def unscale(self):
+    def unscale(self) -> None:
         """Point every master's ``.grad`` at its reduced gradient shard, in fp32 and divided by
         the fp16 loss scale (the shard itself when it already is fp32 and unscaled)."""
         inv = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
@@ -115,7 +115,7 @@ class ZeroOptimizer:
         return out
 
     @torch.no_grad()
-    def apply(self):
+    def apply(self) -> None:
         w = self.wrapper
         self.optimizer.step()
         for b, m, sep in zip(w.buckets, self.masters, self.separate):
@@ -128,11 +128,11 @@ class ZeroOptimizer:
                 w.log_event("all_gather", b.name, "step")
                 comm.all_gather_into_tensor(b.alias, b.shard_view(), group=b.group)
 
-    def step(self):
+    def step(self) -> None:
         self.unscale()
         self.apply()
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for m in self.masters:
             m.grad = None
         self.wrapper.zero_grad_buffers()
@@ -189,11 +189,11 @@ class ZeroOptimizer:
                                            "exp_avg": flats["exp_avg"][lo:hi].clone().to(m.device),
                                            "exp_avg_sq": flats["exp_avg_sq"][lo:hi].clone().to(m.device)}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
                 "masters": [m.detach().cpu().clone() for m in self.masters]}
 
-    def load_state_dict(self, sd: dict):
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])
         with torch.no_grad():
             for m, v in zip(self.masters, sd["masters"]):

@@ -6,6 +6,8 @@ bigger model), and shows the chosen size.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import platform
 import shutil
@@ -39,7 +41,7 @@ class LabSize:
         return (f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
                 f"model '{self.model}', {self.steps} steps")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -118,7 +120,7 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
 
 
-def hardware() -> dict:
+def hardware() -> dict[str, Any]:
     """The machine's inventory: Python, platform, CPU cores, torch and its build, transformers, and
     per GPU its name, memory (bytes) and peer access; with GPUs the NCCL version and
     ``nvidia-smi topo -m`` (when that program is there). JSON-serialisable."""

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.runtime.hardware import usable_cores
+from typing import Any
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -153,7 +154,7 @@ def main_module_hidden():
             setattr(main, k, v)
 
 
-def start(target, args: tuple, name: str):
+def start(target: Any, args: tuple[Any, ...], name: str):
     """Start ``target(*args)`` in a new process (see the module docstring) and return it
     (a ``multiprocessing.Process``). ``target`` should call :func:`die_with_parent` first."""
     p = context().Process(target=target, args=args, name=name, daemon=False)
@@ -171,7 +172,7 @@ def die_with_parent() -> None:
         pass
 
 
-def stop(procs, grace: float = 3.0) -> None:
+def stop(procs: list[Any], grace: float = 3.0) -> None:
     """End the processes still running: terminate, wait up to ``grace`` s in all, then kill."""
     for p in procs:
         if p.pid is not None and p.is_alive():
@@ -185,7 +186,7 @@ def stop(procs, grace: float = 3.0) -> None:
                 p.join(2)
 
 
-def kill_group(proc) -> None:
+def kill_group(proc: Any) -> None:
     """Kill the process group led by ``proc`` (a child that called ``os.setsid()``) and reap it."""
     if proc.pid is None:
         return
@@ -226,7 +227,7 @@ def join_store(host: str, port: int):
     return dist.TCPStore(host, port, is_master=False, timeout=pg_timeout())
 
 
-def init_process_group(backend: str, store, rank: int, world_size: int) -> None:
+def init_process_group(backend: str, store: Any, rank: int, world_size: int) -> None:
     """The default process group, rendezvousing on ``store`` (under the ``pg`` prefix, so the
     store's other keys stay the caller's), timing out after :func:`pg_timeout`."""
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
@@ -242,7 +243,7 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def local_env(backend: str) -> dict:
+def local_env(backend: str) -> dict[str, Any]:
     """The caller's environment for local children: with gloo, its sockets on the loopback
     interface (all ranks are on this machine, not on the network) unless the user chose one."""
     env = dict(os.environ)
