@@ -40,7 +40,6 @@ from llmlab.parallel.configs import ContextParallelConfig
 from llmlab.parallel.ring_attention import ring_attention, ring_token_indices
 from llmlab.parallel.ulysses import check_heads, ulysses_attention, ulysses_token_indices
 from llmlab.runtime.mesh import Mesh
-from torch.nn import Module
 
 MODES = ("ring", "ulysses")
 
@@ -65,7 +64,8 @@ def shard_microbatches(micro: list[Any], mesh: Mesh, mode: str = "ring") -> list
     return [(x[:, idx.to(x.device)], y[:, idx.to(y.device)]) for x, y in micro]
 
 
-def apply_context_parallel(model: Module, mesh: Mesh, mode: str, seq_len: int, overlap: bool = True):
+def apply_context_parallel(model: LlamaForCausalLM, mesh: Mesh, mode: str, seq_len: int,
+                           overlap: bool = True) -> LlamaForCausalLM:
     """Make ``model`` (a :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel)
     run on this CP rank's tokens: RoPE positions of those tokens, and every layer's attention core
     replaced by ring or Ulysses attention over ``mesh.groups["cp"]``. In place; returns ``model``.
@@ -85,7 +85,7 @@ def apply_context_parallel(model: Module, mesh: Mesh, mode: str, seq_len: int, o
     else:
         core = functools.partial(ulysses_attention, group=group)
     for layer in model.model.layers:
-        layer.self_attn.core_attention = core
+        layer.self_attn.core_attention = core  # type: ignore[union-attr]
     return model
 
 

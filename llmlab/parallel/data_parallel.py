@@ -39,7 +39,7 @@ wire bytes appear as ``send``/``recv``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import contextlib
 import functools
@@ -57,7 +57,6 @@ from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
-from typing import Optional
 
 MODES = ("naive", "ddp", "ring")
 
@@ -65,7 +64,7 @@ MODES = ("naive", "ddp", "ring")
 # --------------------------------------------------------------------------------------------
 # Ring all-reduce from send/recv
 # --------------------------------------------------------------------------------------------
-def ring_all_reduce(t: torch.Tensor, group: Optional[Group]=None, trace: list[Any] | None = None) -> torch.Tensor:
+def ring_all_reduce(t: torch.Tensor, group: Group = None, trace: list[Any] | None = None) -> torch.Tensor:
     """Sum ``t`` (any shape) over ``group`` in place with a ring of send/recv; returns ``t``.
 
     The flat tensor is split into N chunks (N = group size; the last chunks may be shorter if N
@@ -148,11 +147,11 @@ class _DataParallelBase(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         broadcast_parameters(module, mesh)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Inside this context backward accumulates gradients locally without communication."""
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
@@ -205,7 +204,7 @@ class Bucket:
 
     def reset(self) -> None:
         self.ready: set[int] = set()
-        self.work = None
+        self.work: Any = None
         self.launched = False
 
     def view(self, j: int) -> torch.Tensor:
@@ -244,7 +243,9 @@ def build_buckets(params: list[nn.Parameter], mesh: Mesh, bucket_bytes: float,
     different groups (dp / edp), dtypes or devices never share a bucket. Parameters whose group
     has a single rank need no bucket.
     """
-    open_, closed, out = {}, set(), []
+    open_: dict[tuple[str, torch.dtype, torch.device], list[nn.Parameter]] = {}
+    closed: set[tuple[str, torch.dtype, torch.device]] = set()
+    out: list[list[nn.Parameter]] = []
     for p in reversed(params):
         key = _group_key(p)
         if mesh.size(key) == 1:
@@ -292,7 +293,8 @@ class DistributedDataParallel(_DataParallelBase):
         self.bucket_mb, self.overlap = bucket_mb, overlap
         self.buckets = build_buckets(self.params, mesh, bucket_mb * 2**20)
         self.next_bucket = 0
-        self.record_timeline, self.timeline = record_timeline, []
+        self.record_timeline = record_timeline
+        self.timeline: list[Any] = []
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
         self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
         # One hook per parameter that knows its bucket and slot (no lookup on the hot path).
@@ -300,7 +302,7 @@ class DistributedDataParallel(_DataParallelBase):
                        for b in self.buckets for j, p in enumerate(b.params)]
 
     # --- hooks ------------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self.record_timeline and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: self._event("backward_start", None))
@@ -379,7 +381,7 @@ class _Done:
 
 
 def wrap_data_parallel(module: nn.Module, mesh: Mesh, mode: str = "ddp", bucket_mb: float = 25.0,
-                       **kwargs) -> nn.Module:
+                       **kwargs: Any) -> nn.Module:
     """Wrap ``module`` for data parallelism over ``mesh`` (``mode`` in naive, ddp, ring).
 
     Returns a :class:`~llmlab.parallel.protocols.TrainedModule` (``forward``, ``.module``,

@@ -34,6 +34,7 @@ from torch import nn
 
 from llmlab.metrics.timing import device_clock
 from llmlab.model.config import ModelConfig
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
     B, COMM, F, RECV_ACT, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
@@ -76,7 +77,7 @@ class StageChunk(nn.Module):
     logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
     ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
+    def __init__(self, model: LlamaForCausalLM, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
         super().__init__()
         self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -88,12 +89,13 @@ class StageChunk(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: its params are not ours
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self._model
+        m: LlamaForCausalLM = self.__dict__["_model"]
         h = m.embed(x) if self.is_first else x
         h = m.run_layers(h, layers=self.layers, seq_len=self.seq_len)
-        return m.head(h) if self.is_last else h
+        out: torch.Tensor = m.head(h) if self.is_last else h
+        return out
 
-    def aux_loss(self):
+    def aux_loss(self) -> Any:
         """Auxiliary (MoE load-balancing) losses of this chunk's layers from the last forward."""
         total = 0.0
         for layer in self.layers:
@@ -111,7 +113,8 @@ class PipelineModule(nn.Module):
         self.chunks = nn.ModuleList(chunks)
 
 
-def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | None = None):
+def split_model(model: LlamaForCausalLM, p: int, r: int, v: int = 1,
+                seq_len: int | None = None) -> "PipelineModule":
     """Cut ``model`` into ``p*v`` stages and return this rank's chunks (a :class:`PipelineModule`).
 
     The model is stripped of what other ranks hold (their layers, and the embedding / norm /
@@ -127,9 +130,9 @@ def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | Non
     held = [l for ch in chunks for l in ch.layers]
     model.model.layers = nn.ModuleList(held)
     if not any(ch.is_first for ch in chunks):
-        model.model.embed_tokens = None
+        model.model.embed_tokens = None  # type: ignore[assignment]
     if not any(ch.is_last for ch in chunks):
-        model.model.norm, model.lm_head = None, None
+        model.model.norm, model.lm_head = None, None  # type: ignore[assignment]
     return PipelineModule(chunks)
 
 
@@ -144,10 +147,10 @@ class _Flush:
     loss_scale: float
     last_b: int                     # index of the flush's last backward action
     dtype: torch.dtype
-    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    grads: dict[str, Any] = dataclasses.field(default_factory=dict)
-    to_send: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    grads: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    to_send: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     pending_sends: list[Any] = dataclasses.field(default_factory=list)
     events: list[Any] = dataclasses.field(default_factory=list)
     loss_total: float = 0.0
@@ -171,7 +174,7 @@ class PipelineRunner:
     the CONTRACT ``pipeline`` fields of this rank plus the per-step timelines.
     """
 
-    def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
+    def __init__(self, model: LlamaForCausalLM, module: PipelineModule, stage_ranks: list[int], rank: int,
                  group: Group, schedule: str, hidden_shape_fn: Any, wrapper: TrainedModule | None = None) -> None:
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
@@ -183,10 +186,10 @@ class PipelineRunner:
         self.wrapper = wrapper
         self.has_aux = bool(getattr(model.config, "num_experts", 0))
         self._schedules: dict[int, list[Action]] = {}
-        self.timelines: list[list[Any]] = []
+        self.timelines: list[dict[str, Any]] = []
         self.bubbles: list[float] = []
         self.peak_inflight = 0
-        self.num_microbatches = None
+        self.num_microbatches: int | None = None
 
     def actions(self, m: int) -> list[Action]:
         if m not in self._schedules:
@@ -242,6 +245,7 @@ class PipelineRunner:
         t0 = f.now()
         ops, recvs = [], []
         for b in batch:
+            assert b.peer is not None   # a p2p action names its peer
             peer = self.stage_ranks[b.peer]
             tag = self._tag(b, f.m)
             if b.op == SEND_ACT:
@@ -275,7 +279,8 @@ class PipelineRunner:
 
     def _forward(self, f: "_Flush", a: Action) -> None:
         """Chunk ``a.chunk`` on micro-batch ``a.mb``; the last stage adds its weighted loss."""
-        chunk, key = self.module.chunks[a.chunk], (a.chunk, a.mb)
+        chunk: StageChunk = self.module.chunks[a.chunk]  # type: ignore[assignment]
+        key = (a.chunk, a.mb)
         x = f.microbatches[a.mb][0] if chunk.is_first else f.inputs[key]
         out = chunk(x)
         aux = chunk.aux_loss() if self.has_aux else 0.0
@@ -356,7 +361,7 @@ class PipelineRunner:
         }
 
 
-def apply(model: nn.Module, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
+def apply(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
     """Keep this rank's stages of ``model`` (the full seeded
     :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel already): the
     :class:`PipelineModule` of its ``config.num_chunks`` chunks, which data parallelism then
@@ -368,7 +373,7 @@ def apply(model: nn.Module, mesh: Mesh, config: PipelineConfig) -> PipelineModul
                        seq_len=config.seq_len if sp else None)
 
 
-def build_runner(model: nn.Module, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
+def build_runner(model: LlamaForCausalLM, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
                  wrapper: TrainedModule | None = None) -> PipelineRunner:
     """The runner of this rank's ``stages`` (from :func:`apply`) over ``mesh.groups["pp"]``;
     ``wrapper``: the data-parallel wrapper of ``stages`` (``None``: one replica), whose
@@ -384,7 +389,7 @@ def build_runner(model: nn.Module, stages: PipelineModule, mesh: Mesh, config: P
                           config.schedule, hidden_shape, wrapper)
 
 
-def build_pipeline(model: nn.Module, mesh: Mesh, config: PipelineConfig,
+def build_pipeline(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig,
                    wrapper: TrainedModule | None = None) -> PipelineRunner:
     """:func:`apply` then :func:`build_runner`: the runner of this rank's stages of ``model``
     (``mesh.pp > 1``; ``config.seq_len``: this rank's tokens per sequence). Its ``module`` is

@@ -35,7 +35,6 @@ from typing import Any
 from typing import NamedTuple
 
 from llmlab.formulas.pipeline import pipeline_bubble_fraction
-from torch import Tensor
 
 F, B = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"
@@ -87,7 +86,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         if schedule == "interleaved":
             total = m * v
 
-            def fwd(k: Tensor, back: bool=False):
+            def fwd(k: int, back: bool = False) -> tuple[int, int]:
                 group, pos = divmod(k, p * v)  # groups of p micro-batches through all chunks
                 chunk = pos // p
                 return (v - 1 - chunk if back else chunk), group * p + pos % p
@@ -96,7 +95,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         else:
             total = m
 
-            def fwd(k: Tensor, back: bool=False):
+            def fwd(k: int, back: bool = False) -> tuple[int, int]:
                 return 0, k
 
             warmup = m if schedule == "gpipe" else min(m, p - r - 1)
@@ -210,7 +209,7 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
     posted: dict[tuple[Any, ...], float] = {}  # blocking model: (key, is_send) -> time posted
     pc = [0] * p
     clock = [0.0] * p
-    timeline = [[] for _ in range(p)]
+    timeline: list[list[Any]] = [[] for _ in range(p)]
     inflight, peak = [0] * p, [0] * p
 
     def batch_end(r: int) -> int:

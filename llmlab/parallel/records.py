@@ -12,14 +12,16 @@ ad-hoc attributes:
   runs after gradient synchronisation, each as ``f(grad_of)`` (``grad_of(p)``: the gradient of
   ``p`` this rank holds).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 
 _ATTR = "llmlab_record"
+R = TypeVar("R", "ParamRecord", "ModelRecord")
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ModelRecord:
     grad_finalizers: list[Callable[..., Any]] = field(default_factory=list)
 
 
-def _record(obj: Any, make: Any):
+def _record(obj: Any, make: Callable[[], R]) -> R:
     rec = getattr(obj, _ATTR, None)
     if rec is None:
         rec = make()

@@ -88,7 +88,8 @@ def step_blocks(step: int, cp_rank: int, cp: int, c: int) -> tuple[slice, slice,
     return slice(c, None), slice(None), False
 
 
-def block_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+def block_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                            causal: bool) -> tuple[Tensor, Tensor]:
     """One block: ``q [B,H,M,D]`` against ``k, v [B,H_kv,N,D]`` (GQA without repeating K/V).
 
     Returns ``out [B,H,M,D]`` and ``lse [B,H,M]`` (fp32), normalised over this block only.
@@ -103,7 +104,9 @@ def block_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causa
     return out.view(B, H, M, D), lse.view(B, H, M)
 
 
-def block_attention_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool):
+def block_attention_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+                             delta: Tensor, scale: float,
+                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``lse`` and ``delta = rowsum(dout·out)``.
 
     ``p = exp(s - lse)`` are the block's entries of the full softmax, so the block's share of
@@ -139,7 +142,8 @@ class _Ring:
         self.group, self.n, self.r = group, len(ranks), ranks.index(me)
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
-    def post(self, send=None, recv=None, tag=_KV_TAG, extra_recv=None, extra_send=None) -> list[Any]:
+    def post(self, send: Tensor | None = None, recv: Tensor | None = None, tag: int = _KV_TAG,
+             extra_recv: Tensor | None = None, extra_send: Tensor | None = None) -> list[Any]:
         """Post (non-blocking) sends to ``next`` and receives from ``prev`` as ONE batch; returns
         the works. ``extra_send``/``extra_recv`` (the gradient accumulator passed on) come first
         on both sides, so the two ranks of a pair post in the same order (NCCL matches by order).
@@ -167,14 +171,15 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Group, ranks: list[Any], scale: float, overlap: bool=True):
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Group, ranks: list[Any], scale: float, overlap: bool=True) -> Any:
         ring = _Ring(group, ranks)
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for s in range(ring.n):
-            t0, works, nxt = time.perf_counter(), [], None
+            t0, works = time.perf_counter(), []
+            nxt: Tensor | None = None
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring.post(send=kv, recv=nxt)
@@ -191,23 +196,26 @@ class RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 _record("forward", s, "comm", t0)
-            kv = nxt
+            if nxt is not None:
+                kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.scale, ctx.overlap = group, ranks, scale, overlap
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor):
+    def backward(ctx: Any, dout: Tensor) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.group, ctx.ranks), ctx.scale
         c = q.shape[2] // 2
         delta = (dout.float() * out.float()).sum(-1)                   # [B, H, T]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = None  # the accumulator of the block last processed, passed on with the next batch
+        dkv: Tensor | None = None  # the accumulator of the block last processed, passed on with the next batch
         for s in range(ring.n):
-            t0, nxt, dkv_in = time.perf_counter(), None, None
+            t0 = time.perf_counter()
+            nxt: Tensor | None = None
+            dkv_in: Tensor | None = None
             if s > 0:
                 dkv_in = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             if s < ring.n - 1:
@@ -230,11 +238,13 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 _record("backward", s, "comm", t0)
             dkv = contrib if dkv_in is None else contrib + dkv_in       # the block's accumulator
-            kv = nxt
+            if nxt is not None:
+                kv = nxt
         if ring.n > 1:                                                  # one more hop: home
             home = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             _wait(ring.post(extra_recv=home, extra_send=dkv))
             dkv = home
+        assert dkv is not None
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
@@ -258,7 +268,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_kv_heads={k.shape[1]} must divide num_heads={q.shape[1]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, list(ranks), scale, overlap)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, list(ranks), scale, overlap)
+    return out
 
 
 def ring_bytes_per_layer(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, cp: int,

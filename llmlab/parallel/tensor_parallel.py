@@ -77,7 +77,7 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Group, *params: list[Any]):
+    def forward(ctx: Any, x: Tensor, group: Group, *params: Tensor) -> Any:
         total = gather_along(x, 1, group)
         ws, bs = params[0::2], params[1::2]
         ctx.group, ctx.has_bias = group, [b is not None for b in bs]
@@ -85,16 +85,18 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
         return tuple(F.linear(total, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor):
+    def backward(ctx: Any, *grads: Tensor) -> Any:
         x, *ws = ctx.saved_tensors
         total = gather_along(x, 1, ctx.group)
         flat = total.reshape(-1, total.shape[-1])
-        grad_total, out = None, []
+        grad_total: Tensor | None = None
+        out: list[Tensor | None] = []
         for g, w, has_b in zip(grads, ws, ctx.has_bias):
             gi = g @ w
             grad_total = gi if grad_total is None else grad_total + gi
             g2 = g.reshape(-1, g.shape[-1])
             out += [g2.t() @ flat, g2.sum(0) if has_b else None]
+        assert grad_total is not None
         return (reduce_scatter_along(grad_total, 1, ctx.group, grad=True), None, *out)
 
 
@@ -152,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                 gather_output, sequence_parallel, num_shards=n)
         m.weight.copy_(linear.weight.chunk(n, 0)[i])
-        if linear.bias is not None:
+        if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias.chunk(n, 0)[i])
         return m.to(linear.weight.device)
 
@@ -198,7 +200,7 @@ class RowParallelLinear(nn.Module):
         m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                 input_is_parallel, sequence_parallel)
         m.weight.copy_(linear.weight.chunk(comm.group_size(group), 1)[_tp_rank(group)])
-        if linear.bias is not None:
+        if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias)
         return m.to(linear.weight.device)
 
@@ -241,7 +243,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_embedding(cls, emb: nn.Embedding, group: Group, sequence_parallel: bool = False):
+    def from_embedding(cls, emb: nn.Embedding, group: Group,
+                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
         m = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
         m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
         return m.to(emb.weight.device)
@@ -259,7 +262,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from vocab-sharded logits (Megatron ``cross_entropy.py`` steps)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Any, vocab_start: int, group: Group, ignore_index: int):
+    def forward(ctx: Any, logits: Tensor, target: Any, vocab_start: int, group: Group, ignore_index: int) -> Any:
         # 1. global max over the vocabulary, for a stable softmax (one all-reduce of [N] floats).
         m = logits.max(dim=-1).values
         if comm.group_size(group) > 1:
@@ -284,7 +287,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor):
+    def backward(ctx: Any, g: Tensor) -> Any:
         softmax, idx, onehot_here, valid = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, idx.unsqueeze(-1), -onehot_here.to(grad.dtype).unsqueeze(-1))
@@ -305,7 +308,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     if vocab_start is None:
         vocab_start = _tp_rank(group) * logits.shape[-1]
     flat, tgt = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    per_token = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
+    per_token: Tensor = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
     return per_token.sum() / (tgt != ignore_index).sum().clamp(min=1)
 
 
@@ -354,9 +357,11 @@ class ParallelAttention(nn.Module):
                               k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
                               v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
                               self.sliding_window)
-            return self.o_proj(o.reshape(B, T, self.num_heads * D))
+            res: Tensor = self.o_proj(o.reshape(B, T, self.num_heads * D))
+            return res
         out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        res = self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        return res
 
 
 class ParallelMLP(nn.Module):
@@ -374,7 +379,8 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_linears(x, [self.gate_proj, self.up_proj], self.group,
                                            self.sequence_parallel)
-        return self.down_proj(F.silu(gate) * up)
+        out: Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from llmlab.model.config import ModelConfig
 
 
 def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: int = 32,
-                  kv: int = 8, tps=(1, 2, 4, 8), dtype_bytes: int = 2,
+                  kv: int = 8, tps: tuple[int, ...] = (1, 2, 4, 8), dtype_bytes: int = 2,
                   sequence_parallel: bool = False) -> list[dict[str, Any]]:
     """Per-rank cost of one block at each tp degree (defaults: the Qwen3-8B-like shape of the
     seed article, batch 16, sequence 4096, hidden 4096, MLP 12288, 32 heads, 8 kv heads, bf16).

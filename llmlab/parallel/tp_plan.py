@@ -28,10 +28,10 @@ from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
 from torch.nn import Parameter
-from typing import Any
+from typing import Any, Callable
 
 
-def _grad(p: Parameter):
+def _grad(p: Parameter) -> torch.Tensor | None:
     return p.grad
 
 
@@ -46,7 +46,7 @@ class SumOverTP:
     def __init__(self, params: list[nn.Parameter], group: Group) -> None:
         self.params, self.group = params, group
 
-    def __call__(self, grad_of=_grad) -> None:
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         grads = [g for g in map(grad_of, self.params) if g is not None and g.numel()]
         if not grads:
             return
@@ -66,7 +66,7 @@ class SumOverKVReplicas:
     def __init__(self, attns: list["ParallelAttention"], group: Group) -> None:
         self.attns, self.group = attns, group
 
-    def __call__(self, grad_of=_grad) -> None:
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
         grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
@@ -120,19 +120,19 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-def _vocab_parallel(m: Any, group: Group, sp: bool):
+def _vocab_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return VocabParallelEmbedding.from_embedding(m, group, sp)
 
 
-def _attention(m: Any, group: Group, sp: bool):
+def _attention(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelAttention(m, group, sp)
 
 
-def _mlp(m: Any, group: Group, sp: bool):
+def _mlp(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m   # MoE: experts replicated
 
 
-def _column_parallel(m: Any, group: Group, sp: bool):
+def _column_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
 
@@ -154,7 +154,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: Group, sequence_pa
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel: bool = False,
-                          plan: dict[str, str] | None = None):
+                          plan: dict[str, str] | None = None) -> LlamaForCausalLM:
     """Shard a full, seeded model over ``mesh.groups["tp"]`` in place with ``plan`` (default
     :data:`TP_PLAN`) and return it.
 
@@ -187,7 +187,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel
     if attns and attns[0].kv_replicated:
         finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)
-    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
+    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)  # type: ignore[assignment, arg-type]
     return model
 
 

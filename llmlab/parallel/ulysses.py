@@ -72,12 +72,12 @@ class SeqToHead(torch.autograd.Function):
     """All-to-all from sequence shards to head shards; its backward is the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         ctx.group = group
         return _seq_to_head(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return _head_to_seq(g.contiguous(), ctx.group), None
 
 
@@ -85,12 +85,12 @@ class HeadToSeq(torch.autograd.Function):
     """All-to-all from head shards back to sequence shards; backward is :class:`SeqToHead`'s."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, group: Group):
+    def forward(ctx: Any, y: Tensor, group: Group) -> Any:
         ctx.group = group
         return _head_to_seq(y, group)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return _seq_to_head(g.contiguous(), ctx.group), None
 
 
@@ -110,4 +110,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return HeadToSeq.apply(out, group)
+    res: torch.Tensor = HeadToSeq.apply(out, group)
+    return res

@@ -8,7 +8,7 @@ the update runs there. The gradient and parameter sharding is :class:`~llmlab.pa
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -59,10 +59,12 @@ class ZeroOptimizer:
     parameters; ``step()`` does both.
     """
 
-    def __init__(self, wrapper: ShardedBuckets, make_optimizer: Any, cpu_offload: bool = False,
-                 scaler=None) -> None:
+    def __init__(self, wrapper: ShardedBuckets,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 cpu_offload: bool = False, scaler: LossScaler | None = None) -> None:
         self.wrapper, self.scaler = wrapper, scaler
-        self.masters, self.separate = [], []
+        self.masters: list[nn.Parameter] = []
+        self.separate: list[bool] = []
         for b in wrapper.buckets:
             shard = b.local_shard if wrapper.stage == 3 else b.shard_view()
             if shard.dtype == torch.float32 and not cpu_offload:
@@ -79,12 +81,12 @@ class ZeroOptimizer:
         self.optimizer = make_optimizer(self.masters)
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> dict[str, Any]:
-        st = {}
+    def state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        st: dict[nn.Parameter, dict[str, Any]] = {}
         for m, sep in zip(self.masters, self.separate):
             st[m] = dict(self.optimizer.state.get(m, {})) | ({"master_param": m} if sep else {})
         return st
@@ -102,15 +104,15 @@ class ZeroOptimizer:
             if inv != 1.0:
                 m.grad = m.grad * inv
 
-    def grad_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(slice of a master's gradient, model parameter)`` for every parameter element in this
         rank's shards, after :meth:`unscale` (shards of different ranks are disjoint)."""
-        out = []
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for b, m in zip(self.wrapper.buckets, self.masters):
             lo, hi = b.shard_range
             for p, o, n in zip(b.params, b.offsets, b.numels):
                 a, e = max(o, lo), min(o + n, hi)
-                if a < e:
+                if a < e and m.grad is not None:
                     out.append((m.grad[a - lo:e - lo], p))
         return out
 

@@ -55,8 +55,8 @@ class CommCounter:
         self.reset()
 
     def reset(self, record_events: bool = False) -> None:
-        self.bytes = defaultdict(int)
-        self.calls = defaultdict(int)
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self.calls: defaultdict[str, int] = defaultdict(int)
         self.record_events = record_events
         self.events: list[tuple[str, int, float, float]] = []
 
@@ -90,7 +90,8 @@ def _active(group: Group) -> bool:
     return dist.is_initialized() and group_size(group) > 1
 
 
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[Group]=None, async_op: bool = False):
+def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None,
+               async_op: bool = False) -> Work:
     """In-place all-reduce of ``t`` over ``group``. Returns a work handle when ``async_op``."""
     if not _active(group):
         return None
@@ -100,7 +101,8 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[Group]=Non
     return work
 
 
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Optional[Group]=None, async_op: bool = False):
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group = None,
+                           async_op: bool = False) -> Work:
     """Concatenate every rank's ``inp`` along dim 0 into ``out`` (``world * inp.shape[0]`` rows)."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
@@ -111,8 +113,8 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Optional
     return work
 
 
-def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[Group]=None,
-                          async_op: bool = False):
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                          group: Group = None, async_op: bool = False) -> Work:
     """Sum ``inp`` over ranks and keep this rank's ``1/world`` slice of dim 0 in ``out``."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
@@ -124,8 +126,9 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp
     return work
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None,
-                      group: Optional[Group]=None, async_op: bool = False, kind: str = "all_to_all"):
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                      in_splits: list[int] | None = None, group: Group = None,
+                      async_op: bool = False, kind: str = "all_to_all") -> Work:
     """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``.
     Counted under ``kind``."""
     if not _active(group):
@@ -138,33 +141,33 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     return work
 
 
-def broadcast(t: torch.Tensor, src: int, group: Optional[Group]=None):
+def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
     """Broadcast ``t`` from global rank ``src`` over ``group`` (in place)."""
     if not _active(group):
-        return None
+        return
     t0 = time.perf_counter()
     dist.broadcast(t, src=src, group=group)
     COUNTER.add("broadcast", nbytes(t), t0)
 
 
-def send(t: torch.Tensor, dst: int, group: Optional[Group]=None) -> None:
+def send(t: torch.Tensor, dst: int, group: Group = None) -> None:
     t0 = time.perf_counter()
     dist.send(t.contiguous(), dst=dst, group=group)
     COUNTER.add("send", nbytes(t), t0)
 
 
-def recv(t: torch.Tensor, src: int, group: Optional[Group]=None) -> None:
+def recv(t: torch.Tensor, src: int, group: Group = None) -> None:
     t0 = time.perf_counter()
     dist.recv(t, src=src, group=group)
     COUNTER.add("recv", nbytes(t), t0)
 
 
-def isend(t: torch.Tensor, dst: int, group: Optional[Group]=None):
+def isend(t: torch.Tensor, dst: int, group: Group = None) -> Work:
     COUNTER.add("send", nbytes(t))
     return dist.isend(t.contiguous(), dst=dst, group=group)
 
 
-def irecv(t: torch.Tensor, src: int, group: Optional[Group]=None):
+def irecv(t: torch.Tensor, src: int, group: Group = None) -> Work:
     COUNTER.add("recv", nbytes(t))
     return dist.irecv(t, src=src, group=group)
 

@@ -98,7 +98,7 @@ def _entry(rank: int, world_size: int, backend: str, host: str, port: int, paylo
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    store = None
+    store: Any = None   # the rendezvous TCPStore (bytes values)
     try:
         process.setup_child(env, threads, backend, rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -143,9 +143,10 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return process.resolve_backend(backend, world_size)
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "auto",
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
            timeout: float | None = None, log_dir: str | os.PathLike[str] | None = None,
-           on_metric: Callable[[int, dict[str, Any]], None] | None = None, **kwargs) -> list[Any]:
+           on_metric: Callable[[int, dict[str, Any]], None] | None = None,
+           **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, by rank.
 
     Args:
@@ -203,7 +204,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "auto"
         del store
 
 
-def _wait(procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout, log_dir: Any) -> None:
+def _wait(procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout: float | None,
+          log_dir: Any) -> None:
     """Poll until every rank exited cleanly, passing metric records on; raise the first rank's
     error (:class:`RankError`) or ``TimeoutError`` after ``timeout`` s."""
     seen = [0] * len(procs)
@@ -218,7 +220,7 @@ def _wait(procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout, 
             break
         if deadline is not None and time.monotonic() > deadline:
             err = TimeoutError(f"launch: ranks still running after {timeout} s (logs in {log_dir})")
-            err.log_dir = str(log_dir)  # kept for reading, like a RankError's
+            err.log_dir = str(log_dir)  # type: ignore[attr-defined]  # kept for reading, like a RankError's
             raise err
         time.sleep(0.02)
     _drain(store, secret, seen, on_metric)
@@ -229,10 +231,11 @@ def _get(store: Any, rank: int, key: str) -> bytes:
     process) is reported at once instead of blocking for the store's timeout."""
     if not store.check([key]):
         raise ForgedValueError(rank, key, "missing: deleted from the store")
-    return store.get(key)
+    value: bytes = store.get(key)
+    return value
 
 
-def _drain(store: Any, secret: bytes, seen: list[Any], on_metric: Any):
+def _drain(store: Any, secret: bytes, seen: list[int], on_metric: Any) -> None:
     """Pass every new record to ``on_metric``: tag checked, then JSON decoded, then checked to
     be a dict. A rank writes ``m/<r>/<i>`` before counting it in ``n/<r>``, so a count ahead of
     its records was raised by someone else."""
@@ -292,7 +295,8 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _launch_torchrun(fn: Any, world_size: int, args, kwargs, backend: str, on_metric: Any):
+def _launch_torchrun(fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     backend: str, on_metric: Any) -> list[Any]:
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
@@ -328,7 +332,8 @@ def _exchange_results(result: Any, secret: bytes | None) -> list[Any]:
     if secret:
         blob = _sign(secret, key, blob)
     where = dict(where="received from the process group")
-    results, errors = [], []
+    results: list[Any] = []
+    errors: list[str] = []
     for r, got in enumerate(_all_gather_bytes(blob)):
         if secret:  # checked before anything of it is decoded
             got = _verified_torchrun(secret, r, got)
@@ -357,9 +362,9 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
               else torch.device("cpu"))
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes = [int(s.item()) for s in sizes]
+    size_ts = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(size_ts, n)
+    sizes = [int(s.item()) for s in size_ts]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]

@@ -71,9 +71,9 @@ class Mesh:
     ep: int = 1
     cp: int = 1
     rank: int = 0
-    coords: dict[str, Any] = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
+    coords: dict[str, int] = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
     groups: dict[str, Any] = field(default_factory=dict)
-    ranks: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":

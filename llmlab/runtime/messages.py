@@ -15,7 +15,7 @@ import json
 import torch
 import torch.distributed as dist
 from llmlab.runtime.comm import Group
-from typing import Any, Optional
+from typing import Any
 
 DTYPES = {str(t).removeprefix("torch."): t for t in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -23,7 +23,7 @@ DTYPES = {str(t).removeprefix("torch."): t for t in (
 _TENSOR = "__tensor__"
 
 
-def _flatten(obj: Any, tensors: list[Any]):
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {_TENSOR: len(tensors) - 1, "dtype": str(obj.dtype).removeprefix("torch."),
@@ -47,7 +47,7 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _specs(obj: Any, out: list[Any]):
+def _specs(obj: Any, out: list[Any]) -> list[Any]:
     if isinstance(obj, dict):
         if _TENSOR in obj:
             out.append(obj)
@@ -60,7 +60,7 @@ def _specs(obj: Any, out: list[Any]):
     return out
 
 
-def _rebuild(obj: Any, tensors: list[Any]):
+def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if _TENSOR in obj:
             return tensors[obj[_TENSOR]]
@@ -72,7 +72,8 @@ def _rebuild(obj: Any, tensors: list[Any]):
     return obj
 
 
-def broadcast_message(msg=None, src: int = 0, group: Optional[Group]=None, device: torch.device | str = "cpu"):
+def broadcast_message(msg: Any = None, src: int = 0, group: Group = None,
+                      device: torch.device | str = "cpu") -> Any:
     """Collective over ``group``: rank ``src`` passes ``msg`` (JSON-able data whose leaves may be
     tensors or ``torch.dtype`` s; tuples arrive as lists), every rank returns it. Tensors arrive on
     ``device`` (a CUDA device under NCCL). Bytes moved: 8 (header length) + header + tensors.

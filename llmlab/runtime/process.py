@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.runtime.hardware import usable_cores
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -118,10 +118,10 @@ def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
     return backend, True
 
 
-_ctx = None
+_ctx: Any = None
 
 
-def context():
+def context() -> Any:
     """The multiprocessing context every llmlab process is started from (forkserver, else spawn)."""
     global _ctx
     if _ctx is None:
@@ -137,7 +137,7 @@ def context():
 
 
 @contextlib.contextmanager
-def main_module_hidden():
+def main_module_hidden() -> Iterator[None]:
     """Stop multiprocessing from re-running the caller's ``__main__`` script in each child.
 
     What a child runs travels by value, so it never needs the caller's main module; re-importing it
@@ -154,7 +154,7 @@ def main_module_hidden():
             setattr(main, k, v)
 
 
-def start(target: Any, args: tuple[Any, ...], name: str):
+def start(target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
     """Start ``target(*args)`` in a new process (see the module docstring) and return it
     (a ``multiprocessing.Process``). ``target`` should call :func:`die_with_parent` first."""
     p = context().Process(target=target, args=args, name=name, daemon=False)
@@ -197,7 +197,7 @@ def kill_group(proc: Any) -> None:
     proc.join(5)
 
 
-def loopback_store():
+def loopback_store() -> dist.TCPStore:
     """The rendezvous store, hosted by this process on 127.0.0.1 only (given a socket bound before
     the store exists: TCPStore's own listener binds every interface whatever host it is given).
     Falls back to TCPStore's listener where this torch cannot take a socket. Its port: ``.port``."""
@@ -222,7 +222,7 @@ def loopback_store():
                          wait_for_workers=False, timeout=timeout)
 
 
-def join_store(host: str, port: int):
+def join_store(host: str, port: int) -> dist.TCPStore:
     """A child's client of the caller's :func:`loopback_store`."""
     return dist.TCPStore(host, port, is_master=False, timeout=pg_timeout())
 
@@ -243,10 +243,11 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def local_env(backend: str) -> dict[str, Any]:
+def local_env(backend: str) -> dict[str, str]:
     """The caller's environment for local children: with gloo, its sockets on the loopback
     interface (all ranks are on this machine, not on the network) unless the user chose one."""
     env = dict(os.environ)
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and loopback_interface():
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    lo = loopback_interface()
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and lo:
+        env["GLOO_SOCKET_IFNAME"] = lo
     return env

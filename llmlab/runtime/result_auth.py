@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import os
 from pathlib import Path
-from torch import Tensor
+from typing import Any
 
 
 class ForgedValueError(RuntimeError):
@@ -85,7 +85,7 @@ def _verified_torchrun(secret: bytes, rank: int, blob: bytes) -> bytes:
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def _to_json(v: Tensor):
+def _to_json(v: Any) -> Any:
     """A JSON value that :func:`_from_json` turns back into exactly ``v`` (lists, tuples and
     dicts are tagged, so a tuple stays a tuple and dict keys keep their type)."""
     if isinstance(v, _SCALARS):
@@ -99,7 +99,7 @@ def _to_json(v: Tensor):
     raise TypeError(f"{type(v).__name__} is not JSON-encodable")
 
 
-def _from_json(v: Tensor):
+def _from_json(v: Any) -> Any:
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, dict) and len(v) == 1:

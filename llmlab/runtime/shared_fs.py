@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from llmlab.runtime.comm import Group
-from typing import Optional
 
 _HOST_BYTES = 64  # host names travel as fixed-size UTF-8 byte rows
 
@@ -30,7 +29,7 @@ def _device(group: Group) -> torch.device:
         else torch.device("cpu")
 
 
-def check_shared_directory(directory: str | os.PathLike[str], group: Optional[Group]=None) -> None:
+def check_shared_directory(directory: str | os.PathLike[str], group: Group = None) -> None:
     """Collective: rank 0 writes a probe file with a fresh token into ``directory``, every rank
     reads it, and all learn who saw it. Raises ``RuntimeError`` on every rank, naming the ranks
     and hosts that could not see the file, when the directory is not shared by all ranks. A
