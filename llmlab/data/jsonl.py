@@ -78,8 +78,8 @@ def _chat_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, li
 
 def _encode_chat(tokenizer: Any, messages: list[dict[str, str]], all_tokens: bool) -> Example:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("a chat example needs a tokenizer with a chat template (the --init-from "
-                         "checkpoint has none)")
+        raise ValueError("a chat example needs a tokenizer with a chat template, and this one "
+                         "(a preset's bytes, or the checkpoint's) has none; write {\"text\"} lines")
     text, spans = _chat_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
