@@ -140,7 +140,14 @@ class ModelRunner:
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
         batches, sample_rows, sample_seqs = self.prepare(out)
-        logits = self.forward(batches, sample_rows)
+        extra = {}
+        if getattr(self.model, "is_multimodal", False):   # M-RoPE ids, image-token embeddings
+            from llmlab.inference import multimodal
+            order = [x for g in self.attention_groups(out.scheduled) for x in g]
+            extra = multimodal.step_inputs(self.model, order, self.device)
+        logits = self.forward(batches, sample_rows, **extra)
+        if extra:
+            multimodal.release_done(order)
         if not sample_rows:
             return {}
         return dict(zip(sample_seqs, logits.float().cpu()))
@@ -160,14 +167,18 @@ class ModelRunner:
         return batches, sample_rows, sample_seqs
 
     @torch.no_grad()
-    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
+    def forward(self, batches: list[AttentionBatch], sample_rows: list[int],
+                **extra) -> torch.Tensor:
         """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
-        context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``."""
+        context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``.
+        ``extra``: a multimodal model's ``positions [3, N]`` (replacing the batches'),
+        ``image_embeds`` and ``image_mask`` (:func:`llmlab.inference.multimodal.step_inputs`)."""
         if len(batches) == 1:
             ids, positions = batches[0].input_ids, batches[0].positions
         else:
             ids = torch.cat([b.input_ids for b in batches])
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
+        positions = extra.pop("positions", positions)
         with forward_context(PagedAttentionContext(self.kv_cache, batches)):
-            return self.model(ids[None], positions=positions, logits_indices=rows)
+            return self.model(ids[None], positions=positions, logits_indices=rows, **extra)
