@@ -26,8 +26,9 @@ def _images():
             for shape in ((90, 130, 3), (200, 60, 3), (64, 64, 3))]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def save_tiny_qwen2_5_vl(path):
+    """A small random Qwen2.5-VL written by transformers to ``path``; returns the HF model.
+    Byte vocabulary (256): the image tokens are bytes UTF-8 never produces."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -41,9 +42,14 @@ def ckpt(tmp_path_factory):
         vision_end_token_id=END, initializer_range=0.1)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
     model.save_pretrained(path)
-    return path, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    return path, save_tiny_qwen2_5_vl(path)
 
 
 CASES = [([1, 2, 3, 4], []),                                         # no image

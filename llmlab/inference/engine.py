@@ -254,7 +254,8 @@ class LLMEngine:
         self.check_limits(params)
         text, ids = self.encode(prompt)
         mm = None
-        if self.mm_config is not None or (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+        if self.mm_config is not None or (isinstance(prompt, dict) and (
+                prompt.get("multi_modal_data") or prompt.get("multi_modal_state"))):
             from llmlab.inference import multimodal          # images: expand their placeholders
             ids, mm = multimodal.from_request(prompt, ids, self.mm_config, self.config)
             if mm is not None and params.prompt_logprobs is not None:

@@ -169,11 +169,18 @@ __all__ = ["ImageError", "ImageSpan", "MultimodalState", "prepare", "step_inputs
 
 
 def from_request(prompt, ids: list[int], mm_config, cfg) -> tuple[list[int], MultimodalState | None]:
-    """The engine's hook: ``prompt``'s images (``multi_modal_data["image"]``: one image or a
+    """The engine's hook: a ``multi_modal_state`` made by :func:`prepare` for these (expanded)
+    ``ids``, or ``prompt``'s images (``multi_modal_data["image"]``: one image or a
     list) under the engine config ``cfg``'s pixel bounds and limits, overridden per request by
     ``mm_processor_kwargs`` (``min_pixels``, ``max_pixels``). Returns ``(ids, None)`` for a
     prompt without images. Raises ``ValueError`` as :func:`prepare`, and for unknown
     ``mm_processor_kwargs`` or modalities."""
+    state = prompt.get("multi_modal_state") if isinstance(prompt, dict) else None
+    if state is not None:                      # already processed and expanded (the server)
+        if mm_config is None or not isinstance(state, MultimodalState) or \
+                sum(1 for t in ids if t == mm_config.image_token_id) != state.num_image_tokens:
+            raise ValueError("multi_modal_state does not match the prompt's image tokens")
+        return ids, state
     data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
     images = (data or {}).get("image")
     if data and set(data) - {"image"}:
