@@ -21,6 +21,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MI
     return h, w
 
 
-def load_image(src, max_image_pixels: int = MAX_IMAGE_PIXELS):
+def load_image(src: Any, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Any:
     """A decoded RGB ``PIL.Image`` from a PIL image, a path (``str``/``Path``) or bytes.
 
     Raises :class:`ImageError` (a ``ValueError``) naming the problem: not an image, truncated,
@@ -125,7 +126,7 @@ class ProcessedImage:
     size: tuple[int, int]            # the resized (width, height), pixels
 
 
-def process_image(img, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+def process_image(img: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
                   patch: int = 14, merge: int = 2, temporal: int = 2) -> ProcessedImage:
     """Resize (:func:`smart_resize`, bicubic), normalise and :func:`patchify` a decoded RGB
     ``PIL.Image``. Raises :class:`ImageError` for bad pixel bounds."""

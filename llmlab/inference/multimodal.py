@@ -19,6 +19,7 @@ share blocks; different images behind the same placeholder ids never do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class MultimodalState:
         return self._keys[key]
 
 
-def prepare(ids: list[int], images: list, mm_config, *, min_pixels: int = MIN_PIXELS,
+def prepare(ids: list[int], images: list, mm_config: Any, *, min_pixels: int = MIN_PIXELS,
             max_pixels: int = MAX_PIXELS, max_image_pixels: int = MAX_IMAGE_PIXELS,
             limit: int | None = None) -> tuple[list[int], MultimodalState]:
     """Expand the prompt ``ids`` (one ``image_token_id`` per image) and process ``images``
@@ -105,7 +106,7 @@ def prepare(ids: list[int], images: list, mm_config, *, min_pixels: int = MIN_PI
     return out, MultimodalState(spans, positions, delta)
 
 
-def _positions(seq, c: int, n: int) -> torch.Tensor:
+def _positions(seq: Any, c: int, n: int) -> torch.Tensor:
     """M-RoPE ids ``[3, n]`` of ``seq``'s tokens ``[c, c + n)``."""
     mm = seq.mm
     if mm is None:
@@ -119,7 +120,7 @@ def _positions(seq, c: int, n: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _image_rows(model, seq, c: int, n: int, row0: int, rows: list, embeds: list) -> None:
+def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list, embeds: list) -> None:
     """Append the step's image-token rows of ``seq`` (tokens ``[c, c + n)`` at flat rows from
     ``row0``) and their embeddings, running the encoder for an image not yet encoded."""
     for s in seq.mm.spans:
@@ -134,7 +135,7 @@ def _image_rows(model, seq, c: int, n: int, row0: int, rows: list, embeds: list)
         embeds.append(s.embeds[a - s.offset:b - s.offset])
 
 
-def step_inputs(model, order: list[tuple], device: torch.device) -> dict:
+def step_inputs(model: Any, order: list[tuple], device: torch.device) -> dict:
     """The model's extra inputs for a step computing ``n`` tokens of each ``(seq, n)`` of
     ``order`` (the flat batch's order), from each ``seq.num_computed_tokens``: ``positions
     [3, N]``, ``image_embeds [K, hidden]`` and ``image_mask [N]``. Encoder outputs of images whose
@@ -168,7 +169,7 @@ def release_done(order: list[tuple]) -> None:
 __all__ = ["ImageError", "ImageSpan", "MultimodalState", "prepare", "step_inputs", "release_done"]
 
 
-def from_request(prompt, ids: list[int], mm_config, cfg) -> tuple[list[int], MultimodalState | None]:
+def from_request(prompt: Any, ids: list[int], mm_config: Any, cfg: Any) -> tuple[list[int], MultimodalState | None]:
     """The engine's hook: a ``multi_modal_state`` made by :func:`prepare` for these (expanded)
     ``ids``, or ``prompt``'s images (``multi_modal_data["image"]``: one image or a
     list) under the engine config ``cfg``'s pixel bounds and limits, overridden per request by

@@ -10,6 +10,7 @@ tower's output (Hugging Face's ``masked_scatter``). Loaded from a Hugging Face
 from __future__ import annotations
 
 import types
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -56,14 +57,15 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                              f"language model's hidden_size={config.hidden_size}")
         self.visual = VisionTransformer(mm.vision)
 
-    def rotary_at(self, positions: torch.Tensor, dtype):
+    def rotary_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[N, head_dim]`` for ids ``[3, N]`` (or ``[N]``, text only)."""
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         c = self.config
         return mrope_cos_sin(positions, c.head_dim, c.rope_theta, self.mm_config.mrope_section, dtype)
 
-    def rotary(self, T: int, device, dtype, offset: int = 0):
+    def rotary(self, T: int, device: Any, dtype: torch.dtype,
+               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_at(torch.arange(offset, offset + T, device=device), dtype)
 
     @torch.no_grad()
@@ -78,7 +80,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 positions: torch.Tensor | None = None,
                 logits_indices: torch.Tensor | None = None,
                 image_embeds: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None):
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids)
         if image_embeds is not None and image_embeds.shape[0]:
             flat = h.view(-1, h.shape[-1])
@@ -94,7 +96,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return self.compute_loss(logits, labels) + self.aux_loss()
 
 
-def configs_from_hf(path) -> tuple[ModelConfig, MultimodalConfig]:
+def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
     """The language model's :class:`ModelConfig` and the :class:`MultimodalConfig` of a
     Hugging Face Qwen2.5-VL ``config.json`` in ``path`` (read as JSON: the text config as
     transformers' ``Qwen2Config`` would read it). Raises ``ValueError`` for another model type."""
@@ -131,7 +133,7 @@ def hf_key(name: str) -> str:
     return name
 
 
-def load_qwen2_5_vl(path, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLForConditionalGeneration:
+def load_qwen2_5_vl(path: Any, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLForConditionalGeneration:
     """Build the model from a local Hugging Face Qwen2.5-VL checkpoint directory. Raises
     ``ValueError`` when tensors are missing or unexpected."""
     from llmlab.model.hf import load_state_dict

@@ -17,6 +17,7 @@ Shapes: ``P`` patches (all images together), ``C`` vision width, ``grid_thw [I, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class VisionConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_hf(cls, vc) -> "VisionConfig":
+    def from_hf(cls, vc: Any) -> "VisionConfig":
         """From a ``transformers`` vision config (object or dict). Raises ``ValueError`` for an
         activation other than silu."""
         get = vc.get if isinstance(vc, dict) else (lambda k, d=None: getattr(vc, k, d))

@@ -24,19 +24,20 @@ import os
 import re
 import secrets
 import urllib.parse
+from typing import Any
 
 from llmlab.inference import multimodal
 from llmlab.inference.image_processor import ImageError, load_image, process_image
 from llmlab.serve.protocol import APIError
 
 
-def has_images(messages) -> bool:
+def has_images(messages: list) -> bool:
     """Whether any message holds a content part other than text."""
     return any(isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content)
                for m in messages)
 
 
-def split_parts(messages, tag: str) -> tuple[list[dict], list[str]]:
+def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
     """``[{"role", "content"}]`` with each image part written as ``tag + index + "E"``, and the
     images' URLs in order. Raises :class:`APIError` for another part type or a part without a
     URL."""
@@ -108,7 +109,7 @@ def fetch(url: str, allowed: str | None) -> bytes | str:
                    param="messages")
 
 
-def pixel_bounds(cfg, kwargs: dict | None) -> tuple[int, int]:
+def pixel_bounds(cfg: Any, kwargs: dict | None) -> tuple[int, int]:
     """``(min_pixels, max_pixels)`` of a request: the engine's, or ``mm_processor_kwargs``'
     within them. Raises :class:`APIError` for unknown keys or a cap above the server's."""
     kw = dict(kwargs or {})
@@ -128,8 +129,8 @@ def pixel_bounds(cfg, kwargs: dict | None) -> tuple[int, int]:
     return lo, hi
 
 
-def render(ctx, messages, req_kwargs: dict | None, add_generation_prompt: bool,
-           continue_final_message: bool) -> tuple[list[int], object]:
+def render(ctx: Any, messages: list, req_kwargs: dict | None, add_generation_prompt: bool,
+           continue_final_message: bool) -> tuple[list[int], Any]:
     """Token ids (image placeholders expanded) and the engine's multimodal state of a chat
     request with image parts; runs on the tokenizer thread. Raises :class:`APIError`."""
     engine, cfg = ctx.engine, ctx.config
