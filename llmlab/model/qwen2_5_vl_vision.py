@@ -123,11 +123,24 @@ class VisionAttention(nn.Module):
         c, s = cos[:, None].float(), sin[:, None].float()
         q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
-        out = torch.empty_like(q)
-        for a, b in zip(cu[:-1], cu[1:]):
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
-        return self.proj(out.reshape(P, C))
+        return self.proj(segment_attention(q, k, v, cu).reshape(P, C))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu: list[int]) -> torch.Tensor:
+    """Bidirectional attention of ``q, k, v [P, H, Dh]`` within each segment ``[cu[i],
+    cu[i+1])``; segments of equal length (most windows) run as one batched call."""
+    out = torch.empty_like(q)
+    by_len: dict[int, list[int]] = {}
+    for a, b in zip(cu[:-1], cu[1:]):
+        by_len.setdefault(b - a, []).append(a)
+    for L, starts in by_len.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(L)).flatten().to(q.device)
+        n, H, D = len(starts), q.shape[1], q.shape[2]
+        qs, ks, vs = (t[rows].view(n, L, H, D).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)             # [n, H, L, Dh]
+        out[rows] = o.transpose(1, 2).reshape(n * L, H, D)
+    return out
 
 
 class VisionMLP(nn.Module):
