@@ -71,11 +71,12 @@ def load_image(src: Any, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Any:
         _check_pixels(img.size, max_image_pixels)
     else:
         if isinstance(src, (bytes, bytearray, memoryview)):
-            fp, what = io.BytesIO(bytes(src)), "image bytes"
+            fp: Any = io.BytesIO(bytes(src))
+            what = "image bytes"
         elif isinstance(src, (str, Path)):
             if not Path(src).is_file():
                 raise ImageError(f"image file {str(src)!r} does not exist")
-            fp, what = open(src, "rb"), f"image file {Path(src).name!r}"
+            fp, what = open(src, "rb"), f"image file {Path(src).name!r}"   # noqa: SIM115
         else:
             raise ImageError(f"an image must be a PIL image, a path or bytes, not {type(src).__name__}")
         with fp:
@@ -140,7 +141,7 @@ def process_image(img: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_
     w, h = img.size
     rh, rw = smart_resize(h, w, factor, min_pixels, max_pixels)
     if (rw, rh) != (w, h):
-        img = img.resize((rw, rh), resample=Image.BICUBIC)
+        img = img.resize((rw, rh), resample=Image.Resampling.BICUBIC)
     x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).reshape(rh, rw, 3)
     x = x.permute(2, 0, 1).float() / 255.0
     x = (x - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]

@@ -50,13 +50,13 @@ class MultimodalState:
     positions: torch.Tensor
     delta: int
     encoder_runs: int = 0                    # vision-tower calls so far (tests, metrics)
-    _keys: dict = field(default_factory=dict)
+    _keys: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     @property
     def num_image_tokens(self) -> int:
         return sum(s.image.num_tokens for s in self.spans)
 
-    def block_key(self, start: int, end: int) -> tuple:
+    def block_key(self, start: int, end: int) -> tuple[tuple[str, int], ...]:
         """What, besides its token ids, names the prompt block ``[start, end)`` for prefix
         caching: ``(content_hash, first image token in the block)`` of each image it overlaps."""
         key = (start, end)
@@ -66,7 +66,7 @@ class MultimodalState:
         return self._keys[key]
 
 
-def prepare(ids: list[int], images: list, mm_config: Any, *, min_pixels: int = MIN_PIXELS,
+def prepare(ids: list[int], images: list[Any], mm_config: Any, *, min_pixels: int = MIN_PIXELS,
             max_pixels: int = MAX_PIXELS, max_image_pixels: int = MAX_IMAGE_PIXELS,
             limit: int | None = None) -> tuple[list[int], MultimodalState]:
     """Expand the prompt ``ids`` (one ``image_token_id`` per image) and process ``images``
@@ -120,7 +120,8 @@ def _positions(seq: Any, c: int, n: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list, embeds: list) -> None:
+def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list[int],
+                embeds: list[torch.Tensor]) -> None:
     """Append the step's image-token rows of ``seq`` (tokens ``[c, c + n)`` at flat rows from
     ``row0``) and their embeddings, running the encoder for an image not yet encoded."""
     for s in seq.mm.spans:
@@ -135,13 +136,16 @@ def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list, emb
         embeds.append(s.embeds[a - s.offset:b - s.offset])
 
 
-def step_inputs(model: Any, order: list[tuple], device: torch.device) -> dict:
+def step_inputs(model: Any, order: list[tuple[Any, int]], device: torch.device) -> dict[str, torch.Tensor]:
     """The model's extra inputs for a step computing ``n`` tokens of each ``(seq, n)`` of
     ``order`` (the flat batch's order), from each ``seq.num_computed_tokens``: ``positions
     [3, N]``, ``image_embeds [K, hidden]`` and ``image_mask [N]``. Encoder outputs of images whose
     last token is computed in this step are dropped from the sequence afterwards
     (:func:`release_done`)."""
-    pos, rows, embeds, row = [], [], [], 0
+    pos: list[torch.Tensor] = []
+    rows: list[int] = []
+    embeds: list[torch.Tensor] = []
+    row = 0
     for seq, n in order:
         c = seq.num_computed_tokens
         pos.append(_positions(seq, c, n))
@@ -157,7 +161,7 @@ def step_inputs(model: Any, order: list[tuple], device: torch.device) -> dict:
     return out
 
 
-def release_done(order: list[tuple]) -> None:
+def release_done(order: list[tuple[Any, int]]) -> None:
     """After a step: drop the encoder output of each image whose last token is now computed."""
     for seq, n in order:
         if seq.mm is not None:
