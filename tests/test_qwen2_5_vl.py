@@ -217,3 +217,33 @@ def test_text_only_model_refuses_images():
     out = llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": _png_bytes()}},
                        GREEDY)[0]
     assert "text-only" in out.error
+
+
+def test_qwen2_vl_checkpoint_matches_transformers(tmp_path):
+    """Qwen2-VL (LayerNorm, QuickGELU, no windows) loads into the same model."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}, initializer_range=0.1),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
+                           initializer_range=0.1),
+        image_token_id=IMG, video_token_id=252, vision_start_token_id=START,
+        vision_end_token_id=END, initializer_range=0.1)
+    torch.manual_seed(0)
+    hf = Qwen2VLForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    ids, which = CASES[2]
+    imgs = [_images()[i] for i in which]
+    ref = _hf_processor()(imgs, return_tensors="pt")
+    counts = iter((ref["image_grid_thw"].prod(-1) // 4).tolist())
+    x = torch.tensor([[t for tok in ids for t in ([IMG] * next(counts) if tok == IMG else [tok])]])
+    with torch.no_grad():
+        want = hf.generate(x, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                           mm_token_type_ids=(x == IMG).int(), max_new_tokens=N_NEW,
+                           do_sample=False)[0, x.shape[1]:].tolist()
+    out = LLM(str(tmp_path), max_pixels=MAX_PIXELS, block_size=4, enable_chunked_prefill=True,
+              max_num_batched_tokens=9).generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
+    assert out.outputs[0].token_ids == want

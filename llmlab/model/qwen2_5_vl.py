@@ -5,7 +5,9 @@ The language model is :class:`~llmlab.model.llama.LlamaForCausalLM` itself (same
 parameter names); only its rotary tables change, from ``positions [N]`` to ``positions [3, N]``,
 and its embedding step, where the rows of image placeholder tokens are replaced by the vision
 tower's output (Hugging Face's ``masked_scatter``). Loaded from a Hugging Face
-``Qwen2_5_VLForConditionalGeneration`` checkpoint by :func:`load_qwen2_5_vl`.
+``Qwen2_5_VLForConditionalGeneration`` checkpoint by :func:`load_qwen2_5_vl`; a Qwen2-VL one
+(``Qwen2VLForConditionalGeneration``: LayerNorm and QuickGELU vision blocks, no windows) loads
+into the same class with ``VisionConfig.variant = "qwen2_vl"``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from llmlab.model.llama import LlamaForCausalLM
 from llmlab.model.mrope import mrope_cos_sin
 from llmlab.model.qwen2_5_vl_vision import VisionConfig, VisionTransformer
 
-MODEL_TYPES = ("qwen2_5_vl",)
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
 def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
     """The language model's :class:`ModelConfig` and the :class:`MultimodalConfig` of a
-    Hugging Face Qwen2.5-VL ``config.json`` in ``path`` (read as JSON: the text config as
+    Hugging Face Qwen2.5-VL or Qwen2-VL ``config.json`` in ``path`` (read as JSON: the text config as
     transformers' ``Qwen2Config`` would read it). Raises ``ValueError`` for another model type."""
     import json
     from pathlib import Path
@@ -118,7 +120,8 @@ def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
                 tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
                 _name_or_path=str(path))
     cfg = config_from_hf(types.SimpleNamespace(**text))
-    mm = MultimodalConfig(VisionConfig.from_hf(raw["vision_config"]), int(raw["image_token_id"]),
+    mm = MultimodalConfig(VisionConfig.from_hf(raw["vision_config"], raw["model_type"]),
+                          int(raw["image_token_id"]),
                           int(raw["vision_start_token_id"]), int(raw["vision_end_token_id"]), section)
     return cfg, mm
 
@@ -134,7 +137,7 @@ def hf_key(name: str) -> str:
 
 
 def load_qwen2_5_vl(path: Any, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLForConditionalGeneration:
-    """Build the model from a local Hugging Face Qwen2.5-VL checkpoint directory. Raises
+    """Build the model from a local Hugging Face Qwen2.5-VL (or Qwen2-VL) checkpoint directory. Raises
     ``ValueError`` when tensors are missing or unexpected."""
     from llmlab.model.hf import load_state_dict
     cfg, mm = configs_from_hf(path)

@@ -44,13 +44,29 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = field(default=(7, 15, 23, 31))
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
+    variant: str = "qwen2_5_vl"      # "qwen2_vl": LayerNorm, fc1/fc2 MLP, full attention only
 
     @classmethod
-    def from_hf(cls, vc: Any) -> "VisionConfig":
-        """From a ``transformers`` vision config (object or dict). Raises ``ValueError`` for an
-        activation other than silu."""
+    def from_hf(cls, vc: Any, model_type: str = "qwen2_5_vl") -> "VisionConfig":
+        """From a ``transformers`` vision config (object or dict) of ``model_type``
+        (``qwen2_5_vl`` or ``qwen2_vl``). Raises ``ValueError`` for an activation other than
+        silu (Qwen2.5-VL) or quick_gelu/gelu (Qwen2-VL)."""
         get = vc.get if isinstance(vc, dict) else (lambda k, d=None: getattr(vc, k, d))
         rope = get("rope_parameters") or {}
+        if model_type == "qwen2_vl":
+            width, depth = get("embed_dim"), get("depth")
+            cfg = cls(depth=depth, hidden_size=width, intermediate_size=int(width * get("mlp_ratio", 4)),
+                      num_heads=get("num_heads"), out_hidden_size=get("hidden_size"),
+                      in_channels=get("in_channels", 3), patch_size=get("patch_size", 14),
+                      temporal_patch_size=get("temporal_patch_size", 2),
+                      spatial_merge_size=get("spatial_merge_size", 2),
+                      fullatt_block_indexes=tuple(range(depth)),
+                      rope_theta=float(rope.get("rope_theta", 10000.0)),
+                      hidden_act=get("hidden_act", "quick_gelu"), variant="qwen2_vl")
+            if cfg.hidden_act not in ("quick_gelu", "gelu"):
+                raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported "
+                                 f"(quick_gelu, gelu)")
+            return cfg
         cfg = cls(depth=get("depth"), hidden_size=get("hidden_size"),
                   intermediate_size=get("intermediate_size"), num_heads=get("num_heads"),
                   out_hidden_size=get("out_hidden_size"), in_channels=get("in_channels", 3),
@@ -156,13 +172,35 @@ class VisionMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class QuickGELUMLP(nn.Module):
+    """Qwen2-VL's vision feed-forward: ``fc2(act(fc1(x)))``, act quick_gelu
+    (``x * sigmoid(1.702 x)``) or gelu."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.quick = act == "quick_gelu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h) if self.quick else F.gelu(h))
+
+
+def vision_norm(cfg: VisionConfig) -> nn.Module:
+    """RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6."""
+    return nn.LayerNorm(cfg.hidden_size, eps=1e-6) if cfg.variant == "qwen2_vl" else \
+        RMSNorm(cfg.hidden_size, 1e-6)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
+        self.norm1 = vision_norm(cfg)
+        self.norm2 = vision_norm(cfg)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (QuickGELUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+                    if cfg.variant == "qwen2_vl" else VisionMLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu: list[int]) -> torch.Tensor:
@@ -186,13 +224,13 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """RMSNorm, then each ``merge^2`` consecutive patches concatenated and an MLP (GELU) to the
+    """RMSNorm (LayerNorm in Qwen2-VL), then each ``merge^2`` consecutive patches concatenated and an MLP (GELU) to the
     language model's width: ``[P, C] -> [P / merge^2, out_hidden_size]``."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.width = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
+        self.ln_q = vision_norm(cfg)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
                                  nn.Linear(self.width, cfg.out_hidden_size))
 
@@ -228,6 +266,8 @@ class VisionTransformer(nn.Module):
         c = self.cfg
         unit = c.spatial_merge_size ** 2
         grid_thw = grid_thw.cpu()
+        if c.variant == "qwen2_vl":                     # no windows: every block sees the image
+            return self._full(pixel_values, grid_thw)
         order, cu_win = window_index(grid_thw, c.spatial_merge_size, c.window_size, c.patch_size)
         seg = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
         cu_full = [0] + seg.cumsum(0).tolist()
@@ -242,3 +282,13 @@ class VisionTransformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, cu_full if i in c.fullatt_block_indexes else cu_win)
         return self.merger(x)[torch.argsort(order).to(x.device)]
+
+    def _full(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Qwen2-VL: every block attends over each whole image, in the processor's order."""
+        seg = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])
+        cu = [0] + seg.cumsum(0).tolist()
+        x = self.patch_embed(pixel_values)
+        cos, sin = self.rotary(grid_thw)
+        for blk in self.blocks:
+            x = blk(x, cos, sin, cu)
+        return self.merger(x)
