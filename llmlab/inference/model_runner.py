@@ -144,18 +144,43 @@ class ModelRunner:
         Returns ``{seq_id: logits [vocab] (fp32, CPU)}`` for the sequences whose last token was
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
+        return self.execute_with_prompt_logits(out, frozenset())[0]
+
+    @torch.no_grad()
+    def execute_with_prompt_logits(self, out: SchedulerOutput, seq_ids: frozenset[int]
+                                   ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+        """:meth:`execute`, and in the same forward the logits of every position this step
+        computes that predicts a prompt token, for the sequences in ``seq_ids`` (vLLM's
+        ``prompt_logprobs``, gathered in the batched step): ``{seq_id: (first position,
+        logits [m, vocab] fp32 CPU)}``, row ``j`` predicting prompt token ``first + j + 1``."""
         batches, sample_rows, sample_seqs = self.prepare(out)
-        extra = {}
-        if getattr(self.model, "is_multimodal", False):   # M-RoPE ids, image-token embeddings
+        prompt_rows = self.prompt_rows(out, seq_ids)
+        extra = [r for _, _, rows in prompt_rows for r in rows]
+        order, mm_inputs = self._multimodal_inputs(out)
+        logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
+        if mm_inputs:
             from llmlab.inference import multimodal
-            order = [x for g in self.attention_groups(out.scheduled) for x in g]
-            extra = multimodal.step_inputs(self.model, order, self.device)
-        logits = self.forward(batches, sample_rows, **extra)
-        if extra:
             multimodal.release_done(order)
-        if not sample_rows:
-            return {}
-        return dict(zip(sample_seqs, logits.float().cpu()))
+        if not sample_rows and not extra:
+            return {}, {}
+        logits = logits.float().cpu()
+        sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
+        prompt: dict[int, tuple[int, torch.Tensor]] = {}
+        at = len(sample_rows)
+        for sid, first, rows in prompt_rows:
+            prompt[sid] = (first, logits[at:at + len(rows)])
+            at += len(rows)
+        return sampled, prompt
+
+    def _multimodal_inputs(self, out: SchedulerOutput) -> tuple[list[tuple], dict]:
+        """A vision-language model's extra forward inputs (M-RoPE ids, image-token embeddings;
+        :func:`llmlab.inference.multimodal.step_inputs`) and the step's ``(seq, n)`` order;
+        ``([], {})`` for a text model."""
+        if not getattr(self.model, "is_multimodal", False):
+            return [], {}
+        from llmlab.inference import multimodal
+        order = [x for g in self.attention_groups(out.scheduled) for x in g]
+        return order, multimodal.step_inputs(self.model, order, self.device)
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
@@ -170,6 +195,22 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq.seq_id)
         return batches, sample_rows, sample_seqs
+
+    def prompt_rows(self, out: SchedulerOutput, seq_ids: frozenset[int]) -> list[tuple[int, int, list[int]]]:
+        """``(seq_id, first position, rows)``: the rows of the flattened step (in
+        :meth:`prepare`'s order) at positions ``< num_prompt_tokens - 1`` of the sequences in
+        ``seq_ids`` (the positions whose next token is a prompt token)."""
+        found: list[tuple[int, int, list[int]]] = []
+        if not seq_ids:
+            return found
+        row = 0
+        for seq, n in (x for g in self.attention_groups(out.scheduled) for x in g):
+            c = seq.num_computed_tokens
+            stop = min(c + n, seq.num_prompt_tokens - 1)
+            if seq.seq_id in seq_ids and stop > c:
+                found.append((seq.seq_id, c, list(range(row, row + stop - c))))
+            row += n
+        return found
 
     @torch.no_grad()
     def forward(self, batches: list[AttentionBatch], sample_rows: list[int],

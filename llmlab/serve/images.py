@@ -32,36 +32,58 @@ from llmlab.serve.protocol import APIError
 
 
 def has_images(messages: list) -> bool:
-    """Whether any message holds a content part other than text."""
-    return any(isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content)
-               for m in messages)
+    """Whether any message holds an ``image_url`` content part."""
+    return any(isinstance(m.content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image_url" for p in m.content) for m in messages)
+
+
+def _image_url(part: dict, at: str) -> str:
+    for key in part:
+        if key not in ("type", "image_url"):
+            raise APIError(f"{at}.{key} is not a field of an image_url part", param=f"{at}.{key}")
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else None
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{at}.image_url.url must be a string (a data: or file:// URL)",
+                       param=f"{at}.image_url.url")
+    for key in spec:
+        if key not in ("url", "detail"):
+            raise APIError(f"{at}.image_url.{key} is not supported", param=f"{at}.image_url.{key}")
+    return url
+
+
+def _text_part(part: Any, at: str) -> str:
+    """A ``{"type": "text", "text": str}`` part's text, or :class:`APIError` naming the field."""
+    if not isinstance(part, dict):
+        raise APIError(f"{at} must be an object (a text or image_url part)", param=at)
+    if part.get("type") != "text":
+        raise APIError(f"content part of type {part.get('type')!r} is not supported "
+                       "(text, image_url)", param=f"{at}.type")
+    for key in part:
+        if key not in ("type", "text"):
+            raise APIError(f"{at}.{key} is not a field of a text part", param=f"{at}.{key}")
+    if not isinstance(part.get("text"), str):
+        raise APIError(f"{at}.text must be a string", param=f"{at}.text")
+    return part["text"]
 
 
 def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
     """``[{"role", "content"}]`` with each image part written as ``tag + index + "E"``, and the
-    images' URLs in order. Raises :class:`APIError` for another part type or a part without a
-    URL."""
+    images' URLs in order. Raises :class:`APIError` naming the part for anything but text and
+    image_url parts of the OpenAI shape."""
     out, urls = [], []
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
-            out.append({"role": m.role, "content": m.text()})
+            out.append({"role": m.role, "content": m.text(i)})
             continue
         text = []
-        for part in m.content:
-            kind = part.get("type")
-            if kind == "text":
-                text.append(str(part.get("text", "")))
-            elif kind == "image_url":
-                url = (part.get("image_url") or {}).get("url") if isinstance(
-                    part.get("image_url"), dict) else part.get("image_url")
-                if not isinstance(url, str) or not url:
-                    raise APIError(f"messages[{i}]: an image_url part needs image_url.url",
-                                   param="messages")
+        for j, part in enumerate(m.content):
+            at = f"messages.{i}.content.{j}"
+            if isinstance(part, dict) and part.get("type") == "image_url":
                 text.append(f"{tag}{len(urls)}E")
-                urls.append(url)
+                urls.append(_image_url(part, at))
             else:
-                raise APIError(f"content part of type {kind!r} is not supported (text, image_url)",
-                               param="messages")
+                text.append(_text_part(part, at))
         out.append({"role": m.role, "content": "".join(text)})
     return out, urls
 
@@ -151,7 +173,7 @@ def render(ctx: Any, messages: list, req_kwargs: dict | None, add_generation_pro
     images = []
     for url in urls:
         try:
-            img = load_image(fetch(url, cfg.allowed_local_media_path), cfg.max_image_pixels)
+            img = load_image(fetch(url, ctx.server.allowed_local_media_path), cfg.max_image_pixels)
             images.append(process_image(img, lo, hi, v.patch_size, v.spatial_merge_size,
                                         v.temporal_patch_size))
         except ImageError as e:

@@ -20,7 +20,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request):
         raise APIError("this model has no tokenizer: chat completions need one")
     mm_kwargs = (req.model_extra or {}).pop("mm_processor_kwargs", None)   # vLLM's, for images
     req.check_fields()
-    if (req.model_extra or {}).get("prompt_logprobs") is not None:
+    if req.prompt_logprobs is not None:
         raise APIError("prompt_logprobs is not supported for chat completions",
                        param="prompt_logprobs")
     if images.has_images(req.messages):           # image_url parts (llmlab.serve.images)
@@ -28,7 +28,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request):
                                      req.add_generation_prompt, req.continue_final_message)
         params = req.sampling_params(ctx.max_tokens_for(len(ids), req.requested_max_tokens()))
         return await generate(ctx, raw, req, [Prompt("", ids, params, mm)], chat=True)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
     check_text_size(ctx, "".join(m["content"] for m in messages), "messages")
     try:
         _, ids = await ctx.off_loop(ctx.renderer.render, messages, req.add_generation_prompt,
