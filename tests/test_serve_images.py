@@ -122,3 +122,16 @@ def test_text_only_model_refuses_image_parts():
         code, err = _post(s.url + "/v1/chat/completions", {
             "messages": [{"role": "user", "content": [_img(_data(_png()))]}], "max_tokens": 2})
     assert code == 400 and "text-only" in err["error"]["message"]
+
+
+def test_streamed_image_chat_equals_the_whole_answer(setup):
+    import openai
+    server, _, media = setup
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": [_img(f"file://{media}/a.png"),
+                                             {"type": "text", "text": "and now?"}]}]
+    kw = dict(model="vl", messages=messages, max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
