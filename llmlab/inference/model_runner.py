@@ -27,6 +27,7 @@ from llmlab.inference.attention_context import AttentionBatch, PagedAttentionCon
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
+from llmlab.inference.sequence import Sequence
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
 
@@ -172,7 +173,8 @@ class ModelRunner:
             at += len(rows)
         return sampled, prompt
 
-    def _multimodal_inputs(self, out: SchedulerOutput) -> tuple[list[tuple], dict]:
+    def _multimodal_inputs(self, out: SchedulerOutput
+                           ) -> tuple[list[tuple[Sequence, int]], dict[str, torch.Tensor]]:
         """A vision-language model's extra forward inputs (M-RoPE ids, image-token embeddings;
         :func:`llmlab.inference.multimodal.step_inputs`) and the step's ``(seq, n)`` order;
         ``([], {})`` for a text model."""
@@ -214,7 +216,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batches: list[AttentionBatch], sample_rows: list[int],
-                **extra) -> torch.Tensor:
+                **extra: torch.Tensor) -> torch.Tensor:
         """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
         context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``.
         ``extra``: a multimodal model's ``positions [3, N]`` (replacing the batches'),
