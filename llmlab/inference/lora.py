@@ -143,13 +143,14 @@ class LoRASlots:
 
 
 def enable_lora(model: nn.Module, max_loras: int, max_lora_rank: int) -> LoRASlots:
-    """Wrap ``model``'s target linear layers (:data:`llmlab.model.lora.TARGETS`) in
+    """Wrap ``model``'s decoder-layer target linear layers (:data:`llmlab.model.lora.TARGETS`) in
     :class:`MultiLoRALinear` and undo the projection fusion of the layers holding them; returns
     the :class:`LoRASlots` to load adapters into and to set each step's token slots."""
     slots = LoRASlots(max_loras, max_lora_rank)
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
-        if leaf not in TARGETS or isinstance(module, MultiLoRALinear):
+        if leaf not in TARGETS or isinstance(module, MultiLoRALinear) \
+                or not name.startswith("model.layers."):    # the decoder's, not a vision tower's
             continue
         w = getattr(module, "weight", None)
         if w is None:

@@ -76,7 +76,7 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, se
     done = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in targets or not isinstance(module, nn.Linear):
+        if leaf not in targets or not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
             continue
         lora = LoRALinear(module, rank, alpha)
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
