@@ -18,7 +18,8 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
 """
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"], ["train", "--help"],
+                                  ["plan", "--help"]])
 def test_version_and_help_do_not_import_torch(argv):
     out = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True,
                          text=True, timeout=60)
