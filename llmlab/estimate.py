@@ -31,7 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from llmlab.formulas._checks import check_count
+from llmlab.formulas._checks import check_flag
 from llmlab.formulas.activations import activation_bytes_per_layer, activation_bytes_per_rank
 from llmlab.formulas.communication import (communication_wall, ring_all_reduce_time, ring_factor,
                                            zero_comm_bytes_per_step)
@@ -103,15 +103,12 @@ def check_args(args: argparse.Namespace) -> None:
     def flag(dest: str) -> str:
         return "--" + dest.replace("_", "-")
     for dest, least in COUNT_FLAGS.items():
-        v = getattr(args, dest, None)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
-            raise ValueError(f"{flag(dest)} must be an integer >= {least}, got {v!r}")
+        if getattr(args, dest, None) is not None:
+            check_flag(flag(dest), getattr(args, dest), integer=True, least=least, most=10**9)
     for dest, zero_ok in REAL_FLAGS.items():
         if getattr(args, dest, None) is not None:
-            check_count(flag(dest), getattr(args, dest), allow_zero=zero_ok)
-    mfu = getattr(args, "mfu", 1.0)
-    if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):   # NaN fails this too
-        raise ValueError(f"--mfu must be in (0, 1], got {mfu!r}")
+            check_flag(flag(dest), getattr(args, dest), zero_ok=zero_ok)
+    check_flag("--mfu", getattr(args, "mfu", 1.0), most=1.0)     # a share of the peak: (0, 1]
     for dest, allowed in CHOICES.items():
         v = getattr(args, dest, None)
         if v is not None and v not in allowed:

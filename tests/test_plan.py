@@ -177,7 +177,11 @@ def test_moe_layouts_split_experts_and_pay_all_to_all():
     (["--hidden-size", "4096", "--num-heads", "5"], "--num-heads 5 must divide --hidden-size 4096"),
     (["--num-kv-heads", "3"], "kv_heads 3 (--num-kv-heads) must divide heads 32 (--num-heads)"),
     (["--global-batch-tokens", "nan"], "--global-batch-tokens must be a finite number, got nan"),
-    (["--achievable-fraction", "nan"], "--achievable-fraction must be in (0, 1], got nan"),
+    (["--achievable-fraction", "nan"], "--achievable-fraction must be a finite number, got nan"),
+    (["--achievable-fraction", "1.5"], "--achievable-fraction must be between 1e-09 and 1, got 1.5"),
+    (["--global-batch-tokens", "1e300"], "--global-batch-tokens must be between 1e-09 and 1e+18"),
+    (["--peak-tflops", "1e-300"], "--peak-tflops must be between 1e-09 and 1e+18, got 1e-300"),
+    (["--num-gpus", "16777216"], "--num-gpus must be <= 1,048,576, got 16,777,216"),
     (["--inter-bw-gb-s", "inf"], "--inter-bw-gb-s must be a finite number, got inf"),
     (["--num-gpus", "0"], "--num-gpus must be an integer >= 1, got 0"),
 ])

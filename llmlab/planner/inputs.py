@@ -9,12 +9,15 @@ and :meth:`llmlab.planner.cluster.ClusterSpec.validate`.
 from __future__ import annotations
 
 import argparse
-import math
 
-# argparse dest -> least value of a whole-number flag.
-COUNT_FLAGS = {"num_layers": 1, "hidden_size": 1, "num_heads": 1, "num_kv_heads": 1,
-               "vocab_size": 1, "num_gpus": 1, "gpus_per_node": 1, "seq_len": 1, "top": 1,
-               "validate_layouts": 1, "validate_steps": 3}
+from llmlab.formulas._checks import check_flag
+
+# argparse dest -> (least, most) of a whole-number flag (the search enumerates the divisors of
+# --num-gpus: a million GPUs take seconds, more would take minutes).
+COUNT_FLAGS = {"num_layers": (1, 10**6), "hidden_size": (1, 10**7), "num_heads": (1, 10**6),
+               "num_kv_heads": (1, 10**6), "vocab_size": (1, 10**9), "num_gpus": (1, 2**20),
+               "gpus_per_node": (1, 2**20), "seq_len": (1, 10**9), "top": (1, 10**6),
+               "validate_layouts": (1, 10**3), "validate_steps": (3, 10**6)}
 # argparse dest -> whether 0 is allowed, for real-valued flags (> 0, or >= 0).
 REAL_FLAGS = {"params": False, "gpu_memory_gb": False, "peak_tflops": False,
               "intra_bw_gb_s": False, "inter_bw_gb_s": False, "intra_latency_us": True,
@@ -27,32 +30,19 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check_number(name: str, v: object, *, integer: bool = False, least: float = 0,
-                 zero_ok: bool = False) -> None:
-    """``ValueError`` naming ``name`` unless ``v`` is a finite number (an int if ``integer``) at
-    least ``least`` (integers) or > 0 (>= 0 with ``zero_ok``)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
-    if integer:
-        if not isinstance(v, int) or v < least:
-            raise ValueError(f"{name} must be an integer >= {least:g}, got {v!r}")
-    elif v < 0 or (v == 0 and not zero_ok):
-        raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {v:g}")
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Every numeric flag of ``llmlab plan`` that was given, then the shape: ``--num-heads``
     divides ``--hidden-size``, ``--num-kv-heads`` divides ``--num-heads``, the shape flags go with
     ``--params``, ``--global-batch-tokens`` is a whole number. Raises ``ValueError``."""
-    for dest, least in COUNT_FLAGS.items():
+    for dest, (least, most) in COUNT_FLAGS.items():
         if getattr(args, dest, None) is not None:
-            check_number(flag(dest), getattr(args, dest), integer=True, least=least)
+            check_flag(flag(dest), getattr(args, dest), integer=True, least=least, most=most)
     for dest, zero_ok in REAL_FLAGS.items():
         if getattr(args, dest, None) is not None:
-            check_number(flag(dest), getattr(args, dest), zero_ok=zero_ok)
+            check_flag(flag(dest), getattr(args, dest), zero_ok=zero_ok)
     frac = getattr(args, "achievable_fraction", None)
-    if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac <= 1):   # NaN too
-        raise ValueError(f"--achievable-fraction must be in (0, 1], got {frac!r}")
+    if frac is not None:
+        check_flag("--achievable-fraction", frac, most=1.0)   # a share of the peak: (0, 1]
     if args.global_batch_tokens != int(args.global_batch_tokens):
         raise ValueError(f"--global-batch-tokens must be a whole number of tokens, got "
                          f"{args.global_batch_tokens:g}")
