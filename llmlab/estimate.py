@@ -84,13 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: activations split along the sequence too")
     p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--json", default=None, help="also write the estimate here")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory of one GPU (GB): "
+                   "how many GPUs hold the parameters, the model states and the activations")
 
 
-# Numeric flags (argparse dest -> least value, or None for "> 0"): checked before any formula runs.
+# Numeric flags, checked before any formula runs: whole numbers (argparse dest -> least value) and
+# reals (dest -> whether 0 is allowed; else > 0), all bounded (formulas._checks.check_flag).
 COUNT_FLAGS = {"num_gpus": 1, "dp": 1, "seq_len": 1, "micro_batch_size": 1, "num_layers": 1,
                "hidden_size": 1, "num_heads": 1, "tp": 1, "cp": 1}
 REAL_FLAGS = {"params": False, "tokens": False, "gpu_tflops": False, "tokens_per_step": False,
-              "bandwidth_gb_s": False, "activation_comm_bytes": True}   # dest -> zero allowed
+              "bandwidth_gb_s": False, "activation_comm_bytes": True, "gpu_memory_gb": False}
 CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adam", "adamw", "momentum", "sgd"),
            "recompute": ("none", "selective", "full"), "zero": (0, 1, 2, 3)}
 
@@ -163,6 +166,8 @@ def estimate(args: argparse.Namespace) -> dict:
             out["memory"]["cp"] = cp
         out["memory"]["activations_per_layer"] = per_layer
         out["memory"]["activations"] = per_layer * layers
+    if getattr(args, "gpu_memory_gb", None) is not None:
+        out["memory"]["gpus_needed"] = _gpus_needed(out["memory"], args.gpu_memory_gb)
     if args.tokens is not None:
         flops = training_flops(n, args.tokens)
         out["compute"] = {"training_flops": flops}
@@ -190,6 +195,21 @@ def estimate(args: argparse.Namespace) -> dict:
     return out
 
 
+def _gpus_needed(mem: dict, gpu_memory_gb: float) -> dict:
+    """The fewest GPUs of ``gpu_memory_gb`` that hold the parameters, the model states and
+    (with ``--seq-len``) the states plus activations: ceil(bytes / memory)."""
+    from llmlab.formulas.serving import gpus_for_bytes
+    if not gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
+    b = mem["bytes"]
+    need = {"gpu_memory_bytes": gpu_memory_gb * GB,
+            "params": gpus_for_bytes(b["params"], gpu_memory_gb * GB),
+            "model_states": gpus_for_bytes(b["total"], gpu_memory_gb * GB)}
+    if "activations" in mem:
+        need["with_activations"] = gpus_for_bytes(b["total"] + mem["activations"], gpu_memory_gb * GB)
+    return need
+
+
 def _gb(x: float) -> str:
     """Decimal units: GB = 1e9 bytes (MB = 1e6, kB = 1e3 below 1 GB)."""
     for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
@@ -213,6 +233,11 @@ def format_table(est: dict) -> str:
         lines.append(f"  {'activations/layer':<22}{_gb(m['activations_per_layer']):>16}"
                      f"   (Korthikanti et al. 2022{per_rank})")
         lines.append(f"  {'activations, all':<22}{_gb(m['activations']):>16}")
+    if "gpus_needed" in m:
+        g = m["gpus_needed"]
+        lines.append(f"  {'GPUs of ' + _gb(g['gpu_memory_bytes']):<22}{g['params']:>10} for the "
+                     f"parameters, {g['model_states']} for the model states"
+                     + (f", {g['with_activations']} with the activations" if "with_activations" in g else ""))
     if "compute" in est:
         c = est["compute"]
         lines.append("Compute wall  (6·N·T)")

@@ -72,6 +72,7 @@ def test_cli_model_preset_uses_exact_parameter_count(capsys, tmp_path):
     (["--params", "8e9", "--tokens", "1e9", "--tokens-per-step", "4e6", "--bandwidth-gb-s", "nan"],
      "--bandwidth-gb-s must be a finite number"),
     (["--params", "8e9", "--activation-comm-bytes", "-1"], "--activation-comm-bytes must be >= 0"),
+    (["--params", "8e9", "--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a finite number, got nan"),
     (["--params", "8e9", "--seq-len", "8", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "5"],
      "--num-heads 5 must divide --hidden-size 64"),
     (["--model", "tiny", "--seq-len", "8", "--num-heads", "0"], "--num-heads must be an integer >= 1, got 0"),
