@@ -17,7 +17,6 @@ check, one PASS / FAIL / SKIP line each.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 

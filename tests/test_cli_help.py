@@ -58,6 +58,7 @@ def test_engine_flags_are_generated_from_engine_config():
     cfg = serve_cli.engine_config(args)
     assert cfg == EngineConfig(max_n=3, block_size=8, enable_prefix_caching=True)
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(field_names()) == {
-        "dtype", "generation_defaults", "check_invariants", "on_step"}    # Python-only fields
+        "dtype", "generation_defaults", "check_invariants", "on_step",    # Python-only fields
+        "paged_attention", "packed_linear", "cpu_fused"}                  # (kernels: LLMLAB_KERNELS)
     with pytest.raises(ValueError, match="--max-n 0 must be >= 1"):
         serve_cli.validate(build_parser().parse_args(["serve", "--max-n", "0"]))

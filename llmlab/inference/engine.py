@@ -18,7 +18,6 @@ finish times, seconds from ``time.perf_counter``), from which TTFT and TPOT foll
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import random
@@ -30,7 +29,7 @@ import torch
 from llmlab.inference import loader
 from llmlab.inference.batched_greedy import greedy_tokens
 from llmlab.inference.block_manager import BlockManager
-from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig
+from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig, resolve
 from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
@@ -130,8 +129,7 @@ class LLMEngine:
 
     def __init__(self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None,
                  **engine_args):
-        cfg = (dataclasses.replace(config, **engine_args) if config is not None
-               else EngineConfig(**engine_args)).validate()
+        cfg = resolve(config, engine_args)           # (checked once, when made)
         self.config = cfg
         self.device = _pick_device(cfg.device)
         spec = model
@@ -162,18 +160,20 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, self.max_model_len),
             enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=preemption_mode).validate()
+            preemption_mode=preemption_mode)           # (the Scheduler checks it)
         self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         if cfg.tensor_parallel_size == 1:
             self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
-                                      num_host_blocks)
+                                      num_host_blocks, paged_attention=cfg.paged_attention,
+                                      packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
                 model, spec, cfg.tensor_parallel_size, self.device,
                 dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                     num_host_blocks=num_host_blocks))
+                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
+                     cpu_fused=cfg.cpu_fused))
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)

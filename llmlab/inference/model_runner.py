@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from llmlab import kernels
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
@@ -44,13 +43,19 @@ class ModelRunner:
 
     ``padding_buckets``: where the padding reference attention runs, cut prompt and decode groups
     into length buckets when that saves padding (:func:`~llmlab.inference.padding_buckets.buckets`;
-    the same maths either way)."""
+    the same maths either way). The kernel choices, as the engine's
+    :class:`~llmlab.inference.engine_config.EngineConfig` fields of the same names:
+    ``paged_attention`` (:func:`~llmlab.inference.paged_attention.kernel_for`), ``packed_linear``
+    (on a CPU device the linear weights are packed once, :mod:`llmlab.kernels.cpu_linear`) and
+    ``cpu_fused`` (the step's forward context tells the model to use the C++ operators)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True):
+                 padding_buckets: bool = True, paged_attention: str = "auto",
+                 packed_linear: bool = False, cpu_fused: bool = False):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
-        if kernels.settings().packed_linear and device.type == "cpu":
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused
+        if packed_linear and device.type == "cpu":
             from llmlab.kernels.cpu_linear import pack_linears
             pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
         self.config = model.config
@@ -125,7 +130,7 @@ class ModelRunner:
         length buckets."""
         c = self.config
         probe = torch.empty(0, c.num_attention_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        if walks_block_tables(probe, self.kv_cache[0, 0]):
+        if walks_block_tables(probe, self.kv_cache[0, 0], self.paged_attention):
             return [list(scheduled)]
         groups = [g for g in ([x for x in scheduled if x[1] > 1], [x for x in scheduled if x[1] == 1]) if g]
         if self.padding_buckets:
@@ -169,5 +174,6 @@ class ModelRunner:
             ids = torch.cat([b.input_ids for b in batches])
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches)):
+        with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
+                                                   self.cpu_fused)):
             return self.model(ids[None], positions=positions, logits_indices=rows)

@@ -45,10 +45,9 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
     import dataclasses
 
     from llmlab.inference.engine import LLMEngine
-    from llmlab.inference.engine_config import EngineConfig
+    from llmlab.inference.engine_config import resolve
     from llmlab.serve.async_engine import AsyncEngine
-    config = (dataclasses.replace(config, **engine_args) if config is not None
-              else EngineConfig(**engine_args)).validate()
+    config = resolve(config, engine_args)           # (checked once, when made)
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
     if data_parallel_size > 1 and config.tensor_parallel_size > 1:
@@ -57,7 +56,8 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
     engines = []
     devices = _replica_devices(config.device, data_parallel_size)
     for r in range(data_parallel_size):
-        eng = LLMEngine(model, config=dataclasses.replace(config, device=devices[r]))
+        replica = config if devices[r] == config.device else dataclasses.replace(config, device=devices[r])
+        eng = LLMEngine(model, config=replica)
         engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
                                    metrics=None if metrics is None else metrics.replica(str(r))))
     return engines
