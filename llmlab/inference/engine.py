@@ -191,6 +191,7 @@ class LLMEngine:
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.distributed = distributed
         self._in_flight: list = []     # pipeline: (step plan, handle, t0, cow copies before)
+        self._next_virtual_engine = 0
         self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
         self.on_step = cfg.on_step
@@ -414,10 +415,8 @@ class LLMEngine:
         flight, submitted = self._in_flight, False
         if len(flight) < self.runner.depth:
             t0, cow = time.perf_counter(), self.block_manager.stats["cow_copies"]
-            busy = frozenset(s.seq_id for o, *_ in flight for s, _ in o.scheduled)
-            out = self.scheduler.schedule(busy)
-            self._block_ops(out)                 # queued; they travel with the next step
-            if not out.is_empty:
+            out = self._schedule_virtual_engine()
+            if out is not None:
                 self._mark_scheduled(out, t0)
                 flight.append((out, self.runner.submit(out), t0, cow))
                 submitted = True
@@ -438,6 +437,23 @@ class LLMEngine:
                          if not s.is_finished and s.request_id in self.requests]
         return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]),
                               t0, cow)
+
+    def _schedule_virtual_engine(self):
+        """The next step of a pipeline: the running sequences are split into ``depth`` groups by
+        id (vLLM's virtual engines, one scheduler each there); the next group in turn that has
+        work and is not in flight is scheduled (new requests join whichever step admits them).
+        Returns the step, or None when nothing can run now."""
+        depth = self.runner.depth
+        busy = frozenset(s.seq_id for o, *_ in self._in_flight for s, _ in o.scheduled)
+        for k in range(depth):
+            ve = (self._next_virtual_engine + k) % depth
+            others = frozenset(s.seq_id for s in self.scheduler.running if s.seq_id % depth != ve)
+            out = self.scheduler.schedule(busy | others)
+            self._block_ops(out)                 # queued; they travel with the next step
+            if not out.is_empty:
+                self._next_virtual_engine = ve + 1
+                return out
+        return None
 
     def _complete(self, out, logits: dict, fast: dict, t0: float,
                   cow_before: int) -> list[RequestOutput]:
