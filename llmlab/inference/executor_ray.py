@@ -39,7 +39,6 @@ import uuid
 import torch
 
 from llmlab.inference.errors import EngineDeadError
-from llmlab.inference.pipeline_parallel import build_stage
 from llmlab.runtime import process
 
 PLACEMENT_TIMEOUT_S = float(os.environ.get("LLMLAB_RAY_PLACEMENT_TIMEOUT", "30"))
@@ -120,10 +119,11 @@ def interface_of(ip: str) -> str | None:
 class StageActor:
     """A Ray actor holding one rank of the pipeline (:func:`~llmlab.inference.pipeline_parallel.build_stage`)."""
 
-    def setup(self, rank: int, tp: int, pp: int, host: str, port: int, backend: str, weights,
-              config, runner_args: dict, device: str) -> str:
+    def setup(self, build, rank: int, tp: int, pp: int, host: str, port: int, backend: str,
+              weights, config, runner_args: dict, device: str) -> str:
         """Join the process group on ``host:port`` (gloo on the interface of this node's Ray
-        address, unless ``GLOO_SOCKET_IFNAME`` is set) and build the stage; returns this node's address."""
+        address, unless ``GLOO_SOCKET_IFNAME`` is set) and build the stage with ``build``
+        (:func:`~llmlab.inference.pipeline_parallel.build_stage`); returns this node's address."""
         ray = _ray()
         ip = ray.util.get_node_ip_address()
         if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -136,7 +136,7 @@ class StageActor:
             torch.cuda.set_device(0)                 # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
             dev = torch.device("cuda", 0)
         process.init_process_group(backend, process.join_store(host, port), rank, tp * pp)
-        self.runner = build_stage(rank, tp, pp, weights, config, runner_args, dev)
+        self.runner = build(rank, tp, pp, weights, config, runner_args, dev)
         return ip
 
     def execute(self, msg: dict):
@@ -156,8 +156,10 @@ class RayWorkers:
         self._closed = False
 
     @classmethod
-    def start(cls, weights, config, tp: int, pp: int, runner_args: dict,
+    def start(cls, build, weights, config, tp: int, pp: int, runner_args: dict,
               device: torch.device) -> RayWorkers:
+        """Place and start the actors; each builds its stage with ``build`` (see
+        :meth:`StageActor.setup`). Raises ``ValueError`` (see the module docstring)."""
         ray = connect()
         check_capacity(tp, pp, 1, device)
         from ray.util.placement_group import placement_group
@@ -169,7 +171,7 @@ class RayWorkers:
         workers = cls(ray, [], group, None, tp, pp)
         try:
             workers._place(strategy)
-            workers._start_actors(weights, config, runner_args, device)
+            workers._start_actors(build, weights, config, runner_args, device)
         except BaseException:
             workers.close()
             raise
@@ -185,7 +187,8 @@ class RayWorkers:
                              f" within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower the sizes "
                              "(LLMLAB_RAY_PLACEMENT_TIMEOUT sets the wait)") from None
 
-    def _start_actors(self, weights, config, runner_args: dict, device: torch.device) -> None:
+    def _start_actors(self, build, weights, config, runner_args: dict,
+                      device: torch.device) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         ray, tp, pp = self.ray, self.tp, self.pp
         backend = process.resolve_backend("auto", None, device=device.type)
@@ -198,7 +201,7 @@ class RayWorkers:
         for r in range(tp * pp):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=r // tp)
             self.actors.append(actor.options(scheduling_strategy=strategy).remote())
-        refs = [a.setup.remote(r, tp, pp, host, self._store.port, backend, weights, config,
+        refs = [a.setup.remote(build, r, tp, pp, host, self._store.port, backend, weights, config,
                                runner_args, device.type) for r, a in enumerate(self.actors)]
         self.nodes = self.result(refs, all_values=True)
         print("llmlab: Ray placement: " + "; ".join(

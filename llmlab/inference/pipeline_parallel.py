@@ -262,7 +262,8 @@ def launch(model: LlamaForCausalLM, spec, tp: int, pp: int, device: torch.device
     weights = spec if isinstance(spec, str) else model.state_dict()
     if backend == "ray":
         from llmlab.inference import executor_ray
-        workers = executor_ray.RayWorkers.start(weights, model.config, tp, pp, runner_args, device)
+        workers = executor_ray.RayWorkers.start(build_stage, weights, model.config, tp, pp,
+                                                 runner_args, device)
     elif backend == "mp":
         workers = ProcessWorkers.start(weights, model.config, tp, pp, runner_args, device)
     else:
