@@ -35,6 +35,7 @@ import socket
 import struct
 import sys
 import uuid
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ from llmlab.runtime import process
 PLACEMENT_TIMEOUT_S = float(os.environ.get("LLMLAB_RAY_PLACEMENT_TIMEOUT", "30"))
 
 
-def _ray():
+def _ray() -> Any:
     try:
         import ray
     except ModuleNotFoundError:
@@ -53,7 +54,7 @@ def _ray():
     return ray
 
 
-def connect(address: str | None = None):
+def connect(address: str | None = None) -> Any:
     """Join the Ray cluster at ``address`` (default ``$RAY_ADDRESS``, else the one started on this
     node) once per process; returns the ``ray`` module. Raises ``ValueError`` when there is none."""
     ray = _ray()
@@ -119,8 +120,8 @@ def interface_of(ip: str) -> str | None:
 class StageActor:
     """A Ray actor holding one rank of the pipeline (:func:`~llmlab.inference.pipeline_parallel.build_stage`)."""
 
-    def setup(self, build, rank: int, tp: int, pp: int, host: str, port: int, backend: str,
-              weights, config, runner_args: dict, device: str) -> str:
+    def setup(self, build: Any, rank: int, tp: int, pp: int, host: str, port: int, backend: str,
+              weights: Any, config: Any, runner_args: dict[str, Any], device: str) -> str:
         """Join the process group on ``host:port`` (gloo on the interface of this node's Ray
         address, unless ``GLOO_SOCKET_IFNAME`` is set) and build the stage with ``build``
         (:func:`~llmlab.inference.pipeline_parallel.build_stage`); returns this node's address."""
@@ -139,7 +140,7 @@ class StageActor:
         self.runner = build(rank, tp, pp, weights, config, runner_args, dev)
         return ip
 
-    def execute(self, msg: dict):
+    def execute(self, msg: dict[str, Any]) -> Any:
         return self.runner.execute_message(msg)
 
 
@@ -148,7 +149,7 @@ class RayWorkers:
     :class:`~llmlab.inference.pipeline_parallel.ProcessWorkers` interface: ``submit``, ``result``,
     ``close``. ``nodes[r]``: the address of rank ``r``'s node."""
 
-    def __init__(self, ray, actors: list, group, store, tp: int, pp: int):
+    def __init__(self, ray: Any, actors: list[Any], group: Any, store: Any, tp: int, pp: int) -> None:
         self.ray, self.actors, self.group, self._store = ray, actors, group, store
         self.tp, self.pp = tp, pp
         self.output_rank = (pp - 1) * tp
@@ -156,7 +157,7 @@ class RayWorkers:
         self._closed = False
 
     @classmethod
-    def start(cls, build, weights, config, tp: int, pp: int, runner_args: dict,
+    def start(cls, build: Any, weights: Any, config: Any, tp: int, pp: int, runner_args: dict[str, Any],
               device: torch.device) -> RayWorkers:
         """Place and start the actors; each builds its stage with ``build`` (see
         :meth:`StageActor.setup`). Raises ``ValueError`` (see the module docstring)."""
@@ -187,7 +188,7 @@ class RayWorkers:
                              f" within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower the sizes "
                              "(LLMLAB_RAY_PLACEMENT_TIMEOUT sets the wait)") from None
 
-    def _start_actors(self, build, weights, config, runner_args: dict,
+    def _start_actors(self, build: Any, weights: Any, config: Any, runner_args: dict[str, Any],
                       device: torch.device) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         ray, tp, pp = self.ray, self.tp, self.pp
@@ -208,11 +209,11 @@ class RayWorkers:
             f"stage {s} ranks {s * tp}-{s * tp + tp - 1} on {', '.join(sorted(set(self.nodes[s * tp:(s + 1) * tp])))}"
             for s in range(pp)), file=sys.stderr, flush=True)
 
-    def submit(self, msg: dict) -> list:
+    def submit(self, msg: dict[str, Any]) -> list[Any]:
         ref = self.ray.put(msg)
         return [a.execute.remote(ref) for a in self.actors]
 
-    def result(self, refs: list, all_values: bool = False):
+    def result(self, refs: list[Any], all_values: bool = False) -> Any:
         """Wait for every rank's reply to one call; the last stage's rank 0's (or, with
         ``all_values``, all of them). A rank that failed or died raises :class:`EngineDeadError`
         at once, naming it and its node."""

@@ -36,6 +36,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
     return [range(s * n, (s + 1) * n) for s in range(pp)]
 
 
-def validate(config, tp: int, pp: int, quantization: str | None = None) -> None:
+def validate(config: Any, tp: int, pp: int, quantization: str | None = None) -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` x ``pp`` ranks cannot hold ``config``
     (``pp`` divides the layers; ``tp`` as :func:`llmlab.inference.tensor_parallel.validate`)."""
     from llmlab.inference import tensor_parallel
@@ -76,7 +77,7 @@ def validate(config, tp: int, pp: int, quantization: str | None = None) -> None:
 
 
 # --- the driver's side: the step as plain data ----------------------------------------------------
-def step_message(out: SchedulerOutput, ops: dict) -> dict:
+def step_message(out: SchedulerOutput, ops: dict[str, list[list[int]]]) -> dict[str, Any]:
     """The step every worker is sent: per scheduled sequence ``[seq_id, computed, n, num_tokens,
     new token ids, block table]``, and the block ``copies``, ``swap_out``, ``swap_in`` to apply first."""
     seqs = [[s.seq_id, s.num_computed_tokens, n, s.num_tokens,
@@ -89,7 +90,7 @@ def step_message(out: SchedulerOutput, ops: dict) -> dict:
 class _Tokens:
     """A sequence's token ids known from position ``start`` on (``ids[c:c+n]`` works for ``c >= start``)."""
 
-    def __init__(self, start: int, ids: list[int]):
+    def __init__(self, start: int, ids: list[int]) -> None:
         self.start, self.ids = start, ids
 
     def __getitem__(self, s: slice) -> list[int]:
@@ -107,10 +108,11 @@ class _SeqView:
     block_table: list[int]
 
 
-def scheduled_of(msg: dict) -> SchedulerOutput:
+def scheduled_of(msg: dict[str, Any]) -> SchedulerOutput:
     """The worker's :class:`SchedulerOutput` of a :func:`step_message` (views, not sequences)."""
-    return SchedulerOutput(scheduled=[(_SeqView(i, c, t, _Tokens(c, ids), table), n)
-                                      for i, c, n, t, ids, table in msg["seqs"]])
+    scheduled: list[Any] = [(_SeqView(i, c, t, _Tokens(c, ids), table), n)
+                            for i, c, n, t, ids, table in msg["seqs"]]
+    return SchedulerOutput(scheduled=scheduled)
 
 
 # --- a worker: one stage's shard ------------------------------------------------------------------
@@ -122,13 +124,13 @@ class StageRunner(ModelRunner):
 
     def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, pp: int, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True):
+                 padding_buckets: bool = True) -> None:
         self.rank, self.tp, self.pp = rank, tp, pp
         self.stage, tp_rank = divmod(rank, tp)
         self.first, self.last = self.stage == 0, self.stage == pp - 1
         self.prev = rank - tp if not self.first else None
         self.next = rank + tp if not self.last else None
-        self.sends: collections.deque = collections.deque()
+        self.sends: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else []
         layers = split_layers(model.config.num_hidden_layers, pp)[self.stage]
         model.model.layers = nn.ModuleList(model.model.layers[i] for i in layers)
@@ -151,7 +153,7 @@ class StageRunner(ModelRunner):
         self.is_driver_output = self.last and tp_rank == 0
 
     @torch.no_grad()
-    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor | None:
+    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor | None:  # type: ignore[override]  # None: not the last stage
         ids = torch.cat([b.input_ids for b in batches])
         positions = torch.cat([b.positions for b in batches])
         if self.first:
@@ -169,7 +171,7 @@ class StageRunner(ModelRunner):
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
         return self.model.head(h.flatten(0, -2)[rows])
 
-    def execute_message(self, msg: dict):
+    def execute_message(self, msg: dict[str, Any]) -> tuple[list[int], torch.Tensor] | None:
         """Apply the step's swaps and copies, run this stage's part of it; the last stage's rank 0
         returns ``(seq_ids, logits [K, vocab] fp32 CPU)``, the others None."""
         self.swap_out([tuple(x) for x in msg["swap_out"]])
@@ -189,7 +191,7 @@ class StageRunner(ModelRunner):
         self.sends.clear()
 
 
-def build_stage(rank: int, tp: int, pp: int, weights, config, runner_args: dict,
+def build_stage(rank: int, tp: int, pp: int, weights: Any, config: Any, runner_args: dict[str, Any],
                 device: torch.device) -> StageRunner:
     """Load the model (``weights``: a path or preset name, else a state dict of ``config``'s
     model) and keep rank ``rank``'s stage and shard of it."""
@@ -212,9 +214,9 @@ class PipelineExecutor:
     logits; :meth:`execute` does both. A worker that fails or dies raises
     :class:`~llmlab.inference.errors.EngineDeadError` naming it."""
 
-    def __init__(self, workers, tp: int, pp: int):
+    def __init__(self, workers: Any, tp: int, pp: int) -> None:
         self.workers, self.tp, self.pp = workers, tp, pp
-        self._ops: dict = {"copies": [], "swap_out": [], "swap_in": []}
+        self._ops: dict[str, list[list[int]]] = {"copies": [], "swap_out": [], "swap_in": []}
         self._stopped = False
 
     @property
@@ -222,21 +224,21 @@ class PipelineExecutor:
         """Steps kept in flight: one per stage."""
         return self.pp
 
-    def copy_blocks(self, pairs) -> None:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._ops["copies"] += [list(p) for p in pairs]
 
-    def swap_out(self, pairs) -> None:
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._ops["swap_out"] += [list(p) for p in pairs]
 
-    def swap_in(self, pairs) -> None:
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._ops["swap_in"] += [list(p) for p in pairs]
 
-    def submit(self, out: SchedulerOutput):
+    def submit(self, out: SchedulerOutput) -> Any:
         msg = step_message(out, self._ops)
         self._ops = {"copies": [], "swap_out": [], "swap_in": []}
         return self.workers.submit(msg)
 
-    def collect(self, handle) -> dict[int, torch.Tensor]:
+    def collect(self, handle: Any) -> dict[int, torch.Tensor]:
         """``{seq_id: logits [vocab]}`` of the submitted step's sequences that sample."""
         res = self.workers.result(handle)
         if res is None:
@@ -253,13 +255,14 @@ class PipelineExecutor:
             self.workers.close()
 
 
-def launch(model: LlamaForCausalLM, spec, tp: int, pp: int, device: torch.device,
-           runner_args: dict, backend: str = "mp", engine_config=None) -> PipelineExecutor:
+def launch(model: LlamaForCausalLM, spec: Any, tp: int, pp: int, device: torch.device,
+           runner_args: dict[str, Any], backend: str = "mp") -> PipelineExecutor:
     """Start ``tp * pp`` workers with ``backend`` (``"mp"``: local processes; ``"ray"``: Ray
     actors, :mod:`llmlab.inference.executor_ray`) and return the engine's runner over them. Each
     loads ``spec`` itself when it is a path or preset name, else ``model``'s weights."""
     validate(model.config, tp, pp)
     weights = spec if isinstance(spec, str) else model.state_dict()
+    workers: Any
     if backend == "ray":
         from llmlab.inference import executor_ray
         workers = executor_ray.RayWorkers.start(build_stage, weights, model.config, tp, pp,
@@ -277,17 +280,17 @@ class ProcessWorkers:
     loopback store this process hosts; each has a pipe: steps in, one reply per step out (read by
     a thread per worker, so a large reply never blocks a worker while this process sends)."""
 
-    def __init__(self, procs, conns, store, output_rank: int):
+    def __init__(self, procs: list[Any], conns: list[Any], store: Any, output_rank: int) -> None:
         self.procs, self.conns, self._store = procs, conns, store
         self.output_rank = output_rank                   # the last stage's rank 0: the logits
-        self.replies = [queue.SimpleQueue() for _ in conns]
+        self.replies: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in conns]
         for r, c in enumerate(conns):
             threading.Thread(target=_read_replies, args=(c, self.replies[r]), daemon=True,
                              name=f"llmlab-pp-reader{r}").start()
         self._closed = False
 
     @classmethod
-    def start(cls, weights, config, tp: int, pp: int, runner_args: dict,
+    def start(cls, weights: Any, config: Any, tp: int, pp: int, runner_args: dict[str, Any],
               device: torch.device) -> ProcessWorkers:
         world = tp * pp
         backend = process.resolve_backend("auto", world, device=device.type)
@@ -314,7 +317,7 @@ class ProcessWorkers:
         for r in range(len(self.procs)):
             self._reply(r)
 
-    def _reply(self, r: int):
+    def _reply(self, r: int) -> Any:
         """Worker ``r``'s next reply; raises :class:`EngineDeadError` when it failed or died."""
         while True:
             try:
@@ -332,7 +335,7 @@ class ProcessWorkers:
                                   " (its traceback, if any, is on stderr); the engine cannot step")
         return value
 
-    def submit(self, msg: dict) -> None:
+    def submit(self, msg: dict[str, Any]) -> None:
         for r, c in enumerate(self.conns):
             try:
                 c.send(("step", msg))
@@ -340,7 +343,7 @@ class ProcessWorkers:
                 self._reply(r)                      # raises naming the dead rank
                 raise
 
-    def result(self, handle) -> object:
+    def result(self, handle: Any) -> Any:
         """The step's replies, in order; the last stage's rank 0 gives the logits."""
         out = None
         for r in range(len(self.procs)):
@@ -366,7 +369,7 @@ class ProcessWorkers:
         self._store = None
 
 
-def _read_replies(conn, q: queue.SimpleQueue) -> None:
+def _read_replies(conn: Any, q: queue.SimpleQueue[Any]) -> None:
     while True:
         try:
             q.put(conn.recv())
@@ -375,7 +378,7 @@ def _read_replies(conn, q: queue.SimpleQueue) -> None:
             return
 
 
-def serve_messages(runner: StageRunner, recv, send) -> None:
+def serve_messages(runner: StageRunner, recv: Any, send: Any) -> None:
     """A worker's loop: ``recv()`` a ``(kind, msg)`` until ``"stop"``, ``send(("ok", result))``
     after each step."""
     while True:
@@ -386,8 +389,9 @@ def serve_messages(runner: StageRunner, recv, send) -> None:
         send(("ok", runner.execute_message(msg)))
 
 
-def _mp_worker(rank, tp, pp, port, backend, weights, config, runner_args, device, threads, env,
-               conn) -> None:
+def _mp_worker(rank: int, tp: int, pp: int, port: int, backend: str, weights: Any, config: Any,
+               runner_args: dict[str, Any], device: str, threads: int, env: dict[str, str],
+               conn: Any) -> None:
     """A local worker: dies with its parent, joins the store, builds its stage, serves steps; a
     failure is sent back with its traceback (and printed) and the process exits 1."""
     process.die_with_parent()

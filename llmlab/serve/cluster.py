@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Any, Iterator
 
 
 def _free_port(host: str) -> int:
@@ -56,8 +57,8 @@ class RayCluster:
     Raises ``TimeoutError`` (with the nodes' logs) when the nodes have not joined within
     ``start_timeout`` s; what was started is stopped first."""
 
-    def __init__(self, hosts, *, num_cpus: int | list[int] = 2, health_check_s: float = 1.0,
-                 start_timeout: float = 120.0):
+    def __init__(self, hosts: Any, *, num_cpus: int | list[int] = 2, health_check_s: float = 1.0,
+                 start_timeout: float = 120.0) -> None:
         self.hosts = hosts
         self.num_cpus = [num_cpus] * hosts.n if isinstance(num_cpus, int) else list(num_cpus)
         if len(self.num_cpus) != hosts.n:
@@ -67,7 +68,7 @@ class RayCluster:
         head = hosts.addresses[0]
         self.port = 6379 if hosts.mode == "netns" else _free_port(head)
         self.address = f"{head}:{self.port}"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[Any]] = []
         self.logs: list[str] = []
 
     def env(self) -> dict[str, str]:
@@ -198,7 +199,8 @@ class ClusterServer:
 
     def __init__(self, cluster: RayCluster, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                 model: str = "shakespeare", args: tuple = (), start_timeout: float = 180.0):
+                 model: str = "shakespeare", args: tuple[str, ...] = (),
+                 start_timeout: float = 180.0) -> None:
         self.cluster, self.hosts = cluster, cluster.hosts
         self.host = self.hosts.addresses[0]
         self.port = 8000 if self.hosts.mode == "netns" else _free_port(self.host)
@@ -208,7 +210,7 @@ class ClusterServer:
                      "--pipeline-parallel-size", str(pipeline_parallel_size),
                      "--data-parallel-size", str(data_parallel_size), *map(str, args)]
         self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None
         self.output: list[str] = []
 
     @property
@@ -239,7 +241,8 @@ class ClusterServer:
                 ready.set()
         ready.set()                                  # exited: start() reports it
 
-    def request(self, path: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    def request(self, path: str, body: dict[str, Any] | None = None,
+                timeout: float = 60.0) -> tuple[int, Any]:
         """``(status, JSON body)`` of a GET (or, with ``body``, a POST) to ``path``."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data,
@@ -262,7 +265,7 @@ class ClusterServer:
         except OSError:
             return 0
 
-    def complete(self, prompt, max_tokens: int = 16, **fields) -> dict:
+    def complete(self, prompt: str, max_tokens: int = 16, **fields: Any) -> Any:
         """A greedy ``/v1/completions`` answer (raises ``RuntimeError`` for an error status)."""
         status, out = self.request("/v1/completions", {"model": "shakespeare", "prompt": prompt,
                                                        "max_tokens": max_tokens, "temperature": 0,
@@ -292,8 +295,9 @@ class ClusterServer:
 
 
 @contextlib.contextmanager
-def serve_across_hosts(hosts, *, tensor_parallel_size: int = 2, pipeline_parallel_size: int = 2,
-                       data_parallel_size: int = 1, num_cpus: int | None = None, args: tuple = ()):
+def serve_across_hosts(hosts: Any, *, tensor_parallel_size: int = 2, pipeline_parallel_size: int = 2,
+                       data_parallel_size: int = 1, num_cpus: int | None = None,
+                       args: tuple[str, ...] = ()) -> Iterator[ClusterServer]:
     """Lab 13's step 5: a Ray cluster over ``hosts`` and ``llmlab serve`` on it, TP inside a host
     and PP across (see the module docstring); yields the started :class:`ClusterServer` (its
     ``.cluster`` the :class:`RayCluster`); both are stopped on leaving."""
