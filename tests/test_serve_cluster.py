@@ -7,9 +7,7 @@ any starts; killing the worker host gives 503 and failed requests within 30 s. O
 module (Ray on two cores is slow to start)."""
 from __future__ import annotations
 
-import re
 import sys
-import threading
 import time
 
 import openai
@@ -18,7 +16,7 @@ import ray  # noqa: F401  (a test dependency: missing is a failure, not a skip)
 
 from llmlab.inference import LLM, SamplingParams
 from llmlab.runtime.hosts import Hosts
-from llmlab.serve.cluster import ClusterServer, RayCluster
+from llmlab.serve.cluster import ClusterServer, RayCluster, lose_a_node
 
 PROMPTS = ["ROMEO:", "JULIET: O Romeo", "KING"]
 
@@ -58,9 +56,8 @@ def test_tp2_pp2_across_two_hosts_then_the_worker_host_dies(cluster):
     hosts = cluster.hosts
     with ClusterServer(cluster, tensor_parallel_size=2, pipeline_parallel_size=2,
                        args=("--block-size", "4", "--shutdown-timeout", "2")) as server:
-        line = next(x for x in server.output if "Ray placement" in x)
-        stages = re.findall(r"stage (\d) ranks \d-\d on ([\d.]+)\b(?!,)", line)
-        assert sorted(a for _, a in stages) == sorted(hosts.addresses), line  # a stage per host
+        stages = server.placement()                   # TP inside a host, PP across
+        assert sorted(stages) == [0, 1] and sorted(sum(stages.values(), [])) == sorted(hosts.addresses)
         with hosts.entered(0):                    # the client runs where the server listens
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                                    timeout=60)
@@ -69,35 +66,13 @@ def test_tp2_pp2_across_two_hosts_then_the_worker_host_dies(cluster):
         assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
         assert server.health() == 200
 
-        first, failed = threading.Event(), {}
-
-        def long_request():
-            with hosts.entered(0):
-                try:
-                    for _ in client.completions.create(model="shakespeare", prompt="ROMEO:",
-                                                       max_tokens=480, temperature=0, stream=True,
-                                                       extra_body={"ignore_eos": True}):
-                        first.set()
-                    failed["error"] = None
-                except openai.APIError as e:
-                    failed["error"], failed["at"] = e, time.monotonic()
-                first.set()
-
-        t = threading.Thread(target=long_request, daemon=True)
-        t.start()
-        assert first.wait(60)
-        killed_at = time.monotonic()
-        assert cluster.kill_node(1) > 0           # the worker host dies: raylet, workers, all
-        t.join(60)
-        assert not t.is_alive() and failed["error"] is not None, failed
-        assert failed["at"] - killed_at < 30
-        assert "pipeline-parallel rank" in str(failed["error"])
-        while server.health() != 503:
-            assert time.monotonic() - killed_at < 30, "/health still answers 200"
-            time.sleep(0.5)
-        status, body = server.request("/v1/completions", {"model": "shakespeare", "prompt": "x",
-                                                          "max_tokens": 2})
-        assert status == 503, body
+        lost = lose_a_node(server, host=1)        # every process of the worker host: SIGKILL
+        assert lost["seconds_to_503"] < 30 and lost["seconds_to_fail"] < 30, lost
+        assert lost["request_status"] == 500, lost     # the request in flight failed, saying why
+        assert "the engine stopped: pipeline-parallel rank" in lost["request_error"], lost
+        with hosts.entered(0), pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="shakespeare", prompt="x", max_tokens=2)
+        assert refused.value.status_code == 503
     deadline = time.monotonic() + 20                  # the server's actors were killed with it
     while _workers_on(hosts, 0) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -241,6 +242,13 @@ class ClusterServer:
                 ready.set()
         ready.set()                                  # exited: start() reports it
 
+    def placement(self) -> dict[int, list[str]]:
+        """``{stage: [node address, ...]}`` from the server's "Ray placement" line (one address per
+        stage when its ranks share a node)."""
+        line = next((x for x in self.output if "Ray placement:" in x), "")
+        return {int(s): addrs.split(", ")
+                for s, addrs in re.findall(r"stage (\d+) ranks \d+-\d+ on ([\d., ]+?)(?:;|$)", line.strip())}
+
     def request(self, path: str, body: dict[str, Any] | None = None,
                 timeout: float = 60.0) -> tuple[int, Any]:
         """``(status, JSON body)`` of a GET (or, with ``body``, a POST) to ``path``."""
@@ -292,6 +300,53 @@ class ClusterServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def lose_a_node(server: ClusterServer, host: int = 1, timeout: float = 30.0) -> dict[str, Any]:
+    """Kill every process on ``host`` (a worker node) while a long request runs on ``server``;
+    returns ``seconds_to_503`` (until ``/health`` answers 503), ``seconds_to_fail`` (until the
+    request in flight got its answer), and that answer's ``request_status`` and ``request_error``.
+    Raises ``TimeoutError`` when either takes longer than ``timeout`` s (a hang)."""
+    answer: dict[str, Any] = {}
+
+    def long_request() -> None:
+        status, body = server.request("/v1/completions", {
+            "model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}, timeout=timeout + 60)
+        answer.update(status=status, body=body, at=time.monotonic())
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    end = time.monotonic() + 60
+    while "llmlab:num_requests_running{" not in _running(server) and time.monotonic() < end:
+        time.sleep(0.2)                           # until the request is in the engine
+    killed = time.monotonic()
+    server.cluster.kill_node(host)
+    while server.health() != 503:
+        if time.monotonic() - killed > timeout:
+            raise TimeoutError(f"/health still answers 200 {timeout:g} s after host {host} died")
+        time.sleep(0.2)
+    to_503 = time.monotonic() - killed
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"the request in flight was not answered {timeout:g} s after host {host} died")
+    error = answer["body"].get("error", {})
+    return {"seconds_to_503": to_503, "seconds_to_fail": answer["at"] - killed,
+            "request_status": answer["status"],
+            "request_error": error.get("message") if isinstance(error, dict) else str(error)}
+
+
+def _running(server: ClusterServer) -> str:
+    """The ``num_requests_running`` lines of ``/metrics`` whose value is not 0."""
+    req = urllib.request.Request(server.url + "/metrics")
+    with server.hosts.entered(0):
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return ""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if line.startswith("llmlab:num_requests_running{") and not line.rstrip().endswith(" 0.0"))
 
 
 @contextlib.contextmanager
