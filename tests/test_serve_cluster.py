@@ -77,3 +77,15 @@ def test_tp2_pp2_across_two_hosts_then_the_worker_host_dies(cluster):
     while _workers_on(hosts, 0) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _workers_on(hosts, 0) == []
+
+
+def test_no_ray_cluster_is_a_clear_error_at_once(monkeypatch):
+    import socket
+    with socket.socket() as s:                        # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{s.getsockname()[1]}")
+        t = time.monotonic()
+        with pytest.raises(ValueError, match="no Ray cluster at '127.0.0.1:.*': Connection refused; "
+                                             "start one with `ray start --head`"):
+            LLM("shakespeare", distributed_executor_backend="ray")
+        assert time.monotonic() - t < 30

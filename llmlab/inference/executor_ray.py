@@ -60,6 +60,7 @@ def connect(address: str | None = None) -> Any:
     ray = _ray()
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        _check_reachable(address)
         try:
             ray.init(address=address, logging_level="WARNING", configure_logging=True)
         except (ConnectionError, RuntimeError) as e:
@@ -67,6 +68,20 @@ def connect(address: str | None = None) -> Any:
                              "with `ray start --head` (and `ray start --address HEAD:PORT` on the "
                              "other nodes), then set RAY_ADDRESS=HEAD:PORT") from None
     return ray
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Raise ``ValueError`` at once when nothing listens at ``address`` (``host:port``; Ray itself
+    would retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return                                    # "auto": ray.init looks on this node itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(f"no Ray cluster at {address!r}: {e.strerror or e}; start one with "
+                         "`ray start --head` (and `ray start --address HEAD:PORT` on the other "
+                         "nodes), then set RAY_ADDRESS=HEAD:PORT") from None
 
 
 def _resource(device: torch.device) -> str:
