@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -85,7 +86,6 @@ def test_bad_pipeline_parallel_size_is_refused_before_any_worker_starts(monkeypa
 def test_replicas_keep_serving_when_one_replica_dies():
     """Two pipeline-parallel replicas (mp): a worker of one dies; /health says 503, the router
     sends the next requests to the live replica, which answers them."""
-    httpx = pytest.importorskip("httpx")
     from llmlab.serve import start_server
     with start_server("shakespeare", data_parallel_size=2, pipeline_parallel_size=2,
                       block_size=4) as server:

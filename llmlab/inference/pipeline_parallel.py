@@ -34,6 +34,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -361,8 +362,9 @@ class ProcessWorkers:
                 c.send(("stop", None))
             except OSError:
                 pass
+        end = time.monotonic() + 10               # all together: a rank stuck in a recv is stopped
         for p in self.procs:
-            p.join(10)
+            p.join(max(0.0, end - time.monotonic()))
         process.stop(self.procs)
         for c in self.conns:
             c.close()
