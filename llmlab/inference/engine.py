@@ -40,6 +40,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
+from llmlab.runtime.hardware import resolve_device
 
 
 @dataclass
@@ -59,14 +60,6 @@ class _Request:
         return all(s.is_finished for s in self.seqs) and (
             len(self.seqs) == self.params.n
             or any(s.finish_reason in ("abort", "error") for s in self.seqs))
-
-
-def _pick_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
-    return torch.device(device)
 
 
 def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
@@ -137,7 +130,7 @@ class LLMEngine:
         cfg = (dataclasses.replace(config, **engine_args) if config is not None
                else EngineConfig(**engine_args)).validate()
         self.config = cfg
-        self.device = _pick_device(cfg.device)
+        self.device = torch.device(resolve_device(str(cfg.device)))   # auto: a GPU if any
         spec = model
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if cfg.generation_defaults is None

@@ -297,7 +297,7 @@ class ProcessWorkers:
         backend = process.resolve_backend("auto", world, device=device.type)
         store = process.loopback_store()
         env = process.local_env(backend)
-        threads = max(1, (os.cpu_count() or 1) // world)
+        threads = process.child_threads(world, backend)     # the seat's usable cores, shared
         procs, conns = [], []
         try:
             for r in range(world):
@@ -396,14 +396,10 @@ def _mp_worker(rank: int, tp: int, pp: int, port: int, backend: str, weights: An
                conn: Any) -> None:
     """A local worker: dies with its parent, joins the store, builds its stage, serves steps; a
     failure is sent back with its traceback (and printed) and the process exits 1."""
-    process.die_with_parent()
-    os.environ.update(env)
     try:
-        if backend == "gloo":
-            torch.set_num_threads(threads)
+        process.setup_child(env, threads, backend, rank)    # the same first lines as launch's ranks
         dev = torch.device(device)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
             dev = torch.device("cuda", rank % torch.cuda.device_count())
         process.init_process_group(backend, process.join_store("127.0.0.1", port), rank, tp * pp)
         runner = build_stage(rank, tp, pp, weights, config, runner_args, dev)

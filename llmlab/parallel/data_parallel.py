@@ -47,11 +47,13 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
+from llmlab.model.config import ModelConfig
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import DataParallelConfig
 from llmlab.parallel.protocols import replica_grads
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
 
 MODES = ("naive", "ddp", "ring")
 
@@ -390,11 +392,27 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
     raise ValueError(f"data-parallel mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
-def validate_layout(c: DataParallelConfig, model_config) -> None:
-    """Checks run before launch (called by ``llmlab.training.config.validate``)."""
-    if c.mode not in MODES:
-        raise ValueError(f"--dp-mode {c.mode!r}: expected one of {', '.join(MODES)}")
-    if c.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {c.bucket_mb}")
-    if c.global_batch_size % c.dp:
-        raise ValueError(f"dp={c.dp} must divide --global-batch-size {c.global_batch_size}")
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: DataParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Refuse, before any rank starts, a layout data parallelism cannot run (``ValueError``
+    naming the constraint and the flag): an unknown mode, ``bucket_mb <= 0``, a global batch the
+    ``mesh.dp`` replicas cannot split evenly, or a per-rank batch ``num_microbatches`` cannot."""
+    if config.mode not in MODES:
+        raise ValueError(f"--dp-mode {config.mode!r}: expected one of {', '.join(MODES)}")
+    if config.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {config.bucket_mb}")
+    gbs, dp, m = config.global_batch_size, mesh.dp, config.num_microbatches
+    if gbs % dp:
+        raise ValueError(f"dp={dp} must divide --global-batch-size {gbs}")
+    if (gbs // dp) % m:
+        raise ValueError(f"--num-microbatches {m} must divide the per-rank batch {gbs // dp} "
+                         f"(global batch {gbs} / dp {dp})")
+
+
+def apply(model: nn.Module, mesh: Mesh, config: DataParallelConfig) -> nn.Module:
+    """Wrap ``model`` (this rank's replica) for data parallelism over ``mesh``'s ``dp`` group
+    (the trainer passes the data x context-parallel view): :func:`wrap_data_parallel` with the
+    config's mode and bucket size."""
+    return wrap_data_parallel(model, mesh, mode=config.mode, bucket_mb=config.bucket_mb)

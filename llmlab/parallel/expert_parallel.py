@@ -38,11 +38,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmlab.formulas.communication import moe_a2a_bytes as a2a_bytes_formula  # noqa: F401  (re-exported)
+from llmlab.model.config import ModelConfig
 from llmlab.model.moe import MoE, moe_layers
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import ExpertParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
 
 
 class _AllToAll(torch.autograd.Function):
@@ -127,8 +130,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
     ep_rank = mesh.index("ep")
     for layer in moe_layers(model):
         E = layer.num_experts
-        if E % ep:
-            raise ValueError(f"ep={ep} must divide num_experts={E}")
+        check_experts(E, ep)
         El = E // ep
         keep = list(range(ep_rank * El, (ep_rank + 1) * El))
         experts = nn.ModuleDict({str(e): layer.experts[e] for e in keep})
@@ -154,23 +156,29 @@ def sync_moe_grads(model: nn.Module, mesh) -> None:
             comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
 
 
-def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:
-    """Payload bytes one rank passes to the dispatch all-to-all of one MoE layer when dropless:
-    ``K * N * h * bytes`` (the combine sends as many back; backward repeats both)."""
-    return top_k * tokens * hidden * bytes_per_element
-
-
-def validate_layout(cfg: ExpertParallelConfig, model_config) -> None:
-    """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint)."""
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: ExpertParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint): ``mesh.ep
+    > 1`` needs a mixture-of-experts model whose expert count it divides. (That ``ep`` divides
+    ``dp`` is the mesh's rule, :func:`~llmlab.runtime.mesh.check_degrees`.)"""
     E = model_config.num_experts
-    if cfg.ep > 1 and not E:
-        raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
-    if E and E % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide num_experts={E}")
-    if cfg.ep > 1 and cfg.dp % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (expert-parallel groups are carved "
-                         f"out of the data-parallel ranks)")
-    if E and cfg.tp > 1 and cfg.sequence_parallel:
-        raise ValueError(f"--sequence-parallel (tp={cfg.tp}) with a mixture-of-experts model is not "
-                         f"supported (experts are not tensor-sharded: each tp rank runs them on the "
-                         f"full sequence; drop --sequence-parallel)")
+    if mesh.ep > 1 and not E:
+        raise ValueError(f"ep={mesh.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if E:
+        check_experts(E, mesh.ep)
+
+
+def check_experts(num_experts: int, ep: int) -> None:
+    """``ValueError`` unless ``ep`` divides ``num_experts`` (each rank holds ``E/ep`` experts)."""
+    if num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
+
+
+def apply(model: nn.Module, mesh: Mesh, config: ExpertParallelConfig) -> nn.Module:
+    """This rank's experts of ``model`` (:func:`apply_expert_parallel`); ``model`` itself when
+    ``mesh.ep`` is 1 (every rank holds every expert, reduced over ``dp`` like the rest)."""
+    if mesh.ep == 1:
+        return model
+    return apply_expert_parallel(model, mesh)

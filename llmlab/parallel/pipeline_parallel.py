@@ -33,38 +33,39 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import device_clock
+from llmlab.model.config import ModelConfig
 from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
-    B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
+    B, COMM, F, RECV_ACT, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
     build_schedule, check_schedule_args, message_key)
+from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
 
 
-def validate_layout(cfg: PipelineConfig, model_config) -> None:
-    """Refuse, before any rank starts, what the pipeline cannot run. Raises ``ValueError``:
+def validate(config: PipelineConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Refuse, before any rank starts, what the pipeline of ``mesh.pp`` stages cannot run.
+    Raises ``ValueError``:
 
     * ``virtual_stages > 1`` without ``--pp > 1 --pp-schedule interleaved``;
     * layers not divisible by ``pp * virtual_stages``;
     * interleaved with ``num_microbatches`` not a multiple of ``pp``, or ``virtual_stages < 2``;
     * tied input/output embeddings across stages (``tie_word_embeddings``).
     """
-    if cfg.pp == 1:
-        if cfg.virtual_stages != 1:
-            raise ValueError(f"--virtual-stages {cfg.virtual_stages} needs --pp > 1 and "
-                             f"--pp-schedule interleaved")
+    pp, v = mesh.pp, config.virtual_stages
+    if pp == 1:
+        if v != 1:
+            raise ValueError(f"--virtual-stages {v} needs --pp > 1 and --pp-schedule interleaved")
         return
-    v = cfg.virtual_stages
-    check_schedule_args(cfg.schedule, cfg.pp, cfg.num_microbatches, v)
-    L, S = model_config.num_hidden_layers, cfg.pp * cfg.num_chunks
+    check_schedule_args(config.schedule, pp, config.num_microbatches, v)
+    L, S = model_config.num_hidden_layers, pp * config.num_chunks
     if L % S:
-        what = f"pp*virtual_stages = {cfg.pp}*{v} = {S}" if S != cfg.pp else f"pp={cfg.pp}"
+        what = f"pp*virtual_stages = {pp}*{v} = {S}" if S != pp else f"pp={pp}"
         raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
                          f"the same number of layers)")
     if model_config.tie_word_embeddings:
         raise ValueError("tie_word_embeddings is not supported with --pp > 1 (the embedding is "
                          "on the first stage and lm_head on the last; untie them)")
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise ValueError(f"tp={cfg.tp} must divide --seq-len {cfg.seq_len} for sequence parallel")
 
 
 class StageChunk(nn.Module):
@@ -169,25 +170,21 @@ class PipelineRunner:
     """
 
     def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
-                 group, schedule: str, hidden_shape_fn):
+                 group, schedule: str, hidden_shape_fn, wrapper: TrainedModule | None = None):
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
         self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
         self.v = len(module.chunks)
         self.schedule_name = schedule
         self.hidden_shape_fn = hidden_shape_fn
-        self.wrapper = None
+        # the data-parallel wrapper of ``module``: its no_sync() for every backward but the last
+        self.wrapper = wrapper
         self.has_aux = bool(getattr(model.config, "num_experts", 0))
         self._schedules: dict[int, list[Action]] = {}
         self.timelines: list[list] = []
         self.bubbles: list[float] = []
         self.peak_inflight = 0
         self.num_microbatches = None
-
-    def attach(self, wrapper) -> None:
-        """Called by the trainer with the data-parallel wrapper: its ``no_sync()`` is used for
-        every backward but the last of the flush."""
-        self.wrapper = wrapper
 
     def actions(self, m: int) -> list[Action]:
         if m not in self._schedules:
@@ -357,23 +354,37 @@ class PipelineRunner:
         }
 
 
-def build_pipeline(model: nn.Module, mesh, cfg: PipelineConfig) -> PipelineRunner:
-    """Keep this rank's stages of ``model`` and return the runner (trainer protocol).
+def apply(model: nn.Module, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
+    """Keep this rank's stages of ``model`` (the full seeded
+    :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel already): the
+    :class:`PipelineModule` of its ``config.num_chunks`` chunks, which data parallelism then
+    wraps; :func:`build_runner` runs them. Raises ``ValueError`` if the layout is invalid
+    (:func:`validate`)."""
+    validate(config, mesh, model.config)
+    sp = config.sequence_parallel and mesh.tp > 1
+    return split_model(model, mesh.pp, mesh.coords["pp"], config.num_chunks,
+                       seq_len=config.seq_len if sp else None)
 
-    ``model``: the full seeded :class:`~llmlab.model.llama.LlamaForCausalLM` (possibly already
-    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: its
-    :class:`~llmlab.parallel.configs.PipelineConfig` (``seq_len``: this rank's tokens per
-    sequence). Raises ``ValueError`` if the layout is invalid (:func:`validate_layout`).
-    """
-    validate_layout(cfg, model.config)
-    p, r, v = mesh.pp, mesh.coords["pp"], cfg.num_chunks
-    sp = cfg.sequence_parallel and cfg.tp > 1
-    module = split_model(model, p, r, v, seq_len=cfg.seq_len if sp else None)
-    h = model.config.hidden_size
 
-    def hidden_shape(ids: torch.Tensor):
+def build_runner(model: nn.Module, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
+                 wrapper: TrainedModule | None = None) -> PipelineRunner:
+    """The runner of this rank's ``stages`` (from :func:`apply`) over ``mesh.groups["pp"]``;
+    ``wrapper``: the data-parallel wrapper of ``stages`` (``None``: one replica), whose
+    ``no_sync()`` it uses for every backward but the flush's last."""
+    sp = config.sequence_parallel and mesh.tp > 1
+    tp, h = mesh.tp, model.config.hidden_size
+
+    def hidden_shape(ids: torch.Tensor) -> tuple[int, int, int]:
         b, T = ids.shape
-        return (b, T // cfg.tp if sp else T, h)
+        return (b, T // tp if sp else T, h)
 
-    return PipelineRunner(model, module, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
-                          cfg.schedule, hidden_shape)
+    return PipelineRunner(model, stages, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
+                          config.schedule, hidden_shape, wrapper)
+
+
+def build_pipeline(model: nn.Module, mesh: Mesh, config: PipelineConfig,
+                   wrapper: TrainedModule | None = None) -> PipelineRunner:
+    """:func:`apply` then :func:`build_runner`: the runner of this rank's stages of ``model``
+    (``mesh.pp > 1``; ``config.seq_len``: this rank's tokens per sequence). Its ``module`` is
+    the stages. Raises ``ValueError`` if the layout is invalid (:func:`validate`)."""
+    return build_runner(model, apply(model, mesh, config), mesh, config, wrapper)

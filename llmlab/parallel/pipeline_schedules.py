@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from llmlab.formulas.pipeline import pipeline_bubble_fraction
+
 F, B = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"
 COMPUTE = (F, B)
@@ -177,10 +179,10 @@ def message_key(action: Action, rank: int, p: int) -> tuple[str, int, int]:
 
 
 def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of one flush: ``(p-1)/(m+p-1)``, or ``(p-1)/(v*m+p-1)`` interleaved
-    (GPipe §2.2; Megatron-LM SC'21 §2.2.1-2.2.2, written relative to total time)."""
-    v = v if schedule == "interleaved" else 1
-    return (p - 1) / (v * m + p - 1)
+    """Idle share of one flush of ``schedule``: ``(p-1)/(m+p-1)``, or ``(p-1)/(v*m+p-1)``
+    interleaved (GPipe §2.2; Megatron-LM SC'21 §2.2.1-2.2.2, written relative to total time);
+    the formula is :func:`llmlab.formulas.pipeline.pipeline_bubble_fraction`."""
+    return pipeline_bubble_fraction(p, m, v if schedule == "interleaved" else 1)
 
 
 def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,

@@ -30,7 +30,7 @@ by :func:`vocab_parallel_cross_entropy` without ever gathering the ``[B, T, voca
 the forward every tp rank holds the same full loss. ``model(ids)`` without labels returns this
 rank's logits shard ``[B, T, vocab/tp]`` (gather it with
 :func:`~llmlab.parallel.tp_comm.gather_from_tensor_model_parallel_region`). The vocabulary is not
-padded: a degree that does not divide it is refused (:func:`validate_layout`).
+padded: a degree that does not divide it is refused (:func:`check_shardable`).
 
 Sequence parallelism: hidden states between blocks are ``[B, T/tp, h]``; the norms (and the
 residual adds) run on the shard. The column-parallel matmuls all-gather their input and, as in
@@ -48,7 +48,6 @@ from torch import nn
 from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
-from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
@@ -378,14 +377,6 @@ class ParallelMLP(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Which degrees can shard a model
 # --------------------------------------------------------------------------------------------
-def validate_layout(c: TensorParallelConfig, model_config) -> None:
-    """Raise ``ValueError`` naming the constraint when ``c.tp`` cannot shard ``model_config``.
-
-    Called by :func:`llmlab.training.config.validate` before any rank starts.
-    """
-    check_shardable(model_config, c.tp, c.sequence_parallel, c.seq_len)
-
-
 def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
                     name: str = "tp") -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard model config

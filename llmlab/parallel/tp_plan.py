@@ -16,13 +16,16 @@ import torch
 from torch import nn
 
 from llmlab.model.layers import MLP, RMSNorm
+from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.grad_reduce import all_reduce_sum_
 from llmlab.parallel.records import model_record, param_record
 from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                              RowParallelLinear, VocabParallelEmbedding, _tp_rank,
                                              check_shardable, vocab_parallel_cross_entropy)
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
 
 
 def _grad(p):
@@ -183,3 +186,21 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
     _mark_duplicates(model, attns, group)
     model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: TensorParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Raise ``ValueError`` naming the constraint when ``mesh.tp`` ranks cannot shard
+    ``model_config`` (heads, kv heads, FFN width, vocabulary; the sequence under sequence
+    parallelism): :func:`~llmlab.parallel.tensor_parallel.check_shardable`."""
+    check_shardable(model_config, mesh.tp, config.sequence_parallel, config.seq_len)
+
+
+def apply(model: LlamaForCausalLM, mesh: Mesh, config: TensorParallelConfig) -> LlamaForCausalLM:
+    """This rank's tensor-parallel shard of ``model`` (:func:`apply_tensor_parallel` with
+    :data:`TP_PLAN`); ``model`` itself when ``mesh.tp`` is 1."""
+    if mesh.tp == 1:
+        return model
+    return apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel)

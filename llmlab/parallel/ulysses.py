@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmlab.formulas.communication import ulysses_bytes_per_layer as ulysses_bytes_per_layer  # noqa: F401  (its bytes; re-exported)
 from llmlab.runtime import comm
 
 
@@ -107,13 +108,3 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) 
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return HeadToSeq.apply(out, group)
-
-
-def ulysses_bytes_per_layer(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-                            head_dim: int, cp: int, dtype_bytes: int = 4) -> dict:
-    """Bytes one rank passes to all-to-all for one attention layer (its whole local tensors).
-
-    Forward: q, k, v and out, ``B·(2H + 2H_kv)·(S/N)·D`` elements; backward the same again.
-    """
-    elems = batch * (2 * num_heads + 2 * num_kv_heads) * (seq_len // cp) * head_dim
-    return {"forward": elems * dtype_bytes, "backward": elems * dtype_bytes}

@@ -53,20 +53,23 @@ import contextlib
 import functools
 import re
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llmlab.model.config import ModelConfig
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import ZeroConfig
 from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
-from llmlab.parallel.zero_optimizer import ZeroOptimizer
+from llmlab.parallel.zero_optimizer import LossScaler, ZeroOptimizer
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
 
 
-def validate_layout(cfg: ZeroConfig, model_config) -> None:
+def validate(cfg: ZeroConfig, mesh: Mesh, model_config: ModelConfig) -> None:
     """Refuse ZeRO layouts this version does not handle (``ValueError`` naming the constraint).
 
     ``--zero`` with ``--dp 1`` is allowed (N = 1: nothing is sharded, a baseline for the lab).
@@ -397,12 +400,14 @@ class ZeroDataParallel(nn.Module):
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
-def build_zero(module: nn.Module, mesh, cfg: ZeroConfig, make_optimizer, scaler=None):
-    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage``/``cfg.dtype``.
-
-    ``module`` is this rank's full replica (already on its device, fp32); ``make_optimizer``
-    builds the torch optimizer from a list of tensors (the fp32 shard masters); ``scaler``: the
-    fp16 :class:`~llmlab.training.precision.DynamicLossScaler` whose scale ``unscale`` removes.
+def apply(module: nn.Module, mesh: Mesh, cfg: ZeroConfig,
+          make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+          scaler: LossScaler | None = None) -> tuple[ZeroDataParallel, ZeroOptimizer]:
+    """The strategy's ``apply``: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage`` and
+    ``cfg.dtype`` over ``mesh``'s ``dp`` group. ZeRO shards the optimizer's states too, so unlike
+    the other strategies it builds the optimizer: ``make_optimizer`` builds the torch optimizer
+    from a list of tensors (the fp32 shard masters); ``scaler``: the fp16 loss scaler whose
+    scale ``unscale`` removes. ``module`` is this rank's replica (already on its device, fp32).
     """
     wrapper = ZeroDataParallel(module, mesh, stage=cfg.stage, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
     return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload, scaler=scaler)

@@ -13,7 +13,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llmlab.parallel.protocols import ParamStateLookup
 from llmlab.runtime import comm
+
+
+class LossScaler(Protocol):
+    """The fp16 loss scaler (:class:`~llmlab.training.precision.DynamicLossScaler`): its ``scale``."""
+
+    scale: float
 
 
 class ShardedBuckets(Protocol):
@@ -28,6 +35,16 @@ class ShardedBuckets(Protocol):
     def zero_grad_buffers(self) -> None: ...
 
     def log_event(self, op: str, unit: str, phase: str) -> None: ...
+
+
+def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
+    """Bucket ``b``'s full padded flat tensor from every rank's ``shard`` (collective over the
+    bucket's group; bookkeeping: not counted in the comm bytes)."""
+    if b.world == 1:
+        return shard.detach().clone()
+    out = shard.new_empty(b.padded)
+    comm.dist_all_gather_single(out, shard.detach().contiguous(), group=b.group)
+    return out
 
 
 class ZeroOptimizer:
@@ -119,6 +136,58 @@ class ZeroOptimizer:
         for m in self.masters:
             m.grad = None
         self.wrapper.zero_grad_buffers()
+
+    # --- the checkpoint's pair: whole tensors, whatever the shards -------------------------------
+    @torch.no_grad()
+    def param_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """For every parameter in the buckets: its whole (tp-local) weights (``"param"``, in the
+        compute dtype), fp32 master (``"master"``, where it is a separate tensor) and Adam state,
+        on the CPU: each bucket's shards all-gathered over its group and cut into parameters
+        (:class:`~llmlab.parallel.protocols.TrainerOptimizer`). Collective: every rank calls it.
+        The gathers are bookkeeping, not counted in the communication bytes."""
+        w, out = self.wrapper, {}
+        for b, m, sep in zip(w.buckets, self.masters, self.separate):
+            shard = b.local_shard if w.stage == 3 else b.shard_view()
+            flats = {"param": _gather_flat(b, shard)}
+            if sep:
+                flats["master"] = _gather_flat(b, m.to(b.device))
+            st = self.optimizer.state.get(m, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    flats[k] = _gather_flat(b, st[k].to(b.device))
+            for p, o, n in zip(b.params, b.offsets, b.numels):
+                out[p] = {k: f[o:o + n].view(p.shape).to("cpu").clone() for k, f in flats.items()}
+                if "step" in st:
+                    out[p]["step"] = st["step"].detach().to("cpu").clone().float()
+        return out
+
+    @torch.no_grad()
+    def load_param_state(self, lookup: ParamStateLookup) -> None:
+        """Install whole tensors: each bucket laid out flat from ``lookup(p)`` of its parameters,
+        this rank keeping its shard of the masters and Adam moments. The parameters (the whole
+        flat buffer under stages 1-2, the shard under stage 3) come from ``"param"`` too, so
+        every data-parallel replica holds the same weights."""
+        w = self.wrapper
+        for b, m in zip(w.buckets, self.masters):
+            lo, hi = b.shard_range
+            flats: dict[str, torch.Tensor] = {}
+            step = None
+            for p, o, n in zip(b.params, b.offsets, b.numels):
+                st = lookup(p)
+                for k in ("param", "exp_avg", "exp_avg_sq"):
+                    if k in st:
+                        flat = flats.setdefault(k, torch.zeros(b.padded, dtype=torch.float32))
+                        flat[o:o + n] = st[k].reshape(-1).float()
+                step = st.get("step", step)
+            if w.stage == 3:
+                b.local_shard.copy_(flats["param"][lo:hi].to(b.local_shard.dtype))
+            else:
+                b.alias.copy_(flats["param"].to(b.alias.dtype))
+            m.copy_(flats["param"][lo:hi].to(m.device, m.dtype))
+            if step is not None and "exp_avg" in flats:
+                self.optimizer.state[m] = {"step": step.clone().reshape(()),
+                                           "exp_avg": flats["exp_avg"][lo:hi].clone().to(m.device),
+                                           "exp_avg_sq": flats["exp_avg_sq"][lo:hi].clone().to(m.device)}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),

@@ -53,7 +53,37 @@ def usable_cores() -> int:
 
 
 def gpu_count() -> int:
+    """CUDA GPUs this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str = "auto", ranks: int = 1, *, flag: str = "device",
+                   torchrun: bool = False) -> str:
+    """Where ``ranks`` ranks of this node (or one engine: ``ranks=1``) run: the one "auto" rule.
+
+    ``"auto"``: ``"cuda"`` when this node has a GPU for each rank (under ``torchrun``, any GPU:
+    the launcher gives each rank its own), else ``"cpu"``. ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+    are checked and returned as given. Raises ``ValueError`` naming ``flag`` for another kind,
+    CUDA asked for where there is none, or more ranks than visible GPUs (one GPU per rank).
+    """
+    device = str(device)
+    n = gpu_count()
+    if device == "auto":
+        return "cuda" if n > 0 and (ranks <= n or torchrun) else "cpu"
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return device
+    if kind != "cuda":
+        raise ValueError(f"{flag} {device!r}: expected auto, cpu or cuda")
+    if n == 0:
+        raise ValueError(f"{flag} {device}, but no CUDA GPU is available")
+    if not torchrun and ranks > n:
+        raise ValueError(f"{ranks} ranks need {ranks} GPUs, but only {n} are visible (one GPU "
+                         f"per rank)")
+    return device
 
 
 def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,

@@ -272,18 +272,24 @@ class Hosts:
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    def pids(self, i: int) -> list[int]:
-        """Every process running on host ``i`` that :meth:`popen` started, and their children."""
+    def pids(self, i: int, having: str | None = None) -> list[int]:
+        """Every process running on host ``i`` that :meth:`popen` started, and their children;
+        with ``having``, only those whose environment has that variable (``"LOCAL_RANK"``:
+        torchrun's workers, not its agent)."""
         self._check(i)
-        # "-h1" would also match "-h10": tags are compared whole
-        return [p for p in _tagged_pids(self.names[i])
-                if _environ_tag(p) == self.names[i]]
+        out = []
+        for p in _tagged_pids(self.names[i]):
+            env = _environ(p)
+            # "-h1" would also match "-h10": tags are compared whole
+            if env.get("LLMLAB_HOST") == self.names[i] and (having is None or having in env):
+                out.append(p)
+        return out
 
-    def signal(self, i: int, sig: int = signal.SIGKILL) -> int:
+    def signal(self, i: int, sig: int = signal.SIGKILL, having: str | None = None) -> int:
         """Send ``sig`` to every process on host ``i`` (SIGKILL: the host dies; SIGSTOP: it
-        hangs); returns how many were signalled."""
+        hangs), or to those with the variable ``having`` (:meth:`pids`); returns how many."""
         n = 0
-        for pid in self.pids(i):
+        for pid in self.pids(i, having):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
                 n += 1
@@ -371,15 +377,14 @@ class Hosts:
         return f"Hosts({self.describe()})"
 
 
-def _environ_tag(pid: int) -> str | None:
+def _environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid`` ({} when it is gone or unreadable)."""
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return None
-    for item in env.split(b"\0"):
-        if item.startswith(b"LLMLAB_HOST="):
-            return item[len(b"LLMLAB_HOST="):].decode(errors="replace")
-    return None
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
 
 
 def leftovers(prefix: str) -> list[str]:

@@ -53,7 +53,6 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from llmlab.runtime.hardware import usable_cores
 from llmlab.runtime import process
 from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
                                         _verified_torchrun, torchrun_secret)
@@ -95,22 +94,17 @@ def report(record: dict) -> None:
 
 
 def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env, secret):
-    process.die_with_parent()
-    # The fork server's environment dates from its start; apply the caller's current one.
-    os.environ.update(env)
     log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     store = None
     try:
-        torch.set_num_threads(threads)
+        process.setup_child(env, threads, backend, rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         store = process.join_store(host, port)
         _channel.update(store=store, rank=rank, secret=secret)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
         process.init_process_group(backend, store, rank, world_size)
         fn, args, kwargs = cloudpickle.loads(payload)  # from the caller, over the fork server's local pipe
         result = fn(*args, **kwargs)
@@ -136,9 +130,8 @@ def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env
 # --------------------------------------------------------------------------------------------
 # The caller
 # --------------------------------------------------------------------------------------------
-def under_torchrun() -> bool:
-    """True when this process is a rank started by ``torchrun`` (or another env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+under_torchrun = process.under_torchrun
+resolve_torchrun_backend = process.resolve_torchrun_backend
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -148,15 +141,6 @@ def resolve_backend(backend: str, world_size: int) -> str:
     Raises ``ValueError`` for an unknown backend, or NCCL with more ranks than GPUs.
     """
     return process.resolve_backend(backend, world_size)
-
-
-def resolve_torchrun_backend(backend: str) -> str:
-    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
-    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
-    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
-    ranks (naming both counts)."""
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return process.resolve_backend(backend, local_ws, what="LOCAL_WORLD_SIZE", where=" on this node")
 
 
 def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
@@ -198,7 +182,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     log_dir.mkdir(parents=True, exist_ok=True)
     store = process.loopback_store()
     secret = secrets.token_bytes(32)  # travels to the ranks with the payload, over local pipes
-    threads = max(1, usable_cores() // world_size) if backend == "gloo" else 1
+    threads = process.child_threads(world_size, backend)
     env = process.local_env(backend)
     procs = []
     try:
@@ -313,13 +297,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
     secret = torchrun_secret()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    backend = resolve_torchrun_backend(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group(backend, init_method="env://", timeout=process.pg_timeout())
+    _, own = process.join_torchrun(backend)
     _channel.update(rank=dist.get_rank(), local_callback=on_metric)
     try:
         result = fn(*args, **kwargs)

@@ -15,7 +15,10 @@ tensor-parallel inference, each self-test check) is started here, the same way:
   process could take in between; children join it (:func:`join_store`) and build the process
   group on it (:func:`init_process_group`), which times out after ``LLMLAB_PG_TIMEOUT`` seconds
   (default 300; :func:`pg_timeout`);
-* **backend**: :func:`resolve_backend` (gloo on CPU, NCCL with one GPU per rank).
+* **backend**: :func:`resolve_backend` (gloo on CPU, NCCL with one GPU per rank);
+* **the child's first lines**: :func:`setup_child` (die with the parent, the caller's current
+  environment, threads from the seat's usable cores by :func:`child_threads`, its GPU under NCCL);
+  a rank ``torchrun`` started instead joins its job with :func:`join_torchrun`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from llmlab.runtime.hardware import usable_cores
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -59,6 +64,59 @@ def resolve_backend(backend: str = "auto", ranks: int | None = 1, *, device: str
         per = "local rank" if what != "world_size" else "rank"
         raise ValueError(f"backend='nccl' needs one GPU per {per}: {what}={ranks} > {n} GPUs{where}")
     return backend
+
+
+def under_torchrun() -> bool:
+    """True when this process is a rank started by ``torchrun`` (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve_torchrun_backend(backend: str) -> str:
+    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
+    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
+    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
+    ranks (naming both counts)."""
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return resolve_backend(backend, local_ws, what="LOCAL_WORLD_SIZE", where=" on this node")
+
+
+def child_threads(ranks: int, backend: str) -> int:
+    """Threads of each of ``ranks`` CPU (gloo) ranks started on this node: the seat's usable
+    cores (:func:`~llmlab.runtime.hardware.usable_cores`, its affinity set, not the node's core
+    count) shared out, at least 1; a GPU (NCCL) rank needs 1."""
+    return max(1, usable_cores() // ranks) if backend == "gloo" else 1
+
+
+def bind_device(backend: str, local_rank: int) -> None:
+    """Under NCCL, make GPU ``local_rank`` (mod the visible count) this process's device."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def setup_child(env: dict[str, str], threads: int, backend: str, local_rank: int) -> None:
+    """What every process llmlab starts runs first (before joining the rendezvous store): die
+    with the parent (:func:`die_with_parent`), take the caller's *current* environment (the fork
+    server's dates from its start), ``threads`` intra-op threads (:func:`child_threads`), and,
+    under NCCL, its GPU (:func:`bind_device`)."""
+    die_with_parent()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    bind_device(backend, local_rank)
+
+
+def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
+    """A rank ``torchrun`` started joins its job: the backend (:func:`resolve_torchrun_backend`),
+    its GPU under NCCL (``LOCAL_RANK``), and the default process group from the environment
+    (``env://``, timing out after :func:`pg_timeout`) unless one is initialised already.
+    Returns ``(backend, whether this call created the group)``: its creator destroys it."""
+    backend = resolve_torchrun_backend(backend)
+    bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return backend, False
+    from llmlab.runtime.elastic import check_torchrun_environment
+    check_torchrun_environment(backend)  # interface variables, restarts: refused before joining
+    dist.init_process_group(backend, init_method="env://", timeout=pg_timeout())
+    return backend, True
 
 
 _ctx = None
