@@ -29,6 +29,7 @@ virtual engines (``--pipeline-parallel-size``, ``PPMissingLayer``) for inference
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import queue
@@ -219,6 +220,7 @@ class PipelineExecutor:
         self.workers, self.tp, self.pp = workers, tp, pp
         self._ops: dict[str, list[list[int]]] = {"copies": [], "swap_out": [], "swap_in": []}
         self._stopped = False
+        atexit.register(self.shutdown)      # a notebook kernel that exits stops its workers too
 
     @property
     def depth(self) -> int:
@@ -251,8 +253,10 @@ class PipelineExecutor:
         return self.collect(self.submit(out))
 
     def shutdown(self) -> None:
+        """Stop the workers (Ray: kill the actors, remove the placement group); idempotent."""
         if not self._stopped:
             self._stopped = True
+            atexit.unregister(self.shutdown)
             self.workers.close()
 
 
