@@ -7,6 +7,7 @@ Top-level names::
     llmlab.TrainConfig, llmlab.train                       # what `llmlab train` runs
     llmlab.inference.LLM, llmlab.inference.SamplingParams  # offline generation
     llmlab.plan(...)                                       # rank DP x TP x PP x CP layouts (`llmlab plan`)
+    llmlab.plan(..., serve=True), llmlab.plan_serve(...)  # serving layouts (`llmlab plan --serve`)
 
 Strategy wrappers live in :mod:`llmlab.parallel` (one file per strategy).
 """
@@ -26,9 +27,10 @@ _LAZY = {
     "report": "llmlab.runtime.launch", "Mesh": "llmlab.runtime.mesh",
     "ForgedValueError": "llmlab.runtime.result_auth", "TrainConfig": "llmlab.training.config",
     "train": "llmlab.training.trainer", "plan": "llmlab.planner.api",
+    "plan_serve": "llmlab.planner.serve_api",
 }
 
-__all__ = ["plan", "launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
+__all__ = ["plan", "plan_serve", "launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
            "LlamaForCausalLM", "TrainConfig", "train", "inference", "__version__"]
 
 

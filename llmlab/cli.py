@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
     "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
-    "plan": ("llmlab.planner.cli", "choose a DP x TP x PP x CP (x EP) layout: predicted memory and step time, ranked"),
+    "plan": ("llmlab.planner.cli", "choose a DP x TP x PP x CP (x EP) layout: predicted memory and step time, ranked; --serve: serving layouts"),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
     "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
     "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),

@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: activations split along the sequence too")
     p.add_argument("--recompute", default="none", help="none, selective or full")
     p.add_argument("--json", default=None, help="also write the estimate here")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory of one GPU (GB): "
+                   "how many GPUs hold the parameters, the model states and the activations")
 
 
 def estimate(args: argparse.Namespace) -> dict:
@@ -122,6 +124,8 @@ def estimate(args: argparse.Namespace) -> dict:
             out["memory"]["cp"] = cp
         out["memory"]["activations_per_layer"] = per_layer
         out["memory"]["activations"] = per_layer * layers
+    if getattr(args, "gpu_memory_gb", None) is not None:
+        out["memory"]["gpus_needed"] = _gpus_needed(out["memory"], args.gpu_memory_gb)
     if args.tokens is not None:
         flops = training_flops(n, args.tokens)
         out["compute"] = {"training_flops": flops}
@@ -149,6 +153,21 @@ def estimate(args: argparse.Namespace) -> dict:
     return out
 
 
+def _gpus_needed(mem: dict, gpu_memory_gb: float) -> dict:
+    """The fewest GPUs of ``gpu_memory_gb`` that hold the parameters, the model states and
+    (with ``--seq-len``) the states plus activations: ceil(bytes / memory)."""
+    from llmlab.formulas.serving import gpus_for_bytes
+    if not gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}")
+    b = mem["bytes"]
+    need = {"gpu_memory_bytes": gpu_memory_gb * GB,
+            "params": gpus_for_bytes(b["params"], gpu_memory_gb * GB),
+            "model_states": gpus_for_bytes(b["total"], gpu_memory_gb * GB)}
+    if "activations" in mem:
+        need["with_activations"] = gpus_for_bytes(b["total"] + mem["activations"], gpu_memory_gb * GB)
+    return need
+
+
 def _gb(x: float) -> str:
     """Decimal units: GB = 1e9 bytes (MB = 1e6, kB = 1e3 below 1 GB)."""
     for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
@@ -172,6 +191,11 @@ def format_table(est: dict) -> str:
         lines.append(f"  {'activations/layer':<22}{_gb(m['activations_per_layer']):>16}"
                      f"   (Korthikanti et al. 2022{per_rank})")
         lines.append(f"  {'activations, all':<22}{_gb(m['activations']):>16}")
+    if "gpus_needed" in m:
+        g = m["gpus_needed"]
+        lines.append(f"  {'GPUs of ' + _gb(g['gpu_memory_bytes']):<22}{g['params']:>10} for the "
+                     f"parameters, {g['model_states']} for the model states"
+                     + (f", {g['with_activations']} with the activations" if "with_activations" in g else ""))
     if "compute" in est:
         c = est["compute"]
         lines.append("Compute wall  (6·N·T)")

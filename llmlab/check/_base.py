@@ -10,7 +10,8 @@ what was expected and what came back, and a hint; then
   notebook goes on: :func:`llmlab.exercises.use` then hands the cells below llmlab's reference.
 
 A function that is still the stub (raises ``NotImplementedError``), in the notebook or on a rank,
-gets one message: :func:`stub_failure`.
+gets one message: :func:`stub_failure`; such a run is not an attempt, so it is not recorded in the
+room's results (:mod:`llmlab.check.results`).
 """
 from __future__ import annotations
 
@@ -31,14 +32,18 @@ class ExerciseFailed(Exception):
     """The learner's function disagrees with the reference; the message says where and how."""
 
 
+class StubNotWritten(ExerciseFailed):
+    """The learner's function is still the stub (it raises ``NotImplementedError``)."""
+
+
 def strict() -> bool:
     """Whether a failed check raises (``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``)."""
     return solutions_on() or os.environ.get("LLMLAB_STRICT", "0") not in ("", "0", "false", "False")
 
 
-def stub_failure(name: str) -> ExerciseFailed:
+def stub_failure(name: str) -> StubNotWritten:
     """The one message for a function that still raises ``NotImplementedError``."""
-    return ExerciseFailed(f"{name}: the function is still the stub (it raises NotImplementedError)\n"
+    return StubNotWritten(f"{name}: the function is still the stub (it raises NotImplementedError)\n"
                           f"  hint: write it in the exercise cell and run the cell again, or run "
                           f"exercises.reveal({name!r}) to use llmlab's solution.")
 
@@ -62,7 +67,8 @@ def reported(name: str, check_fn):
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
             err = ExerciseFailed(f"{name}: the function raised {type(e).__name__}: {e}\n{tb[-1500:]}"
                                  f"  hint: run it by hand on a small input to see where it fails.")
-        results.record(name, False, str(err))
+        if not isinstance(err, StubNotWritten):   # an untouched exercise is not an attempt
+            results.record(name, False, str(err))
         if strict():
             raise err from None
         msg = str(err)

@@ -25,8 +25,12 @@ def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
 
 def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "a800",
          num_gpus: int = 8, workload: Workload | None = None, max_microbatches: int = 64,
-         zero_stages=(0, 1, 2, 3), **overrides) -> dict:
+         zero_stages=(0, 1, 2, 3), serve: bool = False, **overrides) -> dict:
     """Rank every valid layout of a model on a cluster.
+
+    ``serve=True``: the serving question instead (:func:`llmlab.planner.serve_api.plan_serve`,
+    ``llmlab plan --serve``): ``workload`` is then a
+    :class:`~llmlab.planner.serve_spec.ServeWorkload` and the keywords are ``plan_serve``'s.
 
     Args:
         model: a preset name (``tiny``, ``llama3-70b``, ...) or a :class:`ModelSpec`; or
@@ -45,6 +49,10 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
         ValueError: an unknown preset, a shape or cluster that breaks a constraint, or no
             valid layout at all (the message names why the simplest one fails).
     """
+    if serve:
+        from llmlab.planner.serve_api import plan_serve
+        return plan_serve(model, params=params, config=config, cluster=cluster, num_gpus=num_gpus,
+                          workload=workload, **overrides)
     shape = {k: overrides.pop(k) for k in ("num_layers", "hidden", "heads", "kv_heads", "vocab")
              if k in overrides}
     spec = resolve_model(model, params, config, **shape)

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-layouts", type=int, default=6, help="layouts to train")
     p.add_argument("--validate-steps", type=int, default=8, help="steps per layout (2 warm-up)")
     p.add_argument("--json", default=None, metavar="F", help="write the plan (and validation) here")
+    from llmlab.planner.serve_cli import add_serve_arguments
+    add_serve_arguments(p)       # --serve, --articles and the serving flags
 
 
 def _cluster(args):
@@ -71,6 +73,9 @@ def _cluster(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False) or getattr(args, "articles", False):
+        from llmlab.planner.serve_cli import run_serve
+        return run_serve(args)
     from llmlab.planner.api import plan
     from llmlab.planner.report import format_table, format_validation
     from llmlab.planner.specs import Workload

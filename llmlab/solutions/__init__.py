@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 
 from llmlab.solutions import (lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07, lab08, lab09,
-                              lab10, lab11)
+                              lab10, lab11, lab12)
 
 MODULES = {"00": lab00, "01": lab01, "02": lab02, "03": lab03, "04": lab04, "05": lab05, "06": lab06,
-           "07": lab07, "08": lab08, "09": lab09, "10": lab10, "11": lab11}
+           "07": lab07, "08": lab08, "09": lab09, "10": lab10, "11": lab11,
+           "12": lab12}
 LABS = tuple(MODULES)
 
 
@@ -27,7 +28,7 @@ def _registry() -> tuple[dict, dict]:
     return solutions, lab_of
 
 
-SOLUTIONS, LAB_OF = _registry()  # exercise name -> reference solution; -> lab number ("00".."11")
+SOLUTIONS, LAB_OF = _registry()  # exercise name -> reference solution; -> lab number ("00".."12")
 
 
 def solutions_on() -> bool:

@@ -212,7 +212,8 @@ class LiveBars(LiveFigure):
         ax.set_ylabel(self.ylabel)
         if self.title:
             ax.set_title(self.title)
-        if names:
-            ax.legend(loc="upper right")
+        if names:   # outside the axes, right of them: a legend never covers a bar
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
             ax.tick_params(axis="x", labelsize=8)
+            ax.figure.tight_layout()
         self._publish()
