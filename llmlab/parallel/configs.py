@@ -8,6 +8,7 @@ ZeRO's ``stage``); the degrees of the layout (``dp``, ``tp``, ``pp``, ``ep``, ``
 mesh's (:class:`~llmlab.runtime.mesh.Mesh`), which every strategy's ``validate(config, mesh,
 model_config)`` and ``apply(model, mesh, config)`` receive beside its config.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

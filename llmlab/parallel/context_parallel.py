@@ -27,6 +27,8 @@ Megatron-LM "context parallelism" (Megatron core ``context_parallel`` docs).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import functools
 import math
 
@@ -54,7 +56,7 @@ def token_indices(seq_len: int, cp: int, cp_rank: int, mode: str = "ring") -> to
     return ulysses_token_indices(seq_len, cp_rank, cp)
 
 
-def shard_microbatches(micro: list, mesh, mode: str = "ring") -> list:
+def shard_microbatches(micro: list[Any], mesh: Mesh, mode: str = "ring") -> list[Any]:
     """This CP rank's tokens of each ``(inputs [b,S], labels [b,S])``: ``[b, S/cp]`` each."""
     if mesh.cp == 1:
         return micro
@@ -62,7 +64,8 @@ def shard_microbatches(micro: list, mesh, mode: str = "ring") -> list:
     return [(x[:, idx.to(x.device)], y[:, idx.to(y.device)]) for x, y in micro]
 
 
-def apply_context_parallel(model, mesh, mode: str, seq_len: int, overlap: bool = True):
+def apply_context_parallel(model: LlamaForCausalLM, mesh: Mesh, mode: str, seq_len: int,
+                           overlap: bool = True) -> LlamaForCausalLM:
     """Make ``model`` (a :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel)
     run on this CP rank's tokens: RoPE positions of those tokens, and every layer's attention core
     replaced by ring or Ulysses attention over ``mesh.groups["cp"]``. In place; returns ``model``.
@@ -82,7 +85,7 @@ def apply_context_parallel(model, mesh, mode: str, seq_len: int, overlap: bool =
     else:
         core = functools.partial(ulysses_attention, group=group)
     for layer in model.model.layers:
-        layer.self_attn.core_attention = core
+        layer.self_attn.core_attention = core  # type: ignore[union-attr]
     return model
 
 

@@ -36,7 +36,7 @@ GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's sl
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.formulas.communication import moe_a2a_bytes as a2a_bytes_formula  # noqa: F401  (re-exported)
 from llmlab.model.config import ModelConfig
@@ -46,20 +46,25 @@ from llmlab.parallel.configs import ExpertParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any, TypeVar, cast
+
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd: backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Any:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> Any:
         out_splits, in_splits = ctx.splits
         g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -70,12 +75,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``scale`` in backward."""
 
     @staticmethod
-    def forward(ctx, x, scale: float):
+    def forward(ctx: Any, x: Tensor, scale: float) -> Any:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> Any:
         return grad * ctx.scale, None
 
 
@@ -87,7 +92,9 @@ class ExpertParallelMoE(MoE):
     :func:`apply_expert_parallel`, not directly.
     """
 
-    ep_group = None
+    experts: nn.ModuleDict  # type: ignore[assignment]  # keyed by global expert id, not a list
+    local_experts: list[int]
+    ep_group: Group = None
     ep_size = 1
     ep_rank = 0
 
@@ -114,10 +121,11 @@ class ExpertParallelMoE(MoE):
         y = _ScaleGrad.apply(y, 1.0 / ep)      # expert weight grads / ep (see module doc)
         y = y[torch.argsort(order)]            # back to (source rank, expert) blocks
         # 4. combine
-        return _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+        out: torch.Tensor = _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+        return out
 
 
-def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+def apply_expert_parallel(model: M, mesh: Mesh) -> M:
     """Keep this rank's ``E/ep`` experts of every MoE layer of the full (seeded) ``model`` and
     route tokens to the others with all-to-all over ``mesh.groups["ep"]``.
 
@@ -135,15 +143,16 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
         keep = list(range(ep_rank * El, (ep_rank + 1) * El))
         experts = nn.ModuleDict({str(e): layer.experts[e] for e in keep})
         layer.__class__ = ExpertParallelMoE
-        layer.experts = experts
-        layer.local_experts = keep
-        layer.ep_group, layer.ep_size, layer.ep_rank = mesh.groups.get("ep"), ep, ep_rank
+        epl = cast(ExpertParallelMoE, layer)
+        epl.experts = experts
+        epl.local_experts = keep
+        epl.ep_group, epl.ep_size, epl.ep_rank = mesh.groups.get("ep"), ep, ep_rank
         for p in experts.parameters():
             param_record(p).expert_parallel = True
     return model
 
 
-def sync_moe_grads(model: nn.Module, mesh) -> None:
+def sync_moe_grads(model: nn.Module, mesh: Mesh) -> None:
     """Average gradients over their data-parallel group: ``edp`` for expert parameters, ``dp``
     for the rest. The plain (no bucketing, no overlap) form of what data parallelism does for a
     MoE model; used by the tests and the lab before ``llmlab.parallel.data_parallel`` exists."""
@@ -176,7 +185,7 @@ def check_experts(num_experts: int, ep: int) -> None:
         raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
 
 
-def apply(model: nn.Module, mesh: Mesh, config: ExpertParallelConfig) -> nn.Module:
+def apply(model: M, mesh: Mesh, config: ExpertParallelConfig) -> M:
     """This rank's experts of ``model`` (:func:`apply_expert_parallel`); ``model`` itself when
     ``mesh.ep`` is 1 (every rank holds every expert, reduced over ``dp`` like the rest)."""
     if mesh.ep == 1:

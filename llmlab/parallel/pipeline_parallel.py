@@ -34,6 +34,7 @@ from torch import nn
 
 from llmlab.metrics.timing import device_clock
 from llmlab.model.config import ModelConfig
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
     B, COMM, F, RECV_ACT, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
@@ -41,6 +42,8 @@ from llmlab.parallel.pipeline_schedules import (
 from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any
 
 
 def validate(config: PipelineConfig, mesh: Mesh, model_config: ModelConfig) -> None:
@@ -74,7 +77,7 @@ class StageChunk(nn.Module):
     logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
     ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers, seq_len: int | None):
+    def __init__(self, model: LlamaForCausalLM, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
         super().__init__()
         self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -86,12 +89,13 @@ class StageChunk(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: its params are not ours
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self._model
+        m: LlamaForCausalLM = self.__dict__["_model"]
         h = m.embed(x) if self.is_first else x
         h = m.run_layers(h, layers=self.layers, seq_len=self.seq_len)
-        return m.head(h) if self.is_last else h
+        out: torch.Tensor = m.head(h) if self.is_last else h
+        return out
 
-    def aux_loss(self):
+    def aux_loss(self) -> Any:
         """Auxiliary (MoE load-balancing) losses of this chunk's layers from the last forward."""
         total = 0.0
         for layer in self.layers:
@@ -104,12 +108,13 @@ class StageChunk(nn.Module):
 class PipelineModule(nn.Module):
     """What a rank holds: ``chunks[c]`` is virtual stage ``c*p + r``. Not called directly."""
 
-    def __init__(self, chunks: list[StageChunk]):
+    def __init__(self, chunks: list[StageChunk]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
 
-def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | None = None):
+def split_model(model: LlamaForCausalLM, p: int, r: int, v: int = 1,
+                seq_len: int | None = None) -> "PipelineModule":
     """Cut ``model`` into ``p*v`` stages and return this rank's chunks (a :class:`PipelineModule`).
 
     The model is stripped of what other ranks hold (their layers, and the embedding / norm /
@@ -125,9 +130,9 @@ def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | Non
     held = [l for ch in chunks for l in ch.layers]
     model.model.layers = nn.ModuleList(held)
     if not any(ch.is_first for ch in chunks):
-        model.model.embed_tokens = None
+        model.model.embed_tokens = None  # type: ignore[assignment]
     if not any(ch.is_last for ch in chunks):
-        model.model.norm, model.lm_head = None, None
+        model.model.norm, model.lm_head = None, None  # type: ignore[assignment]
     return PipelineModule(chunks)
 
 
@@ -137,23 +142,23 @@ class _Flush:
     received, outputs kept for backward, gradients received or to send, activations to send), the
     sends not yet waited for, the timeline events and the running losses."""
 
-    microbatches: list
-    weights: list
+    microbatches: list[Any]
+    weights: list[Any]
     loss_scale: float
     last_b: int                     # index of the flush's last backward action
     dtype: torch.dtype
-    inputs: dict = dataclasses.field(default_factory=dict)
-    outputs: dict = dataclasses.field(default_factory=dict)
-    grads: dict = dataclasses.field(default_factory=dict)
-    to_send: dict = dataclasses.field(default_factory=dict)
-    pending_sends: list = dataclasses.field(default_factory=list)
-    events: list = dataclasses.field(default_factory=list)
+    inputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    grads: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    to_send: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    pending_sends: list[Any] = dataclasses.field(default_factory=list)
+    events: list[Any] = dataclasses.field(default_factory=list)
     loss_total: float = 0.0
     aux_total: float = 0.0
     inflight: int = 0
     t_start: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.m = len(self.microbatches)
         self.device = self.microbatches[0][0].device
         self.now = device_clock(self.device)  # on a GPU: after the queued work is done, not when queued
@@ -169,8 +174,8 @@ class PipelineRunner:
     the CONTRACT ``pipeline`` fields of this rank plus the per-step timelines.
     """
 
-    def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
-                 group, schedule: str, hidden_shape_fn, wrapper: TrainedModule | None = None):
+    def __init__(self, model: LlamaForCausalLM, module: PipelineModule, stage_ranks: list[int], rank: int,
+                 group: Group, schedule: str, hidden_shape_fn: Any, wrapper: TrainedModule | None = None) -> None:
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
         self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
@@ -181,10 +186,10 @@ class PipelineRunner:
         self.wrapper = wrapper
         self.has_aux = bool(getattr(model.config, "num_experts", 0))
         self._schedules: dict[int, list[Action]] = {}
-        self.timelines: list[list] = []
+        self.timelines: list[dict[str, Any]] = []
         self.bubbles: list[float] = []
         self.peak_inflight = 0
-        self.num_microbatches = None
+        self.num_microbatches: int | None = None
 
     def actions(self, m: int) -> list[Action]:
         if m not in self._schedules:
@@ -240,6 +245,7 @@ class PipelineRunner:
         t0 = f.now()
         ops, recvs = [], []
         for b in batch:
+            assert b.peer is not None   # a p2p action names its peer
             peer = self.stage_ranks[b.peer]
             tag = self._tag(b, f.m)
             if b.op == SEND_ACT:
@@ -273,7 +279,8 @@ class PipelineRunner:
 
     def _forward(self, f: "_Flush", a: Action) -> None:
         """Chunk ``a.chunk`` on micro-batch ``a.mb``; the last stage adds its weighted loss."""
-        chunk, key = self.module.chunks[a.chunk], (a.chunk, a.mb)
+        chunk: StageChunk = self.module.chunks[a.chunk]  # type: ignore[assignment]
+        key = (a.chunk, a.mb)
         x = f.microbatches[a.mb][0] if chunk.is_first else f.inputs[key]
         out = chunk(x)
         aux = chunk.aux_loss() if self.has_aux else 0.0
@@ -324,7 +331,7 @@ class PipelineRunner:
             return f.loss_total
         return None
 
-    def _record(self, events: list, local_end: float, device) -> None:
+    def _record(self, events: list[Any], local_end: float, device: Any) -> None:
         """Flush time = slowest rank's end (an all-reduce MAX on the pipeline group)."""
         t = torch.tensor([local_end], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # bookkeeping, not counted
@@ -333,7 +340,7 @@ class PipelineRunner:
         self.timelines.append({"span_s": span, "events": events})
         self.bubbles.append(1.0 - busy / span if span > 0 else 0.0)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """This rank's CONTRACT ``pipeline`` fields plus details: ``bubble_fraction_measured``
         (mean over steps after the first, which includes connection set-up), per-step values,
         ``timeline`` (per step: ``span_s`` and events ``[op, chunk, mb, t0_s, t1_s]``, op in
@@ -354,7 +361,7 @@ class PipelineRunner:
         }
 
 
-def apply(model: nn.Module, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
+def apply(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
     """Keep this rank's stages of ``model`` (the full seeded
     :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel already): the
     :class:`PipelineModule` of its ``config.num_chunks`` chunks, which data parallelism then
@@ -366,7 +373,7 @@ def apply(model: nn.Module, mesh: Mesh, config: PipelineConfig) -> PipelineModul
                        seq_len=config.seq_len if sp else None)
 
 
-def build_runner(model: nn.Module, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
+def build_runner(model: LlamaForCausalLM, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
                  wrapper: TrainedModule | None = None) -> PipelineRunner:
     """The runner of this rank's ``stages`` (from :func:`apply`) over ``mesh.groups["pp"]``;
     ``wrapper``: the data-parallel wrapper of ``stages`` (``None``: one replica), whose
@@ -382,7 +389,7 @@ def build_runner(model: nn.Module, stages: PipelineModule, mesh: Mesh, config: P
                           config.schedule, hidden_shape, wrapper)
 
 
-def build_pipeline(model: nn.Module, mesh: Mesh, config: PipelineConfig,
+def build_pipeline(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig,
                    wrapper: TrainedModule | None = None) -> PipelineRunner:
     """:func:`apply` then :func:`build_runner`: the runner of this rank's stages of ``model``
     (``mesh.pp > 1``; ``config.seq_len``: this rank's tokens per sequence). Its ``module`` is

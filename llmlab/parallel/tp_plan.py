@@ -26,9 +26,12 @@ from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAtten
                                              check_shardable, vocab_parallel_cross_entropy)
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from torch.nn import Parameter
+from typing import Any, Callable
 
 
-def _grad(p):
+def _grad(p: Parameter) -> torch.Tensor | None:
     return p.grad
 
 
@@ -40,10 +43,10 @@ class SumOverTP:
     (default ``p.grad``; under ZeRO the part of ``p`` in this rank's gradient shard, laid out
     identically on every tp rank, so the buffers still line up)."""
 
-    def __init__(self, params: list[nn.Parameter], group):
+    def __init__(self, params: list[nn.Parameter], group: Group) -> None:
         self.params, self.group = params, group
 
-    def __call__(self, grad_of=_grad):
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         grads = [g for g in map(grad_of, self.params) if g is not None and g.numel()]
         if not grads:
             return
@@ -60,10 +63,10 @@ class SumOverKVReplicas:
     the row of its kv head: row ``j`` becomes the sum over kv head ``j``'s replicas.
     """
 
-    def __init__(self, attns: list["ParallelAttention"], group):
+    def __init__(self, attns: list["ParallelAttention"], group: Group) -> None:
         self.attns, self.group = attns, group
 
-    def __call__(self, grad_of=_grad):
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
         grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
@@ -80,14 +83,14 @@ class VocabParallelLoss:
     """The model's ``loss_function`` under TP: :func:`vocab_parallel_cross_entropy` of this rank's
     vocabulary slice (``logits [*, V/tp]``, ``labels [*]``) -> the same scalar on every tp rank."""
 
-    def __init__(self, group, vocab_start: int):
+    def __init__(self, group: Group, vocab_start: int) -> None:
         self.group, self.vocab_start = group, vocab_start
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
 
 
-def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) -> None:
+def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group: Group) -> None:
     """Set every parameter's ``tp_duplicate`` (:class:`~llmlab.parallel.records.ParamRecord`): ``True`` where another tp rank holds the same
     values (replicated norms, biases and experts on tp ranks > 0; a replicated kv head on all but
     its first rank), so the global gradient norm counts each element once."""
@@ -117,19 +120,19 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-def _vocab_parallel(m, group, sp):
+def _vocab_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return VocabParallelEmbedding.from_embedding(m, group, sp)
 
 
-def _attention(m, group, sp):
+def _attention(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelAttention(m, group, sp)
 
 
-def _mlp(m, group, sp):
+def _mlp(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m   # MoE: experts replicated
 
 
-def _column_parallel(m, group, sp):
+def _column_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
 
@@ -137,7 +140,7 @@ STYLES = {"vocab_parallel": _vocab_parallel, "attention": _attention, "mlp": _ml
           "column_parallel": _column_parallel}
 
 
-def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool) -> None:
+def apply_plan(model: nn.Module, plan: dict[str, str], group: Group, sequence_parallel: bool) -> None:
     """Replace every module whose name matches a pattern of ``plan`` by its parallel form
     (:data:`STYLES`), in place. The parallel modules copy this rank's slice of the full weights."""
     import fnmatch
@@ -150,8 +153,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
         setattr(parent, attr, STYLES[style](module, group, sequence_parallel))
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False,
-                          plan: dict[str, str] | None = None):
+def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel: bool = False,
+                          plan: dict[str, str] | None = None) -> LlamaForCausalLM:
     """Shard a full, seeded model over ``mesh.groups["tp"]`` in place with ``plan`` (default
     :data:`TP_PLAN`) and return it.
 
@@ -184,7 +187,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
     if attns and attns[0].kv_replicated:
         finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)
-    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
+    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)  # type: ignore[assignment, arg-type]
     return model
 
 

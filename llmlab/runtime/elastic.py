@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from llmlab.runtime.hosts import Hosts
 
@@ -203,7 +203,7 @@ class NodeJob:
     """torchrun running on every host: ``procs[i]`` (its agent) logs to ``logs[i]``."""
 
     hosts: Hosts
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen[Any]]
     logs: list[Path]
     endpoint: str
     started: float = field(default_factory=time.monotonic)
@@ -244,7 +244,7 @@ class NodeJob:
             p.wait(10)
 
 
-def start_torchrun(hosts: Hosts, args: Sequence[str], *, nproc_per_node: int, log_dir: str | os.PathLike,
+def start_torchrun(hosts: Hosts, args: Sequence[str], *, nproc_per_node: int, log_dir: str | os.PathLike[str],
                    max_restarts: int = 0, port: int = 0, env: Mapping[str, str] | None = None,
                    interface: str | None = None, module: str = "llmlab") -> NodeJob:
     """Start ``torchrun ... -m <module> <args>`` on every host of ``hosts`` (one node each), after

@@ -6,11 +6,13 @@ bigger model), and shows the chosen size.
 """
 from __future__ import annotations
 
+
 import os
 import platform
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +41,7 @@ class LabSize:
         return (f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
                 f"model '{self.model}', {self.steps} steps")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -88,7 +90,8 @@ def resolve_device(device: str = "auto", ranks: int = 1, *, flag: str = "device"
 
 def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,
              cpu_model: str = "tiny", gpu_model: str | None = None, cpu_steps: int = 20,
-             gpu_steps: int = 200, fits=None) -> LabSize:
+             gpu_steps: int = 200,
+             fits: Callable[[int, str], str | None] | None = None) -> LabSize:
     """Choose a lab's size from the hardware.
 
     ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
@@ -118,12 +121,12 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
 
 
-def hardware() -> dict:
+def hardware() -> dict[str, Any]:
     """The machine's inventory: Python, platform, CPU cores, torch and its build, transformers, and
     per GPU its name, memory (bytes) and peer access; with GPUs the NCCL version and
     ``nvidia-smi topo -m`` (when that program is there). JSON-serialisable."""
     n = gpu_count()
-    info = {"python": platform.python_version(), "platform": platform.platform(),
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
             "cpu_cores": os.cpu_count(), "torch": torch.__version__,
             "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
             "gpus": []}

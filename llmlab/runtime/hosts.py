@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 PREFIX = "llh"            # every namespace this module makes is named llh-<owner pid>-<k>-...
 NETNS_ETC = Path("/etc/netns")
@@ -56,7 +56,7 @@ class HostsError(RuntimeError):
     """Hosts could not be made, or a host operation is not possible in this mode."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``ip ARGS``; raise :class:`HostsError` with its stderr when it fails and ``check``."""
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -127,6 +127,11 @@ def _kill_tagged(tag_prefix: str, sig: int) -> int:
     return n
 
 
+def _close_all() -> None:
+    for h in list(_live):
+        h.close()
+
+
 def _install_hooks() -> None:
     """atexit closes every live Hosts; SIGTERM (when nobody else handles it) becomes SystemExit,
     so ``with`` blocks and atexit run."""
@@ -134,7 +139,7 @@ def _install_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(lambda: [h.close() for h in list(_live)])
+    atexit.register(_close_all)
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         def _term(signum: int, frame: object) -> None:
@@ -163,10 +168,11 @@ class Hosts:
             raise ValueError(f"n={n!r}: expected 1 to 250 hosts")
         if mode not in ("auto", "netns", "loopback"):
             raise ValueError(f"mode={mode!r}: expected 'auto', 'netns' or 'loopback'")
-        self.n, self.rate = n, None
+        self.n = n
+        self.rate: str | None = None
         self.prefix = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self.names = [f"{self.prefix}-h{i}" for i in range(n)]
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[Any]] = []
         self.closed = False
         why = netns_unavailable() if mode != "loopback" else "loopback asked for"
         if mode == "netns" and why:
@@ -250,16 +256,16 @@ class Hosts:
         return {**(os.environ if env is None else env), "LLMLAB_HOST": self.names[i]}
 
     def popen(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
-              **kwargs: object) -> subprocess.Popen:
+              **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on host ``i`` (a new session, so a Ctrl-C in a notebook reaches only the
         caller) and return its ``Popen``; ``kwargs`` go to ``subprocess.Popen``."""
-        proc = subprocess.Popen(self.command(i, argv), env=self.env(i, env),  # type: ignore[call-overload]
-                                start_new_session=True, **kwargs)
+        proc: subprocess.Popen[Any] = subprocess.Popen(self.command(i, argv), env=self.env(i, env),
+                                                       start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
 
     def run(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
-            timeout: float | None = 120, **kwargs: object) -> subprocess.CompletedProcess:
+            timeout: float | None = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on host ``i`` to completion (output captured as text); kills it after
         ``timeout`` s and raises ``subprocess.TimeoutExpired``."""
         proc = self.popen(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

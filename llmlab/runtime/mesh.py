@@ -21,6 +21,8 @@ build several layouts in one kernel.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -71,9 +73,9 @@ class Mesh:
     ep: int = 1
     cp: int = 1
     rank: int = 0
-    coords: dict = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
-    groups: dict = field(default_factory=dict)
-    ranks: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
+    groups: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.runtime.hardware import usable_cores
+from typing import Any, Callable, Iterator
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -119,10 +120,10 @@ def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
     return backend, True
 
 
-_ctx = None
+_ctx: Any = None
 
 
-def context():
+def context() -> Any:
     """The multiprocessing context every llmlab process is started from (forkserver, else spawn)."""
     global _ctx
     if _ctx is None:
@@ -138,7 +139,7 @@ def context():
 
 
 @contextlib.contextmanager
-def main_module_hidden():
+def main_module_hidden() -> Iterator[None]:
     """Stop multiprocessing from re-running the caller's ``__main__`` script in each child.
 
     What a child runs travels by value, so it never needs the caller's main module; re-importing it
@@ -155,7 +156,7 @@ def main_module_hidden():
             setattr(main, k, v)
 
 
-def start(target, args: tuple, name: str):
+def start(target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
     """Start ``target(*args)`` in a new process (see the module docstring) and return it
     (a ``multiprocessing.Process``). ``target`` should call :func:`die_with_parent` first."""
     p = context().Process(target=target, args=args, name=name, daemon=False)
@@ -173,7 +174,7 @@ def die_with_parent() -> None:
         pass
 
 
-def stop(procs, grace: float = 3.0) -> None:
+def stop(procs: list[Any], grace: float = 3.0) -> None:
     """End the processes still running: terminate, wait up to ``grace`` s in all, then kill."""
     for p in procs:
         if p.pid is not None and p.is_alive():
@@ -187,7 +188,7 @@ def stop(procs, grace: float = 3.0) -> None:
                 p.join(2)
 
 
-def kill_group(proc) -> None:
+def kill_group(proc: Any) -> None:
     """Kill the process group led by ``proc`` (a child that called ``os.setsid()``) and reap it."""
     if proc.pid is None:
         return
@@ -198,7 +199,7 @@ def kill_group(proc) -> None:
     proc.join(5)
 
 
-def loopback_store(host: str = "127.0.0.1"):
+def loopback_store(host: str = "127.0.0.1") -> dist.TCPStore:
     """The rendezvous store, hosted by this process on 127.0.0.1 only (given a socket bound before
     the store exists: TCPStore's own listener binds every interface whatever host it is given).
     Falls back to TCPStore's listener where this torch cannot take a socket. Its port: ``.port``.
@@ -225,12 +226,12 @@ def loopback_store(host: str = "127.0.0.1"):
                          wait_for_workers=False, timeout=timeout)
 
 
-def join_store(host: str, port: int):
+def join_store(host: str, port: int) -> dist.TCPStore:
     """A child's client of the caller's :func:`loopback_store`."""
     return dist.TCPStore(host, port, is_master=False, timeout=pg_timeout())
 
 
-def init_process_group(backend: str, store, rank: int, world_size: int) -> None:
+def init_process_group(backend: str, store: Any, rank: int, world_size: int) -> None:
     """The default process group, rendezvousing on ``store`` (under the ``pg`` prefix, so the
     store's other keys stay the caller's), timing out after :func:`pg_timeout`."""
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
@@ -246,10 +247,11 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def local_env(backend: str) -> dict:
+def local_env(backend: str) -> dict[str, str]:
     """The caller's environment for local children: with gloo, its sockets on the loopback
     interface (all ranks are on this machine, not on the network) unless the user chose one."""
     env = dict(os.environ)
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and loopback_interface():
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    lo = loopback_interface()
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and lo:
+        env["GLOO_SOCKET_IFNAME"] = lo
     return env

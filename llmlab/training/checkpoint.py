@@ -69,13 +69,26 @@ class Checkpointable(Protocol):
     sharding), the optimizer (whose ``param_state``/``load_param_state`` pair gives and takes
     whole tensors, whatever strategy shards them), the fp16 loss scaler and the last step's record."""
 
-    cfg: TrainConfig
-    mesh: Mesh
-    model: torch.nn.Module
-    full_shapes: dict[str, tuple[int, ...]]
-    optimizer: TrainerOptimizer
-    scaler: DynamicLossScaler | None
-    last: dict
+    @property
+    def cfg(self) -> TrainConfig: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def full_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    @property
+    def optimizer(self) -> TrainerOptimizer: ...
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+
+    @property
+    def last(self) -> dict: ...
 
 
 # The flags that set the learning rate of every step (and so the optimizer's trajectory): a resumed

@@ -29,6 +29,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.checkpoint_clock import CheckpointClock
+from llmlab.training.precision import DynamicLossScaler
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 
 
@@ -152,9 +154,8 @@ class Engine:
         model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
         self.model, local = self._shard(model)
         local.to(device)
-        self.scaler = None
+        self.scaler: DynamicLossScaler | None = None
         if cfg.dtype == "fp16":
-            from llmlab.training.precision import DynamicLossScaler
             self.scaler = DynamicLossScaler()
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import cast_model
@@ -164,6 +165,7 @@ class Engine:
         self.wrapper, self.optimizer = self._wrap(local)
         self.pipeline = None
         if cfg.pp > 1:  # runs this rank's stages, with the wrapper's no_sync() for accumulation
+            assert isinstance(local, pipeline_parallel.PipelineModule)
             self.pipeline = pipeline_parallel.build_runner(self.model, local, mesh,
                                                            self.strategies.pp, self.wrapper)
         self.local = local
@@ -197,13 +199,17 @@ class Engine:
         dp_mesh = self.mesh.data_parallel_view()
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         if sc.zero.stage > 0:
-            return zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler)
-        wrapper = data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1 else LocalModule(local)
+            return cast(tuple[TrainedModule, TrainerOptimizer],
+                        zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler))
+        wrapper = cast(TrainedModule, data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1
+                       else LocalModule(local))
         if cfg.dtype != "fp32":
             # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
             from llmlab.training.precision import MixedPrecisionOptimizer
-            return wrapper, MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
-        return wrapper, FP32Optimizer(opt_factory(local.parameters()))
+            opt: TrainerOptimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
+        else:
+            opt = FP32Optimizer(opt_factory(local.parameters()))
+        return wrapper, opt
 
     def parameters(self):
         return list(self.local.parameters())
