@@ -24,6 +24,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -168,6 +169,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner: Any          # ModelRunner, TensorParallelRunner or PipelineExecutor
         if distributed:
             self.runner = pipeline_parallel.launch(
                 model, spec, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, self.device,

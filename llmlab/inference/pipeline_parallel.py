@@ -137,7 +137,8 @@ class StageRunner(ModelRunner):
         layers = split_layers(model.config.num_hidden_layers, pp)[self.stage]
         model.model.layers = nn.ModuleList(model.model.layers[i] for i in layers)
         for local, layer in enumerate(model.model.layers):
-            layer.self_attn.layer_idx = local             # this stage's KV cache holds only its layers
+            attention: Any = layer.self_attn
+            attention.layer_idx = local                   # this stage's KV cache holds only its layers
         if tp > 1:
             from llmlab.inference.tensor_parallel import shard_model
             shard_model(model, groups[self.stage])
@@ -147,8 +148,8 @@ class StageRunner(ModelRunner):
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
-        attn = model.model.layers[0].self_attn
-        shape = (len(layers), 2, num_blocks, block_size, attn.num_kv_heads, self.config.head_dim)
+        kv_heads = int(getattr(model.model.layers[0].self_attn, "num_kv_heads"))   # this rank's
+        shape = (len(layers), 2, num_blocks, block_size, kv_heads, self.config.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
         self.host_cache = torch.zeros(host_shape, dtype=dtype) if num_host_blocks else None
@@ -183,7 +184,7 @@ class StageRunner(ModelRunner):
             return None
         batches, rows, seq_ids = self.prepare(scheduled_of(msg))
         logits = self.forward(batches, rows)
-        if not self.is_driver_output:
+        if not self.is_driver_output or logits is None:
             return None
         return seq_ids, logits.float().cpu()
 
