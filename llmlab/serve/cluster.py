@@ -14,9 +14,9 @@ The tests and lab 13 call :func:`serve_across_hosts`::
         with serve_across_hosts(hosts, tensor_parallel_size=2, pipeline_parallel_size=2) as server:
             print(server.complete("ROMEO:", max_tokens=16))   # TP inside a host, PP across
 
-A lost node is declared dead after about ``health_check_s`` x 3 seconds (``RAY_health_check_*``
-for ``ray start``; Ray's defaults take longer), then ``/health`` answers 503 and the requests in
-flight fail. :meth:`RayCluster.stop` ends every process it started and removes its directory.
+A killed node's actors are noticed at once (their connections reset); a node that falls silent is
+declared dead after about ``health_check_s`` x 5 seconds (``RAY_health_check_*`` for ``ray start``;
+Ray's defaults take longer). Then ``/health`` answers 503 and the requests in flight fail. :meth:`RayCluster.stop` ends every process it started and removes its directory.
 """
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ class RayCluster:
     """A Ray cluster over ``hosts``: the head on host 0, a worker node on each other host.
 
     ``num_cpus``: the CPUs each node offers Ray (one per worker rank; an int, or one per host).
-    ``health_check_s``: seconds between Ray's node health checks (3 misses: the node is dead).
+    ``health_check_s``: seconds between Ray's node health checks (5 misses: the node is dead).
     Raises ``TimeoutError`` (with the nodes' logs) when the nodes have not joined within
     ``start_timeout`` s; what was started is stopped first."""
 
     def __init__(self, hosts: Any, *, num_cpus: int | list[int] = 2, health_check_s: float = 1.0,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 240.0) -> None:
         self.hosts = hosts
         self.num_cpus = [num_cpus] * hosts.n if isinstance(num_cpus, int) else list(num_cpus)
         if len(self.num_cpus) != hosts.n:
@@ -75,8 +75,11 @@ class RayCluster:
     def env(self) -> dict[str, str]:
         """The environment of ``ray start`` and of the processes that use the cluster."""
         ms = str(int(self.health_check_s * 1000))
+        # a killed node's actors are noticed at once (their connections reset); the health checks
+        # find a silent one, and on a loaded 2-core machine must not declare a slow one dead
         return {**os.environ, "RAY_ADDRESS": self.address, "RAY_health_check_period_ms": ms,
-                "RAY_health_check_timeout_ms": ms, "RAY_health_check_failure_threshold": "3",
+                "RAY_health_check_timeout_ms": str(3 * int(ms)),
+                "RAY_health_check_failure_threshold": "5", "RAY_raylet_start_wait_time_s": "180",
                 "RAY_health_check_initial_delay_ms": "0", "RAY_prestart_worker_first_driver": "0",
                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
 
@@ -201,7 +204,7 @@ class ClusterServer:
     def __init__(self, cluster: RayCluster, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  model: str = "shakespeare", args: tuple[str, ...] = (),
-                 start_timeout: float = 180.0) -> None:
+                 start_timeout: float = 300.0) -> None:
         self.cluster, self.hosts = cluster, cluster.hosts
         self.host = self.hosts.addresses[0]
         self.port = 8000 if self.hosts.mode == "netns" else _free_port(self.host)
@@ -220,7 +223,7 @@ class ClusterServer:
 
     def start(self) -> "ClusterServer":
         env = self.cluster.env()
-        env.setdefault("LLMLAB_RAY_PLACEMENT_TIMEOUT", "30")
+        env.setdefault("LLMLAB_RAY_PLACEMENT_TIMEOUT", "60")
         self.proc = self.hosts.popen(0, self.argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         ready = threading.Event()
