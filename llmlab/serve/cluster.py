@@ -98,7 +98,8 @@ class RayCluster:
     def start(self) -> "RayCluster":
         try:
             self._start_node(0)
-            for i in range(1, self.hosts.n):
+            self.wait_for_nodes(1, self.start_timeout)        # the head first: a worker node
+            for i in range(1, self.hosts.n):                  # gives up if it is slow to come up
                 self._start_node(i)
             self.wait_for_nodes(self.hosts.n, self.start_timeout)
         except BaseException:
