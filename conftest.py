@@ -23,6 +23,24 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest  # noqa: E402
 
 
+def pytest_report_header(config):
+    """Which CPU fast paths this run exercises (llmlab.kernels.cpu_isa; LLMLAB_CPU_ISA lowers
+    the level: the suite then runs as a smaller CPU would)."""
+    import torch
+
+    from llmlab.kernels import cpu_build, cpu_isa, cpu_linear
+    try:
+        level = cpu_isa.cpu_isa()
+    except ValueError as e:
+        return f"llmlab CPU fast paths: {e}"
+    packed = "/".join(cpu_linear.path(d) for d in (torch.float32, torch.bfloat16, torch.float16))
+    march = next((f for f in cpu_build.flags() if f.startswith("-march")), "no -march")
+    low = cpu_isa.fallback()
+    return (f"llmlab CPU fast paths: level {level} (this CPU: {cpu_isa.detected()}, {cpu_isa.ENV}="
+            f"{os.environ.get(cpu_isa.ENV, 'unset')}); packed linear fp32/bf16/fp16: {packed}; "
+            f"C++ kernels {march}" + (f"; the kernel tests also force {low}" if low else ""))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _metrics_files_follow_the_schema():
     """Every metrics JSON a test writes (``--metrics-json``, ``TrainConfig(metrics_json=...)``) is

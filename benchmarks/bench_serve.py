@@ -29,7 +29,7 @@ import math
 import os
 import time
 
-from llmlab.inference import bench
+from llmlab.inference import workload
 from llmlab.inference.bench import bench_serve
 
 
@@ -155,20 +155,20 @@ def main(argv=None) -> int:
           f"{m_hf['kv_cache_waste_fraction']:.1%} (batch {B}), {f_hf['kv_cache_waste_fraction']:.1%} "
           f"(batch {f_hf['batch_size']})   (target llmlab <= 4%: {_verdict(w <= 0.04)})")
     print("   the unconstrained run's steps, waste recomputed at other block sizes:")
-    print("     block_size " + " ".join(f"{b:>6d}" for b in bench.WASTE_BLOCK_SIZES))
+    print("     block_size " + " ".join(f"{b:>6d}" for b in workload.WASTE_BLOCK_SIZES))
     print("     waste      " + " ".join(f"{f_ours['kv_waste_by_block_size'][str(b)]:6.1%}"
-                                       for b in bench.WASTE_BLOCK_SIZES))
+                                       for b in workload.WASTE_BLOCK_SIZES))
     print("   vs length (offline model, every request running from step 1; same sigma, medians "
           "scaled):")
-    print("     scale  mean len/step " + " ".join(f"{'bs ' + str(b):>7s}" for b in bench.WASTE_BLOCK_SIZES))
+    print("     scale  mean len/step " + " ".join(f"{'bs ' + str(b):>7s}" for b in workload.WASTE_BLOCK_SIZES))
     for k in (1, 2, 4, 8):
-        wk = bench.sharegpt_workload(args.num_requests, seed=0, max_len=512,
+        wk = workload.sharegpt_workload(args.num_requests, seed=0, max_len=512,
                                      prompt_len_median=args.prompt_len_median * k,
                                      output_len_median=args.output_len_median * k)
-        tr = bench.concurrent_trace(wk["prompt_lens"], wk["output_lens"])
+        tr = workload.concurrent_trace(wk["prompt_lens"], wk["output_lens"])
         mean_len = sum(sum(s) / len(s) for s in tr if s) / sum(1 for s in tr if s)
-        print(f"     x{k:<4d} {mean_len:13.0f} " + " ".join(f"{bench.trace_waste(tr, b):7.1%}"
-                                                        for b in bench.WASTE_BLOCK_SIZES))
+        print(f"     x{k:<4d} {mean_len:13.0f} " + " ".join(f"{workload.trace_waste(tr, b):7.1%}"
+                                                        for b in workload.WASTE_BLOCK_SIZES))
     print(f"   -> waste ~ (block_size - 1) / 2 / (mean length + (block_size - 1) / 2): at "
           f"block_size {bs} it stays under 4% once the running sequences average ~"
           f"{(bs - 1) / 2 / 0.04 - (bs - 1) / 2:.0f} tokens")

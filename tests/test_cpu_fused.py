@@ -13,9 +13,23 @@ import torch.nn.functional as F
 import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import cpu_fused as C
+from llmlab.kernels import cpu_isa
 from llmlab.model.config import ModelConfig
 from llmlab.model.layers import RMSNorm
 from llmlab.model.llama import LlamaForCausalLM, rotary_cos_sin
+
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
+
+
+@pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
+def level(request, monkeypatch):
+    """Runs a test with the build for this CPU's level, then with LLMLAB_CPU_ISA forcing the
+    level below it (its own build: no AVX-512 code under avx2), and checks which build ran."""
+    if request.param:
+        monkeypatch.setenv(cpu_isa.ENV, request.param)
+    assert C.isa() == (request.param or cpu_isa.cpu_isa())
+    return request.param
+
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -29,7 +43,7 @@ def _close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_the_residual_add(dtype):
+def test_rms_norm_and_the_residual_add(dtype, level):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
     r = torch.randn(37, 576, generator=g).to(dtype)
@@ -43,7 +57,7 @@ def test_rms_norm_and_the_residual_add(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
+def test_silu_mul(dtype, level):
     gu = (torch.randn(2, 9, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     gate, up = gu.split(1536, dim=-1)             # views of the fused projection's output
     got = C.silu_mul(gate, up)
@@ -52,7 +66,7 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_the_fused_projection(dtype):
+def test_rotary_in_place_on_the_fused_projection(dtype, level):
     # q|k heads as the serving path views them: rows of the fused q/k/v output, strided
     N, H, Hkv, D = 11, 9, 3, 64
     qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -90,7 +104,7 @@ def test_the_switch_reaches_the_model():
     assert K.settings().cpu_fused is False
 
 
-def test_engine_tokens_equal_without_the_fused_ops():
+def test_engine_tokens_equal_without_the_fused_ops(level):
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg, seed=3)

@@ -1,7 +1,14 @@
 """Linear layers through oneDNN-prepacked weights equal F.linear (to the GEMM's rounding), the
 packing keeps the model's parameters and state_dict, and the engine's greedy tokens with packed
-weights equal those without."""
+weights equal those without. Each case runs at this CPU's level and with LLMLAB_CPU_ISA forcing
+the level below it (there bf16 and fp16 take the F.linear fallback: tests/test_cpu_isa.py checks
+the choice on other CPUs' flag sets); under ONEDNN_MAX_CPU_ISA=AVX2, where oneDNN itself refuses
+bf16 as on an AVX2-only CPU, the bf16 engine still serves."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,21 +17,34 @@ from torch import nn
 
 import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
-from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears
+from llmlab.kernels import cpu_isa
+from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears, path
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+
+@pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
+def level(request, monkeypatch):
+    if request.param:
+        monkeypatch.setenv(cpu_isa.ENV, request.param)
+    return cpu_isa.cpu_isa()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_weight_equals_f_linear(dtype, tol, rows):
+def test_packed_weight_equals_f_linear(dtype, tol, rows, level):
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(96, 40, generator=g) * 0.1).to(dtype)
     b = torch.randn(96, generator=g).to(dtype)
     x = torch.randn(1, rows, 40, generator=g).to(dtype)
     want = F.linear(x, w, b)
     assert linear(x, w, b) is not None and not hasattr(w, "_packed")     # unpacked: F.linear
-    pack(w)
+    packed = pack(w)
+    assert (packed is not None) == (path(dtype) == "onednn") == hasattr(w, "_packed")
+    if dtype != torch.float32 and level in ("avx2", "generic"):
+        assert packed is None                         # the fallback at a level without AVX-512
     got = linear(x, w, b)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -59,15 +79,48 @@ def test_pack_linears_keeps_parameters_and_state_dict():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_tokens_equal_with_packed_weights():
+def test_engine_tokens_equal_with_packed_weights(level):
     model = LlamaForCausalLM(CFG, seed=0)
     prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     out = {}
-    for packed in (False, True):
-        with K.use(packed_linear=packed):
-            llm = LLM(model, block_size=4)
-            assert (type(llm.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear) == packed
-            out[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for packed in (False, True):                 # (False first: packing changes the model)
+        llm = LLM(model, block_size=4, packed_linear=packed)      # the engine's own choice
+        assert (type(llm.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear) == packed
+        out[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out[True] == out[False] and all(len(t) == 10 for t in out[True])
     assert K._from_env("packed_linear").packed_linear is True
+
+
+AVX2_ONEDNN = """
+import torch
+from llmlab.inference import LLM, SamplingParams
+from llmlab.kernels import cpu_linear
+from llmlab.model.config import ModelConfig
+from llmlab.model.llama import LlamaForCausalLM
+try:                       # what an AVX2-only CPU does: oneDNN refuses to pack bf16
+    torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 64)
+    raise SystemExit("oneDNN packed bf16 under ONEDNN_MAX_CPU_ISA=AVX2")
+except RuntimeError as e:
+    assert "bf16 path needs the cpu support" in str(e), e
+assert cpu_linear.path(torch.bfloat16) == "aten" and cpu_linear.path(torch.float32) == "onednn"
+cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+out = []
+for packed in (True, False):
+    llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=torch.bfloat16, packed_linear=packed)
+    out.append([o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params)])
+assert out[0] == out[1] and len(out[0][0]) == 8, out
+print("served", out[0])
+"""
+
+
+def test_bf16_engine_serves_where_onednn_refuses_bf16():
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN on this machine refuse bf16 as it does on an AVX2-only
+    CPU (the subprocess checks it does): with packed_linear the bf16 engine takes the F.linear
+    fallback and serves the same tokens as without it (before the fallback it raised)."""
+    env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV} | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    r = subprocess.run([sys.executable, "-c", AVX2_ONEDNN], env=env, capture_output=True, text=True, check=False,
+                       timeout=300)
+    assert r.returncode == 0 and "served" in r.stdout, r.stderr[-3000:]

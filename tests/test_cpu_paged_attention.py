@@ -18,10 +18,28 @@ import torch
 import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
 from llmlab.inference.model_runner import ModelRunner
-from llmlab.inference.paged_attention import kernel_for, paged_attention, paged_attention_reference
+from llmlab.inference.paged_attention import (
+    kernel_for,
+    paged_attention,
+    paged_attention_reference,
+)
+from llmlab.kernels import cpu_isa
 from llmlab.kernels import cpu_paged_attention as C
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
+
+
+@pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
+def level(request, monkeypatch):
+    """Runs a test with the build for this CPU's level, then with LLMLAB_CPU_ISA forcing the
+    level below it (its own build: no AVX-512 code under avx2), and checks which build ran."""
+    if request.param:
+        monkeypatch.setenv(cpu_isa.ENV, request.param)
+    assert C.isa() == (request.param or cpu_isa.cpu_isa())
+    return request.param
+
 
 
 def _case(H, Hkv, D, ctx, qlens, dtype, block_size=8, num_blocks=40, seed=0):
@@ -36,7 +54,7 @@ def _case(H, Hkv, D, ctx, qlens, dtype, block_size=8, num_blocks=40, seed=0):
 
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 128), (6, 2, 48)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_equals_the_reference_in_fp32(H, Hkv, D, window):
+def test_equals_the_reference_in_fp32(H, Hkv, D, window, level):
     # a whole prompt, a prompt chunk after a cached prefix, decodes, a one-token context
     args = _case(H, Hkv, D, ctx=[23, 40, 17, 1, 64], qlens=[23, 9, 1, 1, 1], dtype=torch.float32)
     got = C.paged_attention_cpu(*args, sliding_window=window)
@@ -46,7 +64,7 @@ def test_equals_the_reference_in_fp32(H, Hkv, D, window):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-def test_half_precision_within_its_rounding_of_the_fp32_reference(dtype, tol):
+def test_half_precision_within_its_rounding_of_the_fp32_reference(dtype, tol, level):
     q, k, v, t, c, ql = _case(9, 3, 64, ctx=[30, 12, 57], qlens=[30, 1, 4], dtype=dtype)
     got = C.paged_attention_cpu(q, k, v, t, c, ql)
     assert got.dtype == dtype
@@ -56,7 +74,7 @@ def test_half_precision_within_its_rounding_of_the_fp32_reference(dtype, tol):
 
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 2, 128), (6, 2, 48), (2, 1, 32)])
 @pytest.mark.parametrize("window", [None, 6, 7])
-def test_bf16_paths_within_its_rounding(H, Hkv, D, window):
+def test_bf16_paths_within_its_rounding(H, Hkv, D, window, level):
     # bf16 on AVX512-BF16 builds: dot products of bf16 pairs (head dims a multiple of 32; 48 takes
     # the widening path), K and V copied into key pairs for prompt rows (odd and even contexts:
     # a lone last key; windows that start on an odd key), V read in place for decode rows
@@ -111,7 +129,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidd
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def test_engine_tokens_equal_the_reference_engine():
+def test_engine_tokens_equal_the_reference_engine(level):
     """Prompts of several lengths, chunked prefill (a 16-token budget cuts the prompts) and
     prefix caching (two prompts share 12 tokens): in fp32 the kernel's greedy tokens are the
     reference's. (In bf16 the two round the attention output differently, and a random tiny

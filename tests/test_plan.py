@@ -116,6 +116,26 @@ def test_spearman():
     assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("schedule,p,m,v", [
+    ("1f1b", 2, 1, 1), ("1f1b", 4, 2, 1), ("1f1b", 4, 8, 1), ("gpipe", 3, 4, 1),
+    ("interleaved", 2, 2, 2), ("interleaved", 2, 4, 2), ("interleaved", 2, 2, 4),
+    ("interleaved", 4, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 2)])
+def test_in_flight_micro_batches_are_the_schedules_own(schedule, p, m, v):
+    """The planner's activation count per pipeline rank equals the peak of forwards not yet
+    backwarded in the order the runner executes (chunks of 1/v of a rank's layers); interleaved
+    with m = p (PP2 v2 m2: 2, not 2.5) is where Korthikanti's closed form over-counts."""
+    from llmlab.parallel.pipeline_schedules import F, compute_order
+    for rank, ops in enumerate(compute_order(schedule, p, m, v)):
+        held = peak = 0
+        for op, *_ in ops:
+            held += 1 if op == F else -1
+            peak = max(peak, held)
+        assert microbatches_in_flight(schedule, p, m, v, rank=rank) == pytest.approx(peak / v)
+    assert microbatches_in_flight("interleaved", 2, 2, 2) == 2.0
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, pp=2\)"):
+        microbatches_in_flight("1f1b", 2, 2, rank=2)
+
+
 def test_validate_on_2_ranks(tmp_path):
     """Real calibration and training on 2 gloo ranks: memory within 10 %."""
     from llmlab.planner.calibrate import calibrate

@@ -5,12 +5,15 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 
 from llmlab.cli import main
-from llmlab.selftest import CHECKS, FAIL, PASS, SKIP, run_check
+from llmlab.kernels import cpu_fused, cpu_isa, cpu_linear, cpu_paged_attention
+from llmlab.selftest import CHECKS, FAIL, PASS, SKIP, run_check, run_check_here, runner
 
 NAMED = ["flash_attention_fwd", "flash_attention_bwd", "fused_rmsnorm", "fused_swiglu",
-         "paged_attention_decode", "paged_attention_prefill", "engine_greedy_vs_hf",
+         "paged_attention_decode", "paged_attention_prefill", "cpu_packed_linear",
+         "cpu_paged_attention", "cpu_fused_ops", "engine_greedy_vs_hf",
          "engine_device_vs_cpu", "train_one_device", "train_layouts", "collectives", "mfu",
          "paged_attention_bandwidth"]
 
@@ -39,6 +42,12 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
     assert c["collectives"]["results"]["all_reduce"]["busbw_GBps"] > 0
     assert c["mfu"]["achieved_flops"] > 0 and (c["mfu"]["peak_flops"] is None) == (not gpu)
     assert c["paged_attention_bandwidth"]["bandwidth_GBps"] > 0
+    # the CPU fast paths say which path ran: the one this CPU's level chooses
+    assert c["cpu_packed_linear"]["paths"] == {"fp32": "onednn", "bf16": cpu_linear.path(torch.bfloat16),
+                                               "fp16": cpu_linear.path(torch.float16)}
+    for name in ("cpu_paged_attention", "cpu_fused_ops"):
+        assert c[name]["build_isa"] == c[name]["cpu_isa"] == cpu_isa.cpu_isa(), name
+        assert f"C++ build {cpu_isa.cpu_isa()};" in c[name]["detail"]
     assert rc == 0 and report["ok"] is True
     assert f"{len(NAMED) - len(skipped)} passed, 0 failed" in text
     assert elapsed < 240  # the budget is 2 minutes on an idle 2-core CPU; CI machines are shared
@@ -94,3 +103,25 @@ def test_selftest_json_has_the_contract_keys(tmp_path):
     r = report["checks"]["fused_rmsnorm"]
     assert r["status"] in (PASS, SKIP) and isinstance(r["seconds"], float) and r["seconds"] > 0
     assert report["machine"]["cpu_cores"] >= 1 and set(report) == {"checks", "machine", "quick", "seconds", "ok"}
+
+
+def test_a_broken_cpu_fast_path_fails_its_check_and_the_doctor(monkeypatch, capsys):
+    """Each CPU fast-path check compares the kernel with its reference: a kernel 1% off (or a
+    packed linear shifted by 0.01) is a FAIL naming what broke, and ``doctor --selftest`` exits 1."""
+    for name in ("cpu_packed_linear", "cpu_paged_attention", "cpu_fused_ops"):
+        assert run_check_here(name, quick=True)["status"] == PASS, name
+    silu_mul, paged = cpu_fused.silu_mul, cpu_paged_attention.paged_attention_cpu
+    monkeypatch.setattr(cpu_fused, "silu_mul", lambda g, u: silu_mul(g, u) * 1.01)
+    monkeypatch.setattr(cpu_paged_attention, "paged_attention_cpu", lambda *a: paged(*a) * 1.01)
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: F.linear(x, w, b) + 0.01)
+    broken = {name: run_check_here(name, quick=True) for name in
+              ("cpu_packed_linear", "cpu_paged_attention", "cpu_fused_ops")}
+    assert all(r["status"] == FAIL for r in broken.values()), broken
+    assert "silu_mul" in broken["cpu_fused_ops"]["reason"] and "rms_norm" not in broken["cpu_fused_ops"]["reason"]
+    assert "fp32 D64" in broken["cpu_paged_attention"]["reason"]
+    assert "fp32 x1" in broken["cpu_packed_linear"]["reason"]
+    # the doctor's verdict (its checks run here, in this process, so that they see the broken kernel)
+    monkeypatch.setattr(runner, "run_check", lambda name, quick, timeout=None: {**run_check_here(name, quick),
+                                                                               "seconds": 0.1})
+    assert main(["doctor", "--selftest", "--quick", "--check", "cpu_fused_ops"]) == 1
+    assert "FAIL  cpu_fused_ops" in capsys.readouterr().out

@@ -47,10 +47,15 @@ class AttentionBatch:
 @dataclass
 class PagedAttentionContext:
     """The forward context of one step: the paged cache ``kv_cache [layers, 2, num_blocks,
-    block_size, Hkv, D]`` and the step's :class:`AttentionBatch` es, in the order of the tokens."""
+    block_size, Hkv, D]`` and the step's :class:`AttentionBatch` es, in the order of the tokens;
+    the engine's kernel choices: ``paged_attention`` (the implementation,
+    :func:`~llmlab.inference.paged_attention.kernel_for`) and ``cpu_fused`` (which the model's
+    layers read from the context: the C++ operators for CPU tensors)."""
 
     kv_cache: torch.Tensor
     batches: list[AttentionBatch]
+    paged_attention: str = "auto"
+    cpu_fused: bool = False
     slot_mapping: torch.Tensor = field(init=False)     # [N]: every batch's slots, in order
     plans: dict = field(init=False)                     # (batch, window) -> AttentionPlan
 
@@ -64,14 +69,14 @@ class PagedAttentionContext:
         is made by the first layer and reused by the others."""
         b = self.batches[i]
         plan = None
-        if not walks_block_tables(q, k_cache):
+        if not walks_block_tables(q, k_cache, self.paged_attention):
             key = (i, sliding_window)
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plans[key] = plan_attention(b.block_tables, b.context_lens, b.query_lens,
                                                         k_cache.shape[1], sliding_window)
         return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens, b.query_lens,
-                               sliding_window=sliding_window, plan=plan)
+                               sliding_window=sliding_window, plan=plan, impl=self.paged_attention)
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sliding_window: int | None = None) -> torch.Tensor:

@@ -18,7 +18,6 @@ finish times, seconds from ``time.perf_counter``), from which TTFT and TPOT foll
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import random
@@ -31,14 +30,14 @@ import torch
 from llmlab.inference import loader
 from llmlab.inference.batched_greedy import greedy_tokens
 from llmlab.inference.block_manager import BlockManager
-from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig
+from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig, resolve
 from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
 from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
                                       RequestOutput, StepMetrics)
 from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
                                        sample_token, top_logprobs)
-from llmlab.inference.scheduler import Scheduler, SchedulerConfig
+from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
 from llmlab.runtime.hardware import resolve_device
@@ -128,8 +127,7 @@ class LLMEngine:
 
     def __init__(self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None,
                  **engine_args):
-        cfg = (dataclasses.replace(config, **engine_args) if config is not None
-               else EngineConfig(**engine_args)).validate()
+        cfg = resolve(config, engine_args)           # (checked once, when made)
         self.config = cfg
         self.device = torch.device(resolve_device(str(cfg.device)))   # auto: a GPU if any
         spec = model
@@ -165,7 +163,7 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, self.max_model_len),
             enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=preemption_mode).validate()
+            preemption_mode=preemption_mode)           # (the Scheduler checks it)
         self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -174,15 +172,18 @@ class LLMEngine:
             self.runner = pipeline_parallel.launch(
                 model, spec, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, self.device,
                 dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                     num_host_blocks=num_host_blocks), cfg.distributed_executor_backend)
+                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
+                     cpu_fused=cfg.cpu_fused), cfg.distributed_executor_backend)
         elif cfg.tensor_parallel_size == 1:
             self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
-                                      num_host_blocks)
+                                      num_host_blocks, paged_attention=cfg.paged_attention,
+                                      packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
                 model, spec, cfg.tensor_parallel_size, self.device,
                 dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                     num_host_blocks=num_host_blocks))
+                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
+                     cpu_fused=cfg.cpu_fused))
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.distributed = distributed
         self._in_flight: list = []     # pipeline: (step plan, handle, t0, cow copies before)
@@ -254,9 +255,11 @@ class LLMEngine:
             if value > limit:
                 raise ValueError(f"{name}: {value} is over the limit {flag}={limit}")
         params.check_vocab(self.model_config.vocab_size)
-        if params.prompt_logprobs is not None and (self.tensor_parallel_size != 1 or self.distributed):
-            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1, "
-                             "pipeline_parallel_size > 1 or the ray backend")
+        if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
+            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
+        if params.prompt_logprobs is not None and not hasattr(self.runner, "execute_with_prompt_logits"):
+            raise ValueError("prompt_logprobs: not supported by this engine's runner "
+                             f"({type(self.runner).__name__})")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -274,9 +277,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
         seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
+            req.prompt_logprobs = [None]
+            seq.skip_prefix_cache = True
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
@@ -311,22 +315,30 @@ class LLMEngine:
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
 
-    @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
-        """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then per token
-        ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
-        log-softmax of the model's prediction at the previous position (one plain forward of the
-        prompt, no cache; the output head runs on 256 positions at a time)."""
-        model = self.runner.model
-        x = torch.tensor(ids, device=self.device, dtype=torch.long)[None]
-        h = model.run_layers(model.embed(x))[0]
-        out: list[dict | None] = [None]
-        for a in range(0, len(ids) - 1, 256):
-            logits = model.head(h[a:min(a + 256, len(ids) - 1)]).float().cpu()
-            for j, row in enumerate(logits):
-                d = top_logprobs(row, ids[a + j + 1], k)
-                out.append({t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()})
-        return out
+    def _prompt_logit_seqs(self, out: SchedulerOutput) -> frozenset[int]:
+        """The step's sequences still computing prompt positions whose prompt logprobs are wanted."""
+        ids: set[int] = set()
+        for seq, _ in out.scheduled:
+            req = self.requests[seq.request_id]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) < seq.num_prompt_tokens:
+                ids.add(seq.seq_id)
+        return frozenset(ids)
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput,
+                             prompt_logits: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """vLLM's ``prompt_logprobs`` from the step's own forward: per prompt token after the
+        first, ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
+        log-softmax of the prediction at the previous position. A position computed again
+        (recompute after preemption) is not added twice."""
+        for seq, _ in out.scheduled:
+            if seq.seq_id not in prompt_logits:
+                continue
+            req = self.requests[seq.request_id]
+            first, rows = prompt_logits[seq.seq_id]
+            k, ids, have = req.params.prompt_logprobs, seq.prompt_token_ids, req.prompt_logprobs
+            for j, row in enumerate(rows):
+                if first + j + 1 == len(have):
+                    have.append(self._logprob_entry(top_logprobs(row, ids[first + j + 1], k)))
 
     def _decode_one(self, t: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([t], skip_special_tokens=False)
@@ -370,7 +382,12 @@ class LLMEngine:
         self._mark_scheduled(out, t0)
         try:
             self._block_ops(out)
-            logits = self.runner.execute(out)
+            wanted = self._prompt_logit_seqs(out)
+            if wanted:
+                logits, prompt_logits = self.runner.execute_with_prompt_logits(out, wanted)
+                self._add_prompt_logprobs(out, prompt_logits)
+            else:
+                logits = self.runner.execute(out)
             fast = greedy_tokens(logits, [s for s, _ in out.scheduled])  # one argmax for plain greedy
         except EngineDeadError:
             raise
@@ -531,10 +548,10 @@ class LLMEngine:
             else:
                 x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
                 tok = sample_token(x, p, s.generator)
-            if p.logprobs is not None:
-                lp = top_logprobs(row, tok, p.logprobs)
+            if p.logprobs is not None:              # once per new token, never rebuilt
+                lp = self._logprob_entry(top_logprobs(row, tok, p.logprobs))
                 s.logprobs.append(lp)
-                s.cumulative_logprob += lp[tok][0]
+                s.cumulative_logprob += lp[tok].logprob
             s.append_token(tok)
             sample_s += time.perf_counter() - ts
             if s.first_token_time is None:
@@ -584,11 +601,14 @@ class LLMEngine:
                              sampling_defaults=dict(req.sampling_defaults),
                              prompt_logprobs=req.prompt_logprobs)
 
+    def _logprob_entry(self, d: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        """One position's ``{token_id: Logprob}`` (with each token's text), built once."""
+        return {t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()}
+
     def _logprobs(self, seq: Sequence) -> list[dict] | None:
-        if seq.params.logprobs is None:
-            return None
-        dec = self._decode_one
-        return [{t: Logprob(v, r, dec(t)) for t, (v, r) in d.items()} for d in seq.logprobs]
+        """The sequence's logprobs so far: the entries made when each token was sampled (a new
+        list of the same entries, so each step costs one pointer per token, nothing rebuilt)."""
+        return None if seq.params.logprobs is None else list(seq.logprobs)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""

@@ -6,9 +6,18 @@ setting, with its default and ``--help`` text (:func:`option`). A CLI adds the f
 it offers with :func:`add_engine_arguments` and builds the config back with :func:`from_args`, so a
 setting is declared once, here, as ``TrainConfig`` declares training's.
 
-The request limits (``max_logprobs`` ... ``max_request_body_bytes``) keep one request from taking
-a small machine down: each is a ``llmlab serve`` flag; the engine enforces those of a single
-request in ``add_request`` (so ``LLM.generate`` too), the HTTP server the others.
+The kernel choices (``paged_attention``, ``packed_linear``, ``cpu_fused``: the engine's fast paths,
+docs/kernels.md) are fields too; their defaults are the process-wide ones of :mod:`llmlab.kernels`
+(``LLMLAB_KERNELS=paged_attention=cpu,packed_linear,cpu_fused`` or ``llmlab.kernels.enable(...)``)
+at the time the config is made, and the engine reads only the config.
+
+A config is checked once, when it is made (``__post_init__`` calls :meth:`EngineConfig.validate`):
+the engine, ``build_engines`` and the CLIs pass it on without checking it again.
+
+The request limits (``max_logprobs`` ... ``max_tokens_limit``) keep one request from taking a
+small machine down: each is a ``llmlab serve`` flag, enforced by the engine in ``add_request``
+(so ``LLM.generate`` too). The HTTP server's own limits (body size, prompts per request,
+streams) are :class:`llmlab.serve.config.ServerConfig`'s.
 """
 from __future__ import annotations
 
@@ -21,11 +30,23 @@ import torch
 SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
 
 
-def option(default, help: str, choices=None, cli: bool = True):
-    """An :class:`EngineConfig` field: its default, ``--help`` text, allowed values and whether
-    a CLI may offer it as a flag (``cli=False``: Python-only, e.g. a callback or a dtype)."""
+def option(default, help: str, choices=None, cli: bool = True, factory=None):
+    """An :class:`EngineConfig` field: its default (or ``factory()``, called when a config is
+    made), ``--help`` text, allowed values and whether a CLI may offer it as a flag
+    (``cli=False``: Python-only, e.g. a callback or a dtype)."""
     meta = {"help": help, "cli": cli} | ({"choices": tuple(choices)} if choices is not None else {})
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def _kernel_default(name: str) -> typing.Callable[[], typing.Any]:
+    """The process-wide default of kernel choice ``name`` (:func:`llmlab.kernels.settings`,
+    which ``LLMLAB_KERNELS`` initialises), read when a config is made."""
+    def default() -> typing.Any:
+        from llmlab import kernels
+        return getattr(kernels.settings(), name)
+    return default
 
 
 @dataclass
@@ -75,6 +96,19 @@ class EngineConfig:
               "generation_config.json)", cli=False)
     check_invariants: bool = option(False, "verify the block pool after every step", cli=False)
     on_step: typing.Callable | None = option(None, "called with each StepMetrics", cli=False)
+    # --- kernels (docs/kernels.md) ------------------------------------------------------------------
+    paged_attention: str = option(
+        None, "attention over the paged cache: auto (Triton on CUDA tensors when installed, else "
+              "PyTorch), triton, reference (PyTorch), cpu (the C++ kernel for CPU tensors, Triton on "
+              "CUDA ones) (default: llmlab.kernels' setting, LLMLAB_KERNELS)",
+        choices=("auto", "triton", "reference", "cpu"), cli=False, factory=_kernel_default("paged_attention"))
+    packed_linear: bool = option(
+        None, "on a CPU device, linear weights prepacked once for oneDNN (F.linear where the CPU "
+              "cannot pack the dtype, llmlab.kernels.cpu_linear)", cli=False,
+        factory=_kernel_default("packed_linear"))
+    cpu_fused: bool = option(
+        None, "the C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (llmlab.kernels.cpu_fused)",
+        cli=False, factory=_kernel_default("cpu_fused"))
     # --- request limits ---------------------------------------------------------------------------
     max_logprobs: int = option(20, "most log-probabilities per token a request may ask for "
                                    "(logprobs, top_logprobs, prompt_logprobs)")
@@ -83,15 +117,17 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
-    max_prompts_per_request: int = option(64, "most prompts in one /v1/completions request")
-    max_request_body_bytes: int = option(2 * 2**20, "largest HTTP request body, bytes (413 above)")
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> "EngineConfig":
-        """Raise ``ValueError`` naming the first field out of its range."""
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
-                     "max_n",
-                     "max_stop_strings", "max_stop_string_chars", "max_prompts_per_request",
-                     "max_request_body_bytes"):
+        """Raise ``ValueError`` naming the first field out of its range (or a kernel this machine
+        cannot build). Called once, when the config is made; call it again after changing a
+        field in place."""
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size",
+                     "pipeline_parallel_size", "max_n",
+                     "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len", "max_tokens_limit"):
@@ -100,12 +136,22 @@ class EngineConfig:
                 raise ValueError(f"{name}={v} must be >= 1 (or None)")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
-        for name in ("quantization", "preemption_mode", "distributed_executor_backend"):
+        for name in ("quantization", "preemption_mode", "paged_attention",
+                     "distributed_executor_backend"):   # device: where it is used
             v, choices = getattr(self, name), _FIELDS[name].metadata["choices"]
             if v is not None and v not in choices:
                 raise ValueError(f"{name}={v!r}: supported values are None and "
                                  + ", ".join(repr(c) for c in choices))
+        self._check_kernels()
         return self
+
+    def _check_kernels(self) -> None:
+        from llmlab.kernels import cpu_build, cpu_linear
+        if (self.paged_attention == "cpu" or self.cpu_fused) and not cpu_build.available():
+            field = "paged_attention='cpu'" if self.paged_attention == "cpu" else "cpu_fused=True"
+            raise ValueError(f"{field} needs a C++ compiler and the ninja package (pip install ninja)")
+        if self.packed_linear and not cpu_linear.available():
+            raise ValueError("packed_linear=True needs PyTorch built with oneDNN (mkldnn)")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -124,12 +170,13 @@ def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | No
     hints = typing.get_type_hints(EngineConfig)
     for name in names if names is not None else field_names():
         f, over = _FIELDS[name], (overrides or {}).get(name, {})
+        field_default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         kind = hints[name]
         args = typing.get_args(kind)
         if args:                                               # X | None
             kind = next(a for a in args if a is not type(None))
         flag = "--" + name.replace("_", "-")
-        default = over.get("default", f.default)
+        default = over.get("default", field_default)
         help_ = over.get("help", f.metadata["help"])
         if kind is bool:
             p.add_argument(flag, action="store_true", default=default, help=help_)
@@ -141,7 +188,15 @@ def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | No
 
 def from_args(args, names: list[str] | None = None, **extra) -> EngineConfig:
     """The :class:`EngineConfig` of the flags :func:`add_engine_arguments` added (``names``),
-    plus ``extra`` fields. Raises ``ValueError`` naming a bad value."""
+    plus ``extra`` fields (checked as it is made). Raises ``ValueError`` naming a bad value."""
     kw = {n: getattr(args, n) for n in (names if names is not None else field_names())
           if hasattr(args, n)}
-    return EngineConfig(**{**kw, **extra}).validate()
+    return EngineConfig(**{**kw, **extra})
+
+
+def resolve(config: EngineConfig | None, engine_args: dict[str, typing.Any]) -> EngineConfig:
+    """The config an engine runs: ``config`` as it is (checked when it was made), with
+    ``engine_args`` replacing its fields (a new config, checked), or one made of ``engine_args``."""
+    if config is None:
+        return EngineConfig(**engine_args)
+    return dataclasses.replace(config, **engine_args) if engine_args else config

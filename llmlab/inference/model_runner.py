@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from llmlab import kernels
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
@@ -44,13 +43,19 @@ class ModelRunner:
 
     ``padding_buckets``: where the padding reference attention runs, cut prompt and decode groups
     into length buckets when that saves padding (:func:`~llmlab.inference.padding_buckets.buckets`;
-    the same maths either way)."""
+    the same maths either way). The kernel choices, as the engine's
+    :class:`~llmlab.inference.engine_config.EngineConfig` fields of the same names:
+    ``paged_attention`` (:func:`~llmlab.inference.paged_attention.kernel_for`), ``packed_linear``
+    (on a CPU device the linear weights are packed once, :mod:`llmlab.kernels.cpu_linear`) and
+    ``cpu_fused`` (the step's forward context tells the model to use the C++ operators)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True):
+                 padding_buckets: bool = True, paged_attention: str = "auto",
+                 packed_linear: bool = False, cpu_fused: bool = False):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
-        if kernels.settings().packed_linear and device.type == "cpu":
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused
+        if packed_linear and device.type == "cpu":
             from llmlab.kernels.cpu_linear import pack_linears
             pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
         self.config = model.config
@@ -125,7 +130,7 @@ class ModelRunner:
         length buckets."""
         c = self.config
         probe = torch.empty(0, c.num_attention_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        if walks_block_tables(probe, self.kv_cache[0, 0]):
+        if walks_block_tables(probe, self.kv_cache[0, 0], self.paged_attention):
             return [list(scheduled)]
         groups = [g for g in ([x for x in scheduled if x[1] > 1], [x for x in scheduled if x[1] == 1]) if g]
         if self.padding_buckets:
@@ -139,11 +144,29 @@ class ModelRunner:
         Returns ``{seq_id: logits [vocab] (fp32, CPU)}`` for the sequences whose last token was
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
+        return self.execute_with_prompt_logits(out, frozenset())[0]
+
+    @torch.no_grad()
+    def execute_with_prompt_logits(self, out: SchedulerOutput, seq_ids: frozenset[int]
+                                   ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+        """:meth:`execute`, and in the same forward the logits of every position this step
+        computes that predicts a prompt token, for the sequences in ``seq_ids`` (vLLM's
+        ``prompt_logprobs``, gathered in the batched step): ``{seq_id: (first position,
+        logits [m, vocab] fp32 CPU)}``, row ``j`` predicting prompt token ``first + j + 1``."""
         batches, sample_rows, sample_seqs = self.prepare(out)
-        logits = self.forward(batches, sample_rows)
-        if not sample_rows:
-            return {}
-        return dict(zip(sample_seqs, logits.float().cpu()))
+        prompt_rows = self.prompt_rows(out, seq_ids)
+        extra = [r for _, _, rows in prompt_rows for r in rows]
+        logits = self.forward(batches, sample_rows + extra)    # always: it writes the K/V
+        if not sample_rows and not extra:
+            return {}, {}
+        logits = logits.float().cpu()
+        sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
+        prompt: dict[int, tuple[int, torch.Tensor]] = {}
+        at = len(sample_rows)
+        for sid, first, rows in prompt_rows:
+            prompt[sid] = (first, logits[at:at + len(rows)])
+            at += len(rows)
+        return sampled, prompt
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
@@ -159,6 +182,22 @@ class ModelRunner:
                 sample_seqs.append(seq.seq_id)
         return batches, sample_rows, sample_seqs
 
+    def prompt_rows(self, out: SchedulerOutput, seq_ids: frozenset[int]) -> list[tuple[int, int, list[int]]]:
+        """``(seq_id, first position, rows)``: the rows of the flattened step (in
+        :meth:`prepare`'s order) at positions ``< num_prompt_tokens - 1`` of the sequences in
+        ``seq_ids`` (the positions whose next token is a prompt token)."""
+        found: list[tuple[int, int, list[int]]] = []
+        if not seq_ids:
+            return found
+        row = 0
+        for seq, n in (x for g in self.attention_groups(out.scheduled) for x in g):
+            c = seq.num_computed_tokens
+            stop = min(c + n, seq.num_prompt_tokens - 1)
+            if seq.seq_id in seq_ids and stop > c:
+                found.append((seq.seq_id, c, list(range(row, row + stop - c))))
+            row += n
+        return found
+
     @torch.no_grad()
     def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
         """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
@@ -169,5 +208,6 @@ class ModelRunner:
             ids = torch.cat([b.input_ids for b in batches])
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches)):
+        with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
+                                                   self.cpu_fused)):
             return self.model(ids[None], positions=positions, logits_indices=rows)

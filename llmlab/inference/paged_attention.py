@@ -10,9 +10,10 @@ its ``context_len`` cached tokens (the new ones included, written first by :func
 longest query of the step and keys to the longest context; a mask keeps each query to its own
 sequence's past. :func:`paged_attention`, what the engine calls, dispatches: the Triton kernel
 (:mod:`llmlab.kernels.paged_attention`, which walks the block tables without gathering) on CUDA
-tensors when triton is installed, the reference otherwise; ``llmlab.kernels.enable(
-paged_attention="reference" | "triton" | "cpu" | "auto")`` or ``LLMLAB_KERNELS=paged_attention=...``
-(``LLMLAB_KERNELS=0``: no kernel) choose otherwise; ``"cpu"`` is the C++ kernel for CPU tensors
+tensors when triton is installed, the reference otherwise; the engine's
+``EngineConfig(paged_attention="reference" | "triton" | "cpu" | "auto")`` chooses otherwise (its
+default: ``llmlab.kernels.enable(paged_attention=...)`` or ``LLMLAB_KERNELS=paged_attention=...``;
+``LLMLAB_KERNELS=0``: no kernel); ``"cpu"`` is the C++ kernel for CPU tensors
 (:mod:`llmlab.kernels.cpu_paged_attention`), which walks the block tables in place too.
 """
 from __future__ import annotations
@@ -53,9 +54,10 @@ def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return 16 <= D <= 256 and not D & (D - 1) and q.dtype in ok and k_cache.dtype in ok
 
 
-def kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    """Which implementation :func:`paged_attention` runs for these tensors under the current
-    ``llmlab.kernels.settings().paged_attention``: ``"triton"``, ``"cpu"`` (the C++ kernel,
+def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, impl: str | None = None) -> str:
+    """Which implementation :func:`paged_attention` runs for these tensors under the choice
+    ``impl`` (the engine's ``EngineConfig.paged_attention``; default: the process-wide
+    ``llmlab.kernels.settings().paged_attention``): ``"triton"``, ``"cpu"`` (the C++ kernel,
     :mod:`llmlab.kernels.cpu_paged_attention`) or ``"reference"``. ``"reference"`` never picks
     a kernel; ``"auto"`` picks Triton for CUDA tensors the kernel supports when triton is
     installed; ``"triton"`` picks it wherever Triton runs (CUDA, or CPU under
@@ -63,7 +65,7 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     ``"cpu"`` picks the C++ kernel for CPU tensors whose head dim it is compiled for (compiled
     on first use; the reference for other head dims) and Triton, as
     ``"auto"`` does, for CUDA ones."""
-    impl = K.settings().paged_attention
+    impl = impl or K.settings().paged_attention
     if impl == "reference":
         return "reference"
     if impl == "cpu" and q.device.type == "cpu":
@@ -76,25 +78,27 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return "triton" if q.is_cuda or (q.device.type == "cpu" and K.triton_interpreted()) else "reference"
 
 
-def walks_block_tables(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def walks_block_tables(q: torch.Tensor, k_cache: torch.Tensor, impl: str | None = None) -> bool:
     """Whether :func:`paged_attention` runs a kernel that reads each sequence's own blocks (no
-    padding), so that one call can take prompts and decodes together."""
-    return kernel_for(q, k_cache) != "reference"
+    padding), so that one call can take prompts and decodes together (``impl``: as
+    :func:`kernel_for`)."""
+    return kernel_for(q, k_cache, impl) != "reference"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_lens: torch.Tensor, scale: float | None = None,
-                    sliding_window: int | None = None, plan: "AttentionPlan | None" = None) -> torch.Tensor:
+                    sliding_window: int | None = None, plan: "AttentionPlan | None" = None,
+                    impl: str | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache: the kernel
     :func:`kernel_for` names (the Triton kernel,
     :func:`llmlab.kernels.paged_attention.paged_attention_triton`, which takes no
     ``sliding_window``; the C++ CPU kernel,
     :func:`llmlab.kernels.cpu_paged_attention.paged_attention_cpu`), else
     :func:`paged_attention_reference`. Same arguments, shapes and result as
-    :func:`paged_attention_reference` (``plan`` is used by the reference only); errors are those
-    of the implementation chosen."""
-    impl = kernel_for(q, k_cache)
+    :func:`paged_attention_reference` (``plan`` is used by the reference only; ``impl``: the
+    choice, as :func:`kernel_for`); errors are those of the implementation chosen."""
+    impl = kernel_for(q, k_cache, impl)
     if impl == "cpu":
         from llmlab.kernels.cpu_paged_attention import paged_attention_cpu
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_lens,

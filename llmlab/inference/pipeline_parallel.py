@@ -126,7 +126,8 @@ class StageRunner(ModelRunner):
 
     def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, pp: int, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True) -> None:
+                 padding_buckets: bool = True, paged_attention: str = "auto",
+                 cpu_fused: bool = False) -> None:
         self.rank, self.tp, self.pp = rank, tp, pp
         self.stage, tp_rank = divmod(rank, tp)
         self.first, self.last = self.stage == 0, self.stage == pp - 1
@@ -148,6 +149,7 @@ class StageRunner(ModelRunner):
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused   # the engine's kernel choices
         kv_heads = int(getattr(model.model.layers[0].self_attn, "num_kv_heads"))   # this rank's
         shape = (len(layers), 2, num_blocks, block_size, kv_heads, self.config.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
@@ -164,7 +166,8 @@ class StageRunner(ModelRunner):
         else:
             h = torch.empty(1, ids.numel(), self.config.hidden_size, device=self.device, dtype=self.dtype)
             dist.recv(h, src=self.prev)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches)):
+        with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
+                                                   self.cpu_fused)):
             h = self.model.run_layers(h, positions=positions)
         if not self.last:
             while len(self.sends) > self.pp:              # bound what is still being sent

@@ -97,8 +97,10 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True, group=None):
+                 padding_buckets: bool = True, group=None, paged_attention: str = "auto",
+                 cpu_fused: bool = False):
         self.group = group if group is not None else dist.group.WORLD
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused   # (no packing: TP layers)
         self.rank, self.tp = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.config = model.config

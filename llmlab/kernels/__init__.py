@@ -33,6 +33,13 @@ The environment variable ``LLMLAB_KERNELS`` (e.g. ``attention=triton,rmsnorm,swi
 initial state, which reaches ``llmlab train`` and ranks started by :func:`llmlab.launch`
 when set before Python starts; otherwise call ``enable`` inside the rank function.
 
+The inference engine's three choices (``paged_attention``, ``packed_linear``, ``cpu_fused``) are
+fields of its :class:`~llmlab.inference.engine_config.EngineConfig`: the settings here (and
+``LLMLAB_KERNELS``) are only their defaults, read when a config is made, and the engine then
+uses its config's (``LLM(model, paged_attention="cpu", packed_linear=True, cpu_fused=True)``).
+Every CPU fast path chooses by what the CPU offers (:mod:`~llmlab.kernels.cpu_isa`;
+``LLMLAB_CPU_ISA=avx2`` makes it choose as an AVX2-only CPU would).
+
 The inference engine's PagedAttention is the exception: ``paged_attention="auto"`` (default)
 uses the Triton kernel on CUDA tensors whenever triton is installed, the PyTorch reference
 otherwise; ``"triton"`` also uses it on CPU tensors under the interpreter, ``"reference"``
@@ -76,7 +83,9 @@ class KernelSettings:
     (``"auto"``: Triton on CUDA tensors when triton is installed; ``"cpu"``: also the C++
     kernel on CPU tensors); ``packed_linear``: the engine's linear layers on a CPU device use
     weights prepacked once for oneDNN (:mod:`~llmlab.kernels.cpu_linear`); ``cpu_fused``: the
-    C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (:mod:`~llmlab.kernels.cpu_fused`)."""
+    C++ RMSNorm, SwiGLU and rotary operators for CPU tensors (:mod:`~llmlab.kernels.cpu_fused`).
+    The last three are the defaults of the engine's ``EngineConfig`` fields of the same names
+    (``cpu_fused`` also applies to the model run outside an engine)."""
 
     attention: str = "sdpa"
     rmsnorm: bool = False
@@ -199,23 +208,25 @@ def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool 
 FUSED_KINDS = ("attention", "rmsnorm", "swiglu", "rotary", "residual_rmsnorm")
 
 
-def _cpu_fused(t: torch.Tensor) -> bool:
-    return _settings.cpu_fused and t.device.type == "cpu"
+def _cpu_fused(t: torch.Tensor, cpu_fused: bool | None = None) -> bool:
+    return (_settings.cpu_fused if cpu_fused is None else cpu_fused) and t.device.type == "cpu"
 
 
-def use_fused(kind: str, t: torch.Tensor) -> bool:
+def use_fused(kind: str, t: torch.Tensor, cpu_fused: bool | None = None) -> bool:
     """Whether the model should call :func:`attention` / :func:`rms_norm` / :func:`swiglu` /
     :func:`rotary` for tensor ``t`` instead of its default PyTorch code (``kind`` in
     :data:`FUSED_KINDS`; ``"residual_rmsnorm"``: :func:`rms_norm` with the residual add, which
-    only the C++ CPU operator fuses; ``ValueError`` for another kind)."""
+    only the C++ CPU operator fuses; ``ValueError`` for another kind). ``cpu_fused``: the
+    engine's choice of the C++ operators (``EngineConfig.cpu_fused``, read by the model from the
+    step's forward context); ``None`` outside an engine: the process-wide setting."""
     if kind == "attention":
         if _settings.attention == "sdpa":
             return False
         return _settings.attention != "triton" or triton_runs_on(t)
     if kind in ("rmsnorm", "swiglu"):
-        return _cpu_fused(t) or (getattr(_settings, kind) and triton_runs_on(t))
+        return _cpu_fused(t, cpu_fused) or (getattr(_settings, kind) and triton_runs_on(t))
     if kind in ("rotary", "residual_rmsnorm"):
-        return _cpu_fused(t)
+        return _cpu_fused(t, cpu_fused)
     raise ValueError(f"kind={kind!r} must be one of {FUSED_KINDS}")
 
 
@@ -241,27 +252,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None, cpu_fused: bool | None = None):
     """RMSNorm of ``x [..., h]``: the C++ operator on CPU tensors when ``cpu_fused`` is on, the
     fused Triton kernel where it can run (:func:`triton_runs_on`), else the PyTorch one. With
     ``residual``: normalises ``x + residual`` and returns ``(normed, x + residual)`` (one pass
-    in the C++ operator)."""
-    if _cpu_fused(x):
+    in the C++ operator). ``cpu_fused``: as :func:`use_fused`."""
+    if _cpu_fused(x, cpu_fused):
         from llmlab.kernels.cpu_fused import rms_norm as fused_cpu
         return fused_cpu(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
-        return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps, cpu_fused=cpu_fused), x
     if triton_runs_on(x):
         from llmlab.kernels.fused_rmsnorm import rms_norm as fused
         return fused(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``: the C++ operator on CPU tensors when ``cpu_fused`` is on, the fused
-    Triton kernel where it can run, else the PyTorch one."""
-    if _cpu_fused(gate):
+def swiglu(gate: torch.Tensor, up: torch.Tensor, cpu_fused: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up``: the C++ operator on CPU tensors when ``cpu_fused`` is on (as
+    :func:`use_fused`), the fused Triton kernel where it can run, else the PyTorch one."""
+    if _cpu_fused(gate, cpu_fused):
         from llmlab.kernels.cpu_fused import silu_mul
         return silu_mul(gate, up)
     if triton_runs_on(gate):
@@ -270,13 +281,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu_reference(gate, up)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           cpu_fused: bool | None = None) -> torch.Tensor:
     """Rotary embedding (RoPE, Su et al. 2021) of ``x [N, heads, D]`` by ``cos, sin [N, D]``,
     ``x * cos + rotate_half(x) * sin`` (the arithmetic of :func:`llmlab.model.llama.apply_rotary`
     in token-major layout). The C++ operator on CPU tensors when ``cpu_fused`` is on
     (:func:`llmlab.kernels.cpu_fused.rotary_`: it rotates ``x`` in place and returns it);
-    PyTorch otherwise (a new tensor)."""
-    if _cpu_fused(x):
+    PyTorch otherwise (a new tensor). ``cpu_fused``: as :func:`use_fused`."""
+    if _cpu_fused(x, cpu_fused):
         from llmlab.kernels.cpu_fused import rotary_ as fused_cpu
         return fused_cpu(x, cos, sin)
     D = x.shape[-1]

@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from llmlab.kernels.cpu_build import load
+from llmlab.kernels.cpu_build import compiled_isa, load
 
 
 def _module():
     return load("fused_ops_cpu", "fused CPU operators (or enable(cpu_fused=False))")
+
+
+def isa() -> str:
+    """The vector code the build for the current level uses (:func:`~llmlab.kernels.cpu_build.compiled_isa`:
+    ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``); builds it if needed."""
+    return compiled_isa("fused_ops_cpu", "fused CPU operators")
 
 
 def build() -> None:

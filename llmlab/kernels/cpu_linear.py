@@ -15,12 +15,22 @@ Select it with ``llmlab.kernels.enable(packed_linear=True)`` or
 then packs its model's plain ``nn.Linear`` layers (and the fused q/k/v and gate/up weights) on a
 CPU device. The packed copy is kept beside the weight (the weight stays, for ``state_dict`` and
 the reference path): the linear layers' weight memory doubles.
+
+Which CPUs: PyTorch's oneDNN ops pack fp32 weights on any x86-64, bf16 ones only with AVX-512
+BW/VL/DQ or AVX-NE-CONVERT and fp16 ones only with AVX512-FP16 or AVX-NE-CONVERT (elsewhere
+they raise). :func:`path` chooses by the CPU's flags (:mod:`~llmlab.kernels.cpu_isa`, lowered by
+``LLMLAB_CPU_ISA``) and by a one-off trial pack of a small weight; where it says ``"aten"``,
+:func:`pack` leaves the weight unpacked and :func:`linear` is ``F.linear``: the same product.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmlab.kernels import cpu_isa
 
 BATCH_HINT = 64     # rows oneDNN picks its blocking for (decode-sized; any row count works)
 
@@ -30,11 +40,45 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+# The CPU flags oneDNN's packed linear needs per dtype (any one of the sets; PyTorch's own checks).
+NEEDS: dict[torch.dtype, list[frozenset[str]]] = {torch.float32: [frozenset()],
+         torch.bfloat16: [frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"})],
+         torch.float16: [frozenset({"avx512_fp16"}), frozenset({"avx_ne_convert"})]}
+
+
+@functools.cache
+def _trial_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies a small ``dtype`` weight here (it raises where the CPU,
+    or ``ONEDNN_MAX_CPU_ISA``, lacks what the dtype needs)."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), w, None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def path(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str:
+    """Which product :func:`linear` runs for packed ``dtype`` weights: ``"onednn"`` (prepacked)
+    where PyTorch has oneDNN, the CPU has the flags :data:`NEEDS` lists for ``dtype`` and a trial
+    pack succeeds; else ``"aten"`` (``F.linear``). ``flags``: judge that flag set instead of this
+    CPU's (:func:`llmlab.kernels.cpu_isa.effective_flags`), without the trial."""
+    if not available() or dtype not in NEEDS:
+        return "aten"
+    have = cpu_isa.effective_flags() if flags is None else frozenset(flags)
+    if not any(need <= have for need in NEEDS[dtype]):
+        return "aten"
+    return "onednn" if flags is not None or _trial_pack(dtype) else "aten"
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """Attach ``weight [out, in]``'s oneDNN-blocked copy to it (``weight._packed``) and return
-    the copy. CPU tensors in fp32, bf16 or fp16 only (``ValueError`` otherwise)."""
+    the copy; where :func:`path` is ``"aten"`` for its dtype, leave it unpacked and return
+    ``None``. CPU tensors in fp32, bf16 or fp16 only (``ValueError`` otherwise)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"packed linear weights are CPU fp32/bf16/fp16, got {weight.dtype} on {weight.device}")
+    if path(weight.dtype) != "onednn":
+        return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
     weight._packed = packed
     return packed
@@ -73,19 +117,19 @@ def pack_linears(model: nn.Module) -> int:
     """Pack ``model`` in place: every plain ``nn.Linear`` the forward calls becomes a
     :class:`PackedLinear`, and the fused projection weights (``fused_qkv``, ``fused_gate_up``)
     get their packed copies (the layers whose weights are views of them stay as they are, unused);
-    returns the number of weights packed. Layers of other types (int8, tensor-parallel) are left
+    returns the number of weights packed (0 where :func:`path` is ``"aten"``: the layers then
+    run ``F.linear``). Layers of other types (int8, tensor-parallel) are left
     as they are."""
     n = 0
     for parent in list(model.modules()):
-        skip = set()
+        skip: set[str] = set()
         for attr, views in FUSED.items():
             fused = getattr(parent, attr, None)
             if fused is not None:
-                pack(fused[0])
+                n += pack(fused[0]) is not None
                 skip.update(views)
-                n += 1
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in skip:
                 setattr(parent, name, PackedLinear(child))
-                n += 1
+                n += hasattr(child.weight, "_packed")
     return n

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from llmlab.kernels.cpu_build import available  # noqa: F401  (re-exported: can it be built here)
-from llmlab.kernels.cpu_build import load
+from llmlab.kernels.cpu_build import compiled_isa, load
 
 # The head dims the kernel is compiled for (its vectors hold 16 fp32 lanes).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
@@ -30,6 +30,12 @@ HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 256)
 
 def _module():
     return load("paged_attention_cpu", "CPU PagedAttention kernel (or use paged_attention='reference')")
+
+
+def isa() -> str:
+    """The vector code the build for the current level uses (:func:`~llmlab.kernels.cpu_build.compiled_isa`:
+    ``"avx512_bf16"``, ``"avx512"``, ``"avx2"`` or ``"generic"``); builds it if needed."""
+    return compiled_isa("paged_attention_cpu", "CPU PagedAttention kernel")
 
 
 def build() -> None:

@@ -26,6 +26,13 @@ def get_context():
     return getattr(_LOCAL, "ctx", None)
 
 
+def engine_cpu_fused() -> bool | None:
+    """The serving engine's choice of the C++ CPU operators for this forward (the context's
+    ``cpu_fused``; ``EngineConfig.cpu_fused``), or None outside an engine (then
+    :mod:`llmlab.kernels`' process-wide setting decides)."""
+    return getattr(getattr(_LOCAL, "ctx", None), "cpu_fused", None)
+
+
 @contextlib.contextmanager
 def forward_context(ctx):
     """``with forward_context(ctx): model(...)``: the attention layers use ``ctx`` inside."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab import kernels
+from llmlab.model.context import engine_cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -23,8 +24,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``x [..., h] -> [..., h]``; with ``residual``: the norm of ``x + residual`` and that
         sum, ``(normed, x + residual)`` (the C++ CPU operator does both in one pass)."""
-        if kernels.use_fused("rmsnorm", x):      # opt-in fused kernels (llmlab.kernels)
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        cpu = engine_cpu_fused()
+        if kernels.use_fused("rmsnorm", x, cpu):      # opt-in fused kernels (llmlab.kernels)
+            return kernels.rms_norm(x, self.weight, self.eps, residual, cpu)
         if residual is not None:
             x = x + residual
             return self(x), x
@@ -74,6 +76,7 @@ class MLP(nn.Module):
             gate, up = kernels.linear(x, w, b).split(split, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if kernels.use_fused("swiglu", gate):      # opt-in fused kernels (llmlab.kernels)
-            return self.down_proj(kernels.swiglu(gate, up))
+        cpu = engine_cpu_fused()
+        if kernels.use_fused("swiglu", gate, cpu):      # opt-in fused kernels (llmlab.kernels)
+            return self.down_proj(kernels.swiglu(gate, up, cpu))
         return self.down_proj(F.silu(gate) * up)

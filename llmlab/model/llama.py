@@ -21,7 +21,7 @@ from torch import nn
 
 from llmlab import kernels
 from llmlab.model.config import ModelConfig
-from llmlab.model.context import get_context
+from llmlab.model.context import engine_cpu_fused, get_context
 from llmlab.model.layers import MLP, RMSNorm, concat_linears
 from llmlab.model.moe import MoE
 
@@ -166,7 +166,7 @@ class Attention(nn.Module):
             qk = q.as_strided((N, H + Hkv, D), (q.stride(-2), D, 1))   # q|k of the fused output
         else:
             qk = torch.cat([q.reshape(N, H, D), k.reshape(N, Hkv, D)], dim=1)
-        qk = kernels.rotary(qk, cos.reshape(N, D), sin.reshape(N, D))  # (in place: CPU operator)
+        qk = kernels.rotary(qk, cos.reshape(N, D), sin.reshape(N, D), getattr(ctx, "cpu_fused", None))
         o = ctx.attention(self.layer_idx, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, D),
                           self.sliding_window)
         return self.o_proj(o.reshape(B, T, H * D))
@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin)
-        if kernels.use_fused("residual_rmsnorm", h):     # the add and the norm in one pass (CPU)
+        if kernels.use_fused("residual_rmsnorm", h, engine_cpu_fused()):   # add + norm, one pass (CPU)
             h, x = self.post_attention_layernorm(h, residual=x)
         else:
             x = x + h

@@ -8,7 +8,8 @@
   the ``dp·cp`` ranks that reduce gradients, expert states over ``dp·cp/ep``.
 * Activations: :func:`llmlab.formulas.activations.llama_block_activation_bytes` per layer and
   micro-batch of ``b`` sequences of ``seq_len/cp`` tokens, times the layers of a stage and the
-  micro-batches in flight (:func:`llmlab.formulas.pipeline.microbatches_in_flight`); with full
+  micro-batches in flight on that stage's rank (:func:`llmlab.formulas.pipeline.microbatches_in_flight`:
+  1F1B's last stage holds one, interleaved's last ``((v−1)p + 1)/v``); with full
   recomputation only each layer's input is kept, plus one layer's activations while it is
   recomputed. The last stage adds the fp32 logits and their softmax, ``2·b·s·V/tp`` values.
 * Buffers: ``cluster.reserved_bytes`` (CUDA context, NCCL, fragmentation), with ZeRO-3 two
@@ -62,9 +63,8 @@ def activation_bytes(model, lay, workload, stage: str) -> tuple[int, int]:
     f = model.top_k * model.moe_ffn if model.num_experts else model.ffn
     one = llama_block_activation_bytes(b, s, model.hidden, f, model.heads, lay.tp,
                                        lay.sequence_parallel, db)
-    inflight = microbatches_in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
-    if stage == "last" and lay.pp > 1:
-        inflight = 1.0
+    rank = lay.pp - 1 if stage == "last" else 0
+    inflight = microbatches_in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, rank)
     layers = model.num_layers // lay.pp
     if lay.recompute == "full":
         kept = b * s * model.hidden * db // (lay.tp if lay.sequence_parallel else 1)

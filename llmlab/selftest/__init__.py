@@ -11,7 +11,7 @@ on a 2-core CPU; the test suite runs it).
 
 Layout: :mod:`~llmlab.selftest.runner` (:data:`CHECKS`, the process per check, the report, the
 ``python -m llmlab.selftest NAME [--quick]`` entry), the checks by kind in
-:mod:`~llmlab.selftest.kernels`, :mod:`~llmlab.selftest.engine` and :mod:`~llmlab.selftest.training`.
+:mod:`~llmlab.selftest.kernels`, :mod:`~llmlab.selftest.cpu_kernels`, :mod:`~llmlab.selftest.engine` and :mod:`~llmlab.selftest.training`.
 
 Checks (:data:`CHECKS`, in order):
 
@@ -19,6 +19,10 @@ Checks (:data:`CHECKS`, in order):
   ``paged_attention_decode``, ``paged_attention_prefill``: the Triton kernels (compiled on a GPU,
   Triton's interpreter on CPU) against their PyTorch references in fp32/fp16/bf16 (bf16 ``tl.dot``
   kernels only on a GPU: Triton 3.9's interpreter multiplies bf16 dot operands as raw bits);
+* ``cpu_packed_linear``, ``cpu_paged_attention``, ``cpu_fused_ops``: the CPU fast paths (oneDNN
+  prepacked linear, C++ PagedAttention and fused operators) against their references in fp32 and
+  bf16, each reporting the path this CPU took (:mod:`~llmlab.selftest.cpu_kernels`; a broken fast
+  path is a FAIL);
 * ``engine_greedy_vs_hf``: the paged-KV engine's greedy tokens equal Hugging Face ``generate``
   (fp64, a random Llama checkpoint); ``engine_device_vs_cpu`` (GPU): CUDA tokens equal CPU fp32
   tokens up to the first step whose top-2 logit margin is below the dtype's tolerance;

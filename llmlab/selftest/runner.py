@@ -14,6 +14,8 @@ from typing import Callable
 from llmlab.runtime import process
 from llmlab.runtime.hardware import hardware
 from llmlab.selftest.common import FAIL, PASS, SKIP, Skip, _gpu
+from llmlab.selftest.cpu_kernels import (check_cpu_fused_ops, check_cpu_packed_linear,
+                                         check_cpu_paged_attention)
 from llmlab.selftest.engine import check_engine_device_vs_cpu, check_engine_greedy_vs_hf
 from llmlab.selftest.kernels import (check_flash_attention_bwd, check_flash_attention_fwd,
                                      check_fused_rmsnorm, check_fused_swiglu,
@@ -34,6 +36,9 @@ CHECKS: dict[str, tuple[Callable[[bool], dict], float, float]] = {
     "fused_swiglu": (check_fused_swiglu, 120, 45),
     "paged_attention_decode": (check_paged_attention_decode, 180, 60),
     "paged_attention_prefill": (check_paged_attention_prefill, 180, 60),
+    "cpu_packed_linear": (check_cpu_packed_linear, 120, 60),
+    "cpu_paged_attention": (check_cpu_paged_attention, 300, 240),   # (a first use builds it)
+    "cpu_fused_ops": (check_cpu_fused_ops, 300, 240),
     "engine_greedy_vs_hf": (check_engine_greedy_vs_hf, 180, 60),
     "engine_device_vs_cpu": (check_engine_device_vs_cpu, 300, 120),
     "train_one_device": (check_train_one_device, 240, 60),

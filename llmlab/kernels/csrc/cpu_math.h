@@ -22,4 +22,17 @@ inline float exp_f(float x) {
   return p * two_n.f;
 }
 
+// The vector code this translation unit is compiled with (llmlab.kernels.cpu_isa's level names).
+inline const char* compiled_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace llmlab_cpu

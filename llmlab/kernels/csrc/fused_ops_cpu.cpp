@@ -182,4 +182,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up, [rows, I] each (fused_ops_cpu.cpp)");
   m.def("rotary_", &rotary_, "rotary embedding in place (fused_ops_cpu.cpp)");
+  m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
+        "the vector code this build uses (cpu_math.h)");
 }

@@ -425,4 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "PagedAttention over block tables on CPU tensors (see paged_attention_cpu.cpp)");
   m.def("supports_head_dim", &supports_head_dim, "whether a head_dim is compiled");
+  m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
+        "the vector code this build uses (cpu_math.h)");
 }
