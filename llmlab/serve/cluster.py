@@ -6,7 +6,8 @@ every other host (each ``--block``, so the processes stay this object's; ``--num
 temporary directory of its own), and waits until every node has joined. :class:`ClusterServer`
 runs ``llmlab serve --distributed-executor-backend ray`` on host 0 (the head: HTTP server,
 scheduler and sampling stay there) with ``RAY_ADDRESS`` set, and waits for its "serving" line.
-The tests and lab 13 call :func:`serve_across_hosts`::
+The tests use these; lab 13's serving step is to call :func:`serve_across_hosts` and
+:func:`lose_a_node`::
 
     from llmlab.runtime.hosts import Hosts
     from llmlab.serve.cluster import serve_across_hosts
