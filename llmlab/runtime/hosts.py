@@ -154,7 +154,8 @@ class Hosts:
         n: number of hosts, >= 1 (at most 250).
         rate: link rate of each host's link (``tc`` syntax: ``"100mbit"``, ``"1gbit"``) or None.
         mode: ``"auto"`` (namespaces when possible, else loopback), ``"netns"`` (raise
-            :class:`HostsError` when namespaces cannot be made) or ``"loopback"``.
+            :class:`HostsError` when namespaces cannot be made) or ``"loopback"``; default:
+            ``LLMLAB_HOSTS_MODE``, else ``"auto"``.
 
     Attributes: ``mode`` (what was made), ``reason`` (why loopback, else ""), ``addresses``,
     ``names`` (host names), ``interface`` (the network interface on every host: ``eth0``, or ``lo``).
@@ -163,7 +164,8 @@ class Hosts:
     cannot be honoured or an ``ip``/``tc`` command fails (what was made so far is removed first).
     """
 
-    def __init__(self, n: int, *, rate: str | None = None, mode: str = "auto") -> None:
+    def __init__(self, n: int, *, rate: str | None = None, mode: str | None = None) -> None:
+        mode = mode or os.environ.get("LLMLAB_HOSTS_MODE", "auto")
         if not isinstance(n, int) or not 1 <= n <= 250:
             raise ValueError(f"n={n!r}: expected 1 to 250 hosts")
         if mode not in ("auto", "netns", "loopback"):
