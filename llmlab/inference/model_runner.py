@@ -21,6 +21,8 @@ the same layout serves swap preemption.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
@@ -50,13 +52,14 @@ class ModelRunner:
     (on a CPU device the linear weights are packed once, :mod:`llmlab.kernels.cpu_linear`) and
     ``cpu_fused`` (the step's forward context tells the model to use the C++ operators)."""
 
+    lora: Any = None    # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora); subclasses too
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
                  padding_buckets: bool = True, paged_attention: str = "auto",
                  packed_linear: bool = False, cpu_fused: bool = False):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
         self.paged_attention, self.cpu_fused = paged_attention, cpu_fused
-        self.lora = None     # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora)
         if packed_linear and device.type == "cpu":
             from llmlab.kernels.cpu_linear import pack_linears
             pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
