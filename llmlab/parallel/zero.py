@@ -64,6 +64,7 @@ from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import ZeroOptimizer
 from llmlab.runtime import comm
+from llmlab.metrics.profiling import phase as profile_phase
 
 
 def validate_layout(cfg: ZeroConfig, model_config) -> None:
@@ -317,8 +318,10 @@ class ZeroDataParallel(nn.Module):
     def _launch(self, b: FlatBucket, phase: str):
         out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
         self.log_event("reduce_scatter", b.name, phase)
-        work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
-                                          async_op=True)
+        with profile_phase("zero reduce_scatter", bucket=b.name, bytes=b.grad_full.numel()
+                           * b.grad_full.element_size()):
+            work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
+                                              async_op=True)
         self._pending.append((b, out, work, b.grad_full))
         b.grad_full, b.num_ready = None, 0
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
@@ -327,7 +330,8 @@ class ZeroDataParallel(nn.Module):
     def _retire(self):
         b, out, work, _staging = self._pending.pop(0)
         if work is not None:
-            work.wait()
+            with profile_phase("zero reduce_scatter wait", bucket=b.name):
+                work.wait()
         b.grad_shard.add_(out)
 
     # --- stage 3: parameters ----------------------------------------------------------------
@@ -338,12 +342,14 @@ class ZeroDataParallel(nn.Module):
             if not b.is_full and key not in self._gathering:
                 b.allocate()
                 self.log_event("all_gather", b.name, phase)
-                self._gathering[key] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
-                                                                   group=b.group, async_op=True)
+                with profile_phase("zero all_gather", unit=b.name, during=phase):
+                    self._gathering[key] = comm.all_gather_into_tensor(
+                        b.alias, b.local_shard.detach(), group=b.group, async_op=True)
             if wait and key in self._gathering:
                 work = self._gathering.pop(key)
                 if work is not None:
-                    work.wait()
+                    with profile_phase("zero all_gather wait", unit=b.name):
+                        work.wait()
 
     def _free_unit(self, i: int):
         """Free unit ``i``'s gathered parameters (after any gather of it still in flight)."""
