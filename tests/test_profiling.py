@@ -106,3 +106,33 @@ def test_bad_profile_dir_and_tensorboard(tmp_path):
         validate(TrainConfig(tensorboard=str(f / "sub"), **TINY))
     with pytest.raises(ValueError, match="go together"):
         validate(TrainConfig(profile_dir=str(tmp_path), **TINY))
+
+
+def test_served_run_writes_a_trace_with_named_engine_phases(tmp_path):
+    import httpx
+
+    from llmlab.serve import start_server
+    with start_server("shakespeare", api_key="traces-key", profile_dir=str(tmp_path),
+                      device="cpu") as srv:
+        url, key = srv.url, {"Authorization": "Bearer traces-key"}
+        assert httpx.post(url + "/start_profile").status_code == 401         # behind the key
+        r = httpx.post(url + "/stop_profile", headers=key)
+        assert r.status_code == 400 and "no profile is being recorded" in r.text
+        assert httpx.post(url + "/start_profile", headers=key).status_code == 200
+        assert httpx.post(url + "/start_profile", headers=key).status_code == 400  # already on
+        r = httpx.post(url + "/v1/completions", headers=key,
+                       json={"model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 4})
+        assert r.status_code == 200                                          # unaffected
+        traces = httpx.post(url + "/stop_profile", headers=key).json()["traces"]
+    assert traces == [str(tmp_path / "engine-1.pt.trace.json.gz")]
+    names = hta_names(tmp_path)
+    assert names[0] >= {"llmlab.engine step", "llmlab.schedule", "llmlab.prefill",
+                        "llmlab.decode", "llmlab.attention", "llmlab.sampling"}
+
+
+def test_engine_profile_without_dir_is_a_clear_error():
+    from llmlab.metrics.profiling import TraceRecorder
+    with pytest.raises(RuntimeError, match="--profile-dir"):
+        TraceRecorder(None).start()
+    with pytest.raises(RuntimeError, match="no profile is being recorded"):
+        TraceRecorder("/tmp").stop()

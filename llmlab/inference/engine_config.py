@@ -113,6 +113,9 @@ class EngineConfig:
                                                 "(default: what the context leaves)")
     max_prompts_per_request: int = option(64, "most prompts in one /v1/completions request")
     max_request_body_bytes: int = option(2 * 2**20, "largest HTTP request body, bytes (413 above)")
+    profile_dir: str | None = option(None, "folder for the engine's PyTorch profiler traces "
+                                           "(LLMEngine.start_profile/stop_profile; llmlab serve: "
+                                           "POST /start_profile, /stop_profile)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +141,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r}: supported values are None and "
                                  + ", ".join(repr(c) for c in choices))
         self._check_kernels()
+        if self.profile_dir:
+            from llmlab.metrics.profiling import check_dir
+            check_dir(self.profile_dir, "--profile-dir")
         return self
 
     def _check_kernels(self) -> None:

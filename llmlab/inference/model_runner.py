@@ -27,6 +27,7 @@ from llmlab.inference.attention_context import AttentionBatch, PagedAttentionCon
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
+from llmlab.metrics.profiling import phase
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
 
@@ -145,7 +146,9 @@ class ModelRunner:
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
         batches, sample_rows, sample_seqs = self.prepare(out)
-        logits = self.forward(batches, sample_rows)
+        kinds = sorted({"prefill" if b.is_prefill else "decode" for b in batches})
+        with phase("+".join(kinds), tokens=sum(b.num_tokens for b in batches)):
+            logits = self.forward(batches, sample_rows)
         if not sample_rows:
             return {}
         return dict(zip(sample_seqs, logits.float().cpu()))

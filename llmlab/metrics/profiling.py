@@ -16,6 +16,7 @@ optimizer, each collective with its message size).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 from typing import Any, ContextManager
@@ -24,6 +25,7 @@ import torch
 
 PREFIX = "llmlab."
 _OFF: ContextManager[None] = contextlib.nullcontext()
+_RECORDINGS = itertools.count(1)
 
 
 def phase(name: str, **args: object) -> ContextManager[Any]:
@@ -70,16 +72,15 @@ def trace_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.pt.trace.json.gz"
 
 
-def profiler(directory: str | Path, rank: int, skip: int = 0,
-             active: int | None = None) -> torch.profiler.profile:
+def profiler(out: str | Path, skip: int = 0, active: int | None = None) -> torch.profiler.profile:
     """A ``torch.profiler.profile`` recording CPU (and CUDA, when present) activity with shapes,
-    writing :func:`trace_path` when its active window ends. With ``active`` set, the schedule
-    skips ``skip`` calls of ``step()`` and records the next ``active`` ones; without, it records
-    from ``start()`` to ``stop()``."""
+    writing the Chrome trace ``out`` when its active window ends. With ``active`` set, the
+    schedule skips ``skip`` calls of ``step()`` and records the next ``active`` ones; without, it
+    records from ``start()`` to ``stop()``. The profiler is per thread: start it in the thread
+    whose work it should see."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    out = trace_path(directory, rank)
 
     def write(prof: torch.profiler.profile) -> None:
         prof.export_chrome_trace(str(out))
@@ -102,7 +103,8 @@ class StepProfiler:
             a, b = max(steps[0], first), steps[1]   # a resumed run starts at ``first``
             with warnings.catch_warnings():  # "no warmup": wanted, step A is recorded as is
                 warnings.simplefilter("ignore")
-                self.prof = profiler(directory, rank, skip=a - first, active=b - a + 1)
+                self.prof = profiler(trace_path(directory, rank), skip=a - first,
+                                     active=b - a + 1)
                 self.prof.start()
 
     def step(self) -> None:
@@ -113,3 +115,32 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.stop()
             self.prof = None
+
+
+class TraceRecorder:
+    """Start/stop recording on demand (the engine's ``start_profile``/``stop_profile``, as vLLM's):
+    each recording becomes ``DIR/{name}-{n}.pt.trace.json.gz``, ``n`` = 1, 2, ... counted per
+    process (the server's engine replicas share one folder)."""
+
+    def __init__(self, directory: str | None, name: str = "engine"):
+        self.directory, self.name, self.path = directory, name, ""
+        self.prof: torch.profiler.profile | None = None
+
+    def start(self) -> None:
+        """``RuntimeError`` without a folder or while recording."""
+        if not self.directory:
+            raise RuntimeError("profiling needs a trace folder: start the engine with "
+                               "--profile-dir DIR (EngineConfig.profile_dir)")
+        if self.prof is not None:
+            raise RuntimeError("a profile is already being recorded; stop it first")
+        self.path = str(Path(self.directory) / f"{self.name}-{next(_RECORDINGS)}.pt.trace.json.gz")
+        self.prof = profiler(self.path)
+        self.prof.start()
+
+    def stop(self) -> str:
+        """Write the trace; returns its path. ``RuntimeError`` when not recording."""
+        if self.prof is None:
+            raise RuntimeError("no profile is being recorded; start one first")
+        prof, self.prof = self.prof, None
+        prof.stop()
+        return self.path

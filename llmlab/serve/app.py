@@ -5,7 +5,8 @@ Routes, as vLLM's OpenAI server offers them (each a handler in :mod:`llmlab.serv
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` for server-sent events);
 - ``GET /v1/models``: the one served model (``--served-model-name``);
 - ``GET /health``: 200 while every engine loop runs, else 503;
-- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`).
+- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`);
+- ``POST /start_profile``, ``POST /stop_profile``: profiler traces (:mod:`llmlab.serve.routes.profile`).
 
 With ``api_key`` every route needs ``Authorization: Bearer <key>`` (401 otherwise) except
 ``/health`` (and ``/metrics`` with ``public_metrics``): ``/docs``, ``/redoc`` and
@@ -25,7 +26,7 @@ from llmlab.serve.chat import ChatRenderer
 from llmlab.serve.context import ServingContext
 from llmlab.serve.middleware import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from llmlab.serve.router import Router
-from llmlab.serve.routes import chat, completions, info
+from llmlab.serve.routes import chat, completions, info, profile
 
 
 def build_app(engines: list, *, served_model_name: str, chat_template: str | None = None,
@@ -66,4 +67,6 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
     app.add_api_route("/v1/models", info.models, methods=["GET"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    app.add_api_route("/start_profile", profile.start_profile, methods=["POST"])
+    app.add_api_route("/stop_profile", profile.stop_profile, methods=["POST"])
     return app
