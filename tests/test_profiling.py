@@ -136,3 +136,26 @@ def test_engine_profile_without_dir_is_a_clear_error():
         TraceRecorder(None).start()
     with pytest.raises(RuntimeError, match="no profile is being recorded"):
         TraceRecorder("/tmp").stop()
+
+
+def test_serving_gauges_in_tensorboard_equal_the_prometheus_values(tmp_path):
+    from llmlab.metrics.tensorboard import read_scalars, write_bench
+    from llmlab.serve.metrics import ServerMetrics
+    from llmlab.serve.tensorboard import GaugeLogger
+    m = ServerMetrics("tiny")
+    rep = m.replica("0")
+    rep.running.set(3)
+    rep.kv_usage.set(0.25)
+    rep.on_tokens(7, 5)
+    log = GaugeLogger(m, str(tmp_path / "serve"), interval_s=3600)
+    first = log.tick()
+    rep.running.set(1)
+    log.close()                                   # writes a second sample
+    got = read_scalars(str(tmp_path / "serve"))
+    assert first["num_requests_running/replica0"] == 3.0
+    assert got["serve/num_requests_running/replica0"] == [(0, 3.0), (1, 1.0)]
+    assert got["serve/kv_cache_usage_perc/replica0"] == [(0, 0.25), (1, 0.25)]
+    assert got["serve/generation_tokens_total/replica0"][-1] == (1, 5.0)
+    write_bench([{"request_rate": 2.0, "ttft_p50_s": 0.5}, {"request_rate": 4.0, "ttft_p50_s": 0.75}],
+                str(tmp_path / "bench"))
+    assert read_scalars(str(tmp_path / "bench"))["bench/ttft_p50_s"] == [(0, 0.5), (1, 0.75)]

@@ -55,6 +55,21 @@ def write_train_metrics(metrics: Mapping[str, Any], logdir: str) -> None:
         writer.close()
 
 
+def write_bench(results: Mapping[str, Any], logdir: str) -> None:
+    """A ``bench serve`` result dict: each sub-dict (a system offline, a rate over HTTP) becomes
+    ``bench/<its key>/<number>``; a list of runs is written one step per run."""
+    writer = open_writer(logdir)
+    try:
+        runs = results if isinstance(results, list) else [results]
+        for i, run in enumerate(runs):
+            for key, value in run.items():
+                if isinstance(value, Mapping):
+                    write_scalars(writer, f"bench/{key}", value, i)
+            write_scalars(writer, "bench", run, i)
+    finally:
+        writer.close()
+
+
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag in ``logdir``'s event files -> ``[(step, value), ...]`` (tensorboard's
     ``EventAccumulator``): what TensorBoard will show."""
