@@ -12,7 +12,7 @@ numbers as ``bench/<system or rate>/<key>``
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any
 
 from llmlab.metrics.tensorboard import open_writer, write_scalars
 

@@ -1,0 +1,111 @@
+"""Compare two commits with the asv suite: exit 1 when a benchmark got slower beyond ``--factor``.
+
+    python benchmarks/asv/compare.py main HEAD                      # the quick subset
+    python benchmarks/asv/compare.py A B --factor 1.25 -b "kernels|TrainStep" --machine mybox
+    python benchmarks/asv/compare.py HEAD HEAD --plant              # must exit 1
+
+For each commit: check it out into a temporary git worktree, run ``asv run --python=same`` with
+``PYTHONPATH`` on that worktree (the suite itself, benchmarks/asv/, is always this checkout's, so
+old commits are measured with today's workloads), results stored under
+benchmarks/asv/results/<machine>/ by commit hash; then asv's own comparison table
+(``asv compare --factor F``) and exit status 1 if any benchmark worsened by more than ``F``
+(asv's ``continuous`` rule: ratio > F and, for timed benchmarks, outside the measured spread).
+``asv continuous`` itself would build an environment per commit, i.e. reinstall torch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = r"^(kernels\.|train\.TrainStep)"
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def run_commit(rev: str, bench: str, machine: str, extra: list[str]) -> str:
+    """Benchmark ``rev`` (any git name); returns its full hash."""
+    sha = git("rev-parse", rev)
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-"))
+    tree = tmp / "tree"
+    git("worktree", "add", "--detach", str(tree), sha)
+    try:
+        env = os.environ | {"PYTHONPATH": str(tree)}
+        cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
+               "--machine", machine, "--bench", bench, "--show-stderr", *extra]
+        print("+", " ".join(cmd), f"(PYTHONPATH={tree})", flush=True)
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    finally:
+        git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sha
+
+
+def plant(rev: str) -> str:
+    """A commit on top of ``rev`` with planted_slowdown.patch applied (one training step takes
+    30% more CPU time); returns its hash. Nothing in this checkout changes."""
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-plant-"))
+    tree = tmp / "tree"
+    git("worktree", "add", "--detach", str(tree), git("rev-parse", rev))
+    try:
+        patch = Path(__file__).with_name("planted_slowdown.patch")
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        subprocess.run(["git", "-c", "user.name=asv", "-c", "user.email=asv@llmlab.invalid",
+                        "commit", "-qam", "planted 30% slowdown of Engine.train_step"],
+                       cwd=tree, check=True)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, check=True,
+                             capture_output=True, text=True).stdout.strip()
+    finally:
+        git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sha
+
+
+def compare(a: str, b: str, factor: float, machine: str) -> bool:
+    """Print asv's table for ``a`` -> ``b``; True when something worsened beyond ``factor``."""
+    from asv.commands.compare import Compare
+    from asv.config import Config
+    conf = Config.load(str(ROOT / "asv.conf.json"))
+    conf.results_dir = str(ROOT / "benchmarks" / "asv" / "results")
+    worsened, _improved = Compare.print_table(conf, a, b, factor=factor, split=False,
+                                              only_changed=False, sort="ratio", machine=machine,
+                                              commit_names={a: a[:8], b: b[:8]})
+    return bool(worsened)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="the reference commit (e.g. main)")
+    p.add_argument("b", help="the commit to judge (e.g. HEAD)")
+    p.add_argument("--factor", type=float, default=1.25,
+                   help="flag a benchmark whose time grew by more than this ratio (default 1.25: "
+                        "above the spread measured on a shared 2-core machine, docs/profiling.md)")
+    p.add_argument("-b", "--bench", default=QUICK, help="benchmark regex (default: the quick subset)")
+    p.add_argument("--machine", default="llmlab-ci", help="asv machine name for the results")
+    p.add_argument("--skip-run", action="store_true", help="only compare stored results")
+    p.add_argument("--plant", action="store_true",
+                   help="judge B with benchmarks/asv/planted_slowdown.patch applied (+30%% CPU "
+                        "time per training step): shows the check fails as it should")
+    args, extra = p.parse_known_args(argv)
+    subprocess.run([sys.executable, "-m", "asv", "machine", "--machine", args.machine, "--yes"],
+                   cwd=ROOT, check=True, capture_output=True)
+    if args.skip_run:
+        a, b = git("rev-parse", args.a), git("rev-parse", args.b)
+    else:
+        a = run_commit(args.a, args.bench, args.machine, extra)
+        b = run_commit(plant(args.b) if args.plant else args.b, args.bench, args.machine, extra)
+    worse = compare(a, b, args.factor, args.machine)
+    print(f"{'SLOWER' if worse else 'ok'}: {args.b} vs {args.a} at --factor {args.factor}")
+    return 1 if worse else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
