@@ -5,7 +5,7 @@
     python benchmarks/asv/compare.py HEAD HEAD --plant              # must exit 1
 
 For each commit: check it out into a temporary git worktree, run ``asv run --python=same`` with
-``PYTHONPATH`` on that worktree (the suite itself, benchmarks/asv/, is always this checkout's, so
+``ASV_PYTHONPATH`` on that worktree (the suite itself, benchmarks/asv/, is always this checkout's, so
 old commits are measured with today's workloads), results stored under
 benchmarks/asv/results/<machine>/ by commit hash; then asv's own comparison table
 (``asv compare --factor F``) and exit status 1 if any benchmark worsened by more than ``F``
@@ -38,10 +38,13 @@ def run_commit(rev: str, bench: str, machine: str, extra: list[str]) -> str:
     tree = tmp / "tree"
     git("worktree", "add", "--detach", str(tree), sha)
     try:
-        env = os.environ | {"PYTHONPATH": str(tree)}
+        # asv drops PYTHONPATH from a benchmark's environment and takes ASV_PYTHONPATH instead;
+        # benchmarks/asv/__init__.py checks that llmlab is imported from ``tree``.
+        env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
+        env.pop("PYTHONPATH", None)
         cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
                "--machine", machine, "--bench", bench, "--show-stderr", *extra]
-        print("+", " ".join(cmd), f"(PYTHONPATH={tree})", flush=True)
+        print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     finally:
         git("worktree", "remove", "--force", str(tree))
