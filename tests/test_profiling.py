@@ -2,7 +2,6 @@
 to the metrics JSON, and the bad inputs of --profile-steps/--profile-dir/--tensorboard."""
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -16,17 +15,9 @@ TINY = dict(model="tiny", steps=3, global_batch_size=4, seq_len=32, device="cpu"
 
 
 def hta_names(trace_dir) -> dict[int, set[str]]:
-    """rank -> the llmlab phase names (``llmlab.<name>`` before any ``key=value``) HTA finds."""
-    logging.getLogger("hta").setLevel(logging.ERROR)
-    from hta.trace_analysis import TraceAnalysis
-    ta = TraceAnalysis(trace_dir=str(trace_dir))
-    out = {}
-    for r in ta.t.get_ranks():
-        df = ta.t.get_trace(r)
-        names = {ta.t.symbol_table.sym_table[i] for i in df["name"].unique()}
-        out[int(r)] = {" ".join(w for w in n.split(" ") if "=" not in w)
-                       for n in names if n.startswith("llmlab.")}
-    return out
+    """rank -> the llmlab phase names (``llmlab.<name>`` without its ``key=value``) HTA finds."""
+    from llmlab.tools.trace_analysis import llmlab_phases
+    return {r: {"llmlab." + p.name for p in ph} for r, ph in llmlab_phases(trace_dir).items()}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +32,14 @@ def test_dp2_pp2_writes_one_trace_per_rank_with_named_phases(dp2_pp2_run):
     root, _ = dp2_pp2_run
     for r in range(4):
         assert trace_path(root / "traces", r).stat().st_size > 1000
-    names = hta_names(root / "traces")
+    from llmlab.tools.trace_analysis import ddp_overlap, llmlab_phases, pipeline_idle
+    phases = llmlab_phases(root / "traces")
+    names = {r: {"llmlab." + p.name for p in ph} for r, ph in phases.items()}
     assert sorted(names) == [0, 1, 2, 3]
+    for r, ph in phases.items():           # what the analysis helpers read off every rank
+        idle, dp = pipeline_idle(ph), ddp_overlap(ph)
+        assert 0 < idle["compute_us"] < idle["step_us"] and 0 < idle["idle_fraction"] < 1
+        assert dp["steps"] == 2 and dp["buckets"] >= 1 and 0 <= dp["overlap_fraction"] <= 1
     for r, got in names.items():
         # one step of pipeline actions, data-parallel bucket all-reduce with bytes, optimizer
         for want in ("llmlab.step", "llmlab.forward", "llmlab.backward", "llmlab.pp p2p",

@@ -1,4 +1,4 @@
-"""llmlab's asv suite (asv.conf.json; docs/profiling.md). Run through benchmarks/asv/compare.py,
+"""llmlab's asv suite (asv.conf.json; docs/profiling.md). Run through benchmarks/asv_compare.py,
 which sets ``LLMLAB_ASV_TREE`` to the commit's checkout: llmlab must be imported from there."""
 import os
 

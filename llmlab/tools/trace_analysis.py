@@ -48,7 +48,8 @@ def llmlab_phases(trace_dir: str | Path) -> dict[int, list[Phase]]:
     """rank -> its llmlab phases, by start time, as HTA parses the traces in ``trace_dir``."""
     logging.getLogger("hta").setLevel(logging.ERROR)
     from hta.trace_analysis import TraceAnalysis
-    ta = TraceAnalysis(trace_dir=str(trace_dir))
+    # llmlab's traces end with their last recorded step complete: keep it (HTA drops it by default)
+    ta = TraceAnalysis(trace_dir=str(trace_dir), include_last_profiler_step=True)
     sym = ta.t.symbol_table.sym_table
     out = {}
     for rank in ta.t.get_ranks():

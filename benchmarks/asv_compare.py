@@ -1,11 +1,12 @@
 """Compare two commits with the asv suite: exit 1 when a benchmark got slower beyond ``--factor``.
 
-    python benchmarks/asv/compare.py main HEAD                      # the quick subset
-    python benchmarks/asv/compare.py A B --factor 1.25 -b "kernels|TrainStep" --machine mybox
-    python benchmarks/asv/compare.py HEAD HEAD --plant              # must exit 1
+    python benchmarks/asv_compare.py main HEAD                      # the quick subset
+    python benchmarks/asv_compare.py A B --factor 1.25 -b "kernels|TrainStep" --machine mybox
+    python benchmarks/asv_compare.py HEAD HEAD --plant              # must exit 1
 
-For each commit: check it out into a temporary git worktree, run ``asv run --python=same`` with
-``ASV_PYTHONPATH`` on that worktree (the suite itself, benchmarks/asv/, is always this checkout's, so
+Each commit is checked out into a temporary git worktree and measured by ``asv run --python=same``
+with ``ASV_PYTHONPATH`` on that worktree, in interleaved rounds A, B, A, B (``--rounds``, samples
+appended) (the suite itself, benchmarks/asv/, is always this checkout's, so
 old commits are measured with today's workloads), results stored under
 benchmarks/asv/results/<machine>/ by commit hash; then asv's own comparison table
 (``asv compare --factor F``) and exit status 1 if any benchmark worsened by more than ``F``
@@ -15,6 +16,7 @@ benchmarks/asv/results/<machine>/ by commit hash; then asv's own comparison tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -22,7 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/asv/ (the suite) would shadow the asv package for a script run from benchmarks/
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 QUICK = r"^(kernels\.|train\.TrainStep)"
 
 
@@ -31,25 +35,42 @@ def git(*args: str) -> str:
                           text=True).stdout.strip()
 
 
-def run_commit(rev: str, bench: str, machine: str, extra: list[str]) -> str:
-    """Benchmark ``rev`` (any git name); returns its full hash."""
-    sha = git("rev-parse", rev)
+@contextlib.contextmanager
+def checkout(sha: str):
+    """A temporary git worktree of ``sha``, removed on exit."""
     tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-"))
     tree = tmp / "tree"
     git("worktree", "add", "--detach", str(tree), sha)
     try:
-        # asv drops PYTHONPATH from a benchmark's environment and takes ASV_PYTHONPATH instead;
-        # benchmarks/asv/__init__.py checks that llmlab is imported from ``tree``.
-        env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
-        env.pop("PYTHONPATH", None)
-        cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
-               "--machine", machine, "--bench", bench, "--show-stderr", *extra]
-        print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+        yield tree
     finally:
         git("worktree", "remove", "--force", str(tree))
         shutil.rmtree(tmp, ignore_errors=True)
-    return sha
+
+
+def run_commit(sha: str, tree: Path, bench: str, machine: str, extra: list[str],
+               append: bool) -> None:
+    """``asv run`` of the checkout ``tree`` of ``sha``; ``append``: add its samples to the ones
+    stored for ``sha`` (a later round) instead of replacing them."""
+    # asv drops PYTHONPATH from a benchmark's environment and takes ASV_PYTHONPATH instead;
+    # benchmarks/asv/__init__.py checks that llmlab is imported from ``tree``.
+    env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
+           "--machine", machine, "--bench", bench, "--show-stderr", *extra]
+    if append:
+        cmd.append("--append-samples")
+    print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+
+
+def run_rounds(a: str, b: str, rounds: int, bench: str, machine: str, extra: list[str]) -> None:
+    """A, B, A, B, ...: each commit's samples come from every part of the run, so a change of the
+    machine's load during it weighs on both alike."""
+    with checkout(a) as tree_a, checkout(b) as tree_b:
+        for r in range(rounds):
+            for sha, tree in ((a, tree_a), (b, tree_b)):
+                run_commit(sha, tree, bench, machine, extra, append=r > 0)
 
 
 def plant(rev: str) -> str:
@@ -59,7 +80,7 @@ def plant(rev: str) -> str:
     tree = tmp / "tree"
     git("worktree", "add", "--detach", str(tree), git("rev-parse", rev))
     try:
-        patch = Path(__file__).with_name("planted_slowdown.patch")
+        patch = ROOT / "benchmarks" / "asv" / "planted_slowdown.patch"
         subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
         subprocess.run(["git", "-c", "user.name=asv", "-c", "user.email=asv@llmlab.invalid",
                         "commit", "-qam", "planted 30% slowdown of Engine.train_step"],
@@ -93,18 +114,22 @@ def main(argv: list[str] | None = None) -> int:
                         "above the spread measured on a shared 2-core machine, docs/profiling.md)")
     p.add_argument("-b", "--bench", default=QUICK, help="benchmark regex (default: the quick subset)")
     p.add_argument("--machine", default="llmlab-ci", help="asv machine name for the results")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved rounds A, B, A, B, ... (samples appended; default 2)")
     p.add_argument("--skip-run", action="store_true", help="only compare stored results")
     p.add_argument("--plant", action="store_true",
                    help="judge B with benchmarks/asv/planted_slowdown.patch applied (+30%% CPU "
                         "time per training step): shows the check fails as it should")
-    args, extra = p.parse_known_args(argv)
+    args = p.parse_args(argv)
+    extra: list[str] = []
     subprocess.run([sys.executable, "-m", "asv", "machine", "--machine", args.machine, "--yes"],
                    cwd=ROOT, check=True, capture_output=True)
     if args.skip_run:
         a, b = git("rev-parse", args.a), git("rev-parse", args.b)
     else:
-        a = run_commit(args.a, args.bench, args.machine, extra)
-        b = run_commit(plant(args.b) if args.plant else args.b, args.bench, args.machine, extra)
+        a = git("rev-parse", args.a)
+        b = plant(args.b) if args.plant else git("rev-parse", args.b)
+        run_rounds(a, b, args.rounds, args.bench, args.machine, extra)
     worse = compare(a, b, args.factor, args.machine)
     print(f"{'SLOWER' if worse else 'ok'}: {args.b} vs {args.a} at --factor {args.factor}")
     return 1 if worse else 0
