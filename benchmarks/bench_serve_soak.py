@@ -68,7 +68,7 @@ def _leave_non_streamed(server) -> None:
     body = json.dumps({"model": MODEL, "prompt": "ROMEO:", "max_tokens": 300,
                        "ignore_eos": True}).encode()
     s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     time.sleep(0.3)
     s.close()
@@ -78,7 +78,7 @@ def one(kind: str, server, c, rng: random.Random) -> tuple[str, bool]:
     """Send one request of ``kind``; returns (kind, answered as expected)."""
     if kind == "body_too_large":       # the headers announce 3 MiB; the answer comes before the body
         s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                   b"\r\nContent-Length: " + str(3 * 2**20).encode() + b"\r\n\r\n" + b"{" * 1000)
         status = s.recv(64)
         s.close()

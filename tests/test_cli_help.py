@@ -52,7 +52,10 @@ def test_engine_flags_are_generated_from_engine_config():
                          ("bench serve", bench.ENGINE_FLAGS)):
         dests = {a.dest for a in commands[name]._actions}
         assert set(fields) <= dests, (name, set(fields) - dests)
-    assert not {"seed", "max_request_body_bytes"} & set(generate_cli.ENGINE_FLAGS)
+    assert "seed" not in generate_cli.ENGINE_FLAGS
+    assert not {"max_request_body_bytes", "max_prompts_per_request"} & set(field_names())
+    serve_dests = {a.dest for a in commands["serve"]._actions}    # the server's own: ServerConfig
+    assert {"max_request_body_bytes", "max_concurrent_streams", "allowed_hosts"} <= serve_dests
     args = build_parser().parse_args(["serve", "--max-n", "3", "--block-size", "8",
                                       "--enable-prefix-caching"])
     cfg = serve_cli.engine_config(args)

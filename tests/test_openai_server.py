@@ -309,7 +309,7 @@ def test_disconnected_non_streamed_request_is_aborted(server):
     body = json.dumps({"model": MODEL, "prompt": "ROMEO:", "max_tokens": 450,
                        "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     eng = server.engines[0]
     _wait(lambda: eng.engine.block_manager.num_used_blocks > 0, "the request to run")

@@ -105,8 +105,10 @@ class BlockManager:
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq.token_ids`` (no state change).
 
-        At least one token is always left to compute, since its logits are needed to sample."""
-        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+        At least one token is always left to compute, since its logits are needed to sample;
+        none is taken for a sequence that must compute its whole prompt (``skip_prefix_cache``)."""
+        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens \
+                or seq.skip_prefix_cache:
             return []
         hits, parent, bs = [], None, self.block_size
         for i in range((seq.num_tokens - 1) // bs):

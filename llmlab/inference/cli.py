@@ -30,10 +30,8 @@ PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "see
                "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
                "skip_special_tokens", "prompt_logprobs", "logit_bias")
 CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
-# The engine flags: EngineConfig's fields, less the HTTP server's limits and the engine seed
-# (``--seed`` here seeds the requests).
-ENGINE_FLAGS = [n for n in field_names()
-                if n not in ("seed", "max_prompts_per_request", "max_request_body_bytes")]
+# The engine flags: EngineConfig's fields, less the engine seed (``--seed`` here seeds the requests).
+ENGINE_FLAGS = [n for n in field_names() if n != "seed"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

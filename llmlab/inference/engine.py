@@ -36,10 +36,11 @@ from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,
                                       RequestOutput, StepMetrics)
 from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
                                        sample_token, top_logprobs)
-from llmlab.inference.scheduler import Scheduler, SchedulerConfig
+from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
 from llmlab.metrics.profiling import TraceRecorder, phase
+from llmlab.runtime.hardware import resolve_device
 
 
 @dataclass
@@ -59,14 +60,6 @@ class _Request:
         return all(s.is_finished for s in self.seqs) and (
             len(self.seqs) == self.params.n
             or any(s.finish_reason in ("abort", "error") for s in self.seqs))
-
-
-def _pick_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
-    return torch.device(device)
 
 
 def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
@@ -132,7 +125,7 @@ class LLMEngine:
                  **engine_args):
         cfg = resolve(config, engine_args)           # (checked once, when made)
         self.config = cfg
-        self.device = _pick_device(cfg.device)
+        self.device = torch.device(resolve_device(str(cfg.device)))   # auto: a GPU if any
         spec = model
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if cfg.generation_defaults is None
@@ -251,6 +244,9 @@ class LLMEngine:
         params.check_vocab(self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
+        if params.prompt_logprobs is not None and not hasattr(self.runner, "execute_with_prompt_logits"):
+            raise ValueError("prompt_logprobs: not supported by this engine's runner "
+                             f"({type(self.runner).__name__})")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -268,9 +264,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = self._prompt_logprobs(ids, params.prompt_logprobs)
         seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
+            req.prompt_logprobs = [None]
+            seq.skip_prefix_cache = True
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         seq.generator = make_generator(base, "cpu")
         seq.seed = base
@@ -305,22 +302,30 @@ class LLMEngine:
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
 
-    @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
-        """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then per token
-        ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
-        log-softmax of the model's prediction at the previous position (one plain forward of the
-        prompt, no cache; the output head runs on 256 positions at a time)."""
-        model = self.runner.model
-        x = torch.tensor(ids, device=self.device, dtype=torch.long)[None]
-        h = model.run_layers(model.embed(x))[0]
-        out: list[dict | None] = [None]
-        for a in range(0, len(ids) - 1, 256):
-            logits = model.head(h[a:min(a + 256, len(ids) - 1)]).float().cpu()
-            for j, row in enumerate(logits):
-                d = top_logprobs(row, ids[a + j + 1], k)
-                out.append({t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()})
-        return out
+    def _prompt_logit_seqs(self, out: SchedulerOutput) -> frozenset[int]:
+        """The step's sequences still computing prompt positions whose prompt logprobs are wanted."""
+        ids: set[int] = set()
+        for seq, _ in out.scheduled:
+            req = self.requests[seq.request_id]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) < seq.num_prompt_tokens:
+                ids.add(seq.seq_id)
+        return frozenset(ids)
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput,
+                             prompt_logits: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """vLLM's ``prompt_logprobs`` from the step's own forward: per prompt token after the
+        first, ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
+        log-softmax of the prediction at the previous position. A position computed again
+        (recompute after preemption) is not added twice."""
+        for seq, _ in out.scheduled:
+            if seq.seq_id not in prompt_logits:
+                continue
+            req = self.requests[seq.request_id]
+            first, rows = prompt_logits[seq.seq_id]
+            k, ids, have = req.params.prompt_logprobs, seq.prompt_token_ids, req.prompt_logprobs
+            for j, row in enumerate(rows):
+                if first + j + 1 == len(have):
+                    have.append(self._logprob_entry(top_logprobs(row, ids[first + j + 1], k)))
 
     def _decode_one(self, t: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([t], skip_special_tokens=False)
@@ -377,7 +382,12 @@ class LLMEngine:
             self.runner.swap_out(out.swap_out)
             self.runner.swap_in(out.swap_in)
             self.runner.copy_blocks(out.copies)
-            logits = self.runner.execute(out)
+            wanted = self._prompt_logit_seqs(out)
+            if wanted:
+                logits, prompt_logits = self.runner.execute_with_prompt_logits(out, wanted)
+                self._add_prompt_logprobs(out, prompt_logits)
+            else:
+                logits = self.runner.execute(out)
             fast = greedy_tokens(logits, [s for s, _ in out.scheduled])  # one argmax for plain greedy
         except EngineDeadError:
             raise
@@ -463,10 +473,10 @@ class LLMEngine:
             else:
                 x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
                 tok = sample_token(x, p, s.generator)
-            if p.logprobs is not None:
-                lp = top_logprobs(row, tok, p.logprobs)
+            if p.logprobs is not None:              # once per new token, never rebuilt
+                lp = self._logprob_entry(top_logprobs(row, tok, p.logprobs))
                 s.logprobs.append(lp)
-                s.cumulative_logprob += lp[tok][0]
+                s.cumulative_logprob += lp[tok].logprob
             s.append_token(tok)
             sample_s += time.perf_counter() - ts
             if s.first_token_time is None:
@@ -516,11 +526,14 @@ class LLMEngine:
                              sampling_defaults=dict(req.sampling_defaults),
                              prompt_logprobs=req.prompt_logprobs)
 
+    def _logprob_entry(self, d: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        """One position's ``{token_id: Logprob}`` (with each token's text), built once."""
+        return {t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()}
+
     def _logprobs(self, seq: Sequence) -> list[dict] | None:
-        if seq.params.logprobs is None:
-            return None
-        dec = self._decode_one
-        return [{t: Logprob(v, r, dec(t)) for t, (v, r) in d.items()} for d in seq.logprobs]
+        """The sequence's logprobs so far: the entries made when each token was sampled (a new
+        list of the same entries, so each step costs one pointer per token, nothing rebuilt)."""
+        return None if seq.params.logprobs is None else list(seq.logprobs)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""

@@ -14,9 +14,10 @@ at the time the config is made, and the engine reads only the config.
 A config is checked once, when it is made (``__post_init__`` calls :meth:`EngineConfig.validate`):
 the engine, ``build_engines`` and the CLIs pass it on without checking it again.
 
-The request limits (``max_logprobs`` ... ``max_request_body_bytes``) keep one request from taking
-a small machine down: each is a ``llmlab serve`` flag; the engine enforces those of a single
-request in ``add_request`` (so ``LLM.generate`` too), the HTTP server the others.
+The request limits (``max_logprobs`` ... ``max_tokens_limit``) keep one request from taking a
+small machine down: each is a ``llmlab serve`` flag, enforced by the engine in ``add_request``
+(so ``LLM.generate`` too). The HTTP server's own limits (body size, prompts per request,
+streams) are :class:`llmlab.serve.config.ServerConfig`'s.
 """
 from __future__ import annotations
 
@@ -111,8 +112,6 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
-    max_prompts_per_request: int = option(64, "most prompts in one /v1/completions request")
-    max_request_body_bytes: int = option(2 * 2**20, "largest HTTP request body, bytes (413 above)")
     profile_dir: str | None = option(None, "folder for the engine's PyTorch profiler traces "
                                            "(LLMEngine.start_profile/stop_profile; llmlab serve: "
                                            "POST /start_profile, /stop_profile)")
@@ -125,8 +124,7 @@ class EngineConfig:
         cannot build). Called once, when the config is made; call it again after changing a
         field in place."""
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_n",
-                     "max_stop_strings", "max_stop_string_chars", "max_prompts_per_request",
-                     "max_request_body_bytes"):
+                     "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len", "max_tokens_limit"):

@@ -145,13 +145,31 @@ class ModelRunner:
         Returns ``{seq_id: logits [vocab] (fp32, CPU)}`` for the sequences whose last token was
         computed in this step (those that sample next); a prompt chunk that stops short gets none.
         """
+        return self.execute_with_prompt_logits(out, frozenset())[0]
+
+    @torch.no_grad()
+    def execute_with_prompt_logits(self, out: SchedulerOutput, seq_ids: frozenset[int]
+                                   ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+        """:meth:`execute`, and in the same forward the logits of every position this step
+        computes that predicts a prompt token, for the sequences in ``seq_ids`` (vLLM's
+        ``prompt_logprobs``, gathered in the batched step): ``{seq_id: (first position,
+        logits [m, vocab] fp32 CPU)}``, row ``j`` predicting prompt token ``first + j + 1``."""
         batches, sample_rows, sample_seqs = self.prepare(out)
+        prompt_rows = self.prompt_rows(out, seq_ids)
+        extra = [r for _, _, rows in prompt_rows for r in rows]
         kinds = sorted({"prefill" if b.is_prefill else "decode" for b in batches})
         with phase("+".join(kinds), tokens=sum(b.num_tokens for b in batches)):
-            logits = self.forward(batches, sample_rows)
-        if not sample_rows:
-            return {}
-        return dict(zip(sample_seqs, logits.float().cpu()))
+            logits = self.forward(batches, sample_rows + extra)    # always: it writes the K/V
+        if not sample_rows and not extra:
+            return {}, {}
+        logits = logits.float().cpu()
+        sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
+        prompt: dict[int, tuple[int, torch.Tensor]] = {}
+        at = len(sample_rows)
+        for sid, first, rows in prompt_rows:
+            prompt[sid] = (first, logits[at:at + len(rows)])
+            at += len(rows)
+        return sampled, prompt
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
@@ -166,6 +184,22 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq.seq_id)
         return batches, sample_rows, sample_seqs
+
+    def prompt_rows(self, out: SchedulerOutput, seq_ids: frozenset[int]) -> list[tuple[int, int, list[int]]]:
+        """``(seq_id, first position, rows)``: the rows of the flattened step (in
+        :meth:`prepare`'s order) at positions ``< num_prompt_tokens - 1`` of the sequences in
+        ``seq_ids`` (the positions whose next token is a prompt token)."""
+        found: list[tuple[int, int, list[int]]] = []
+        if not seq_ids:
+            return found
+        row = 0
+        for seq, n in (x for g in self.attention_groups(out.scheduled) for x in g):
+            c = seq.num_computed_tokens
+            stop = min(c + n, seq.num_prompt_tokens - 1)
+            if seq.seq_id in seq_ids and stop > c:
+                found.append((seq.seq_id, c, list(range(row, row + stop - c))))
+            row += n
+        return found
 
     @torch.no_grad()
     def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:

@@ -50,6 +50,7 @@ class Sequence:
     pending_fork: int = 1                # > 1: fork into this many samples after the prompt
     num_preemptions: int = 0
     num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
+    skip_prefix_cache: bool = False      # compute every prompt token (its prompt logprobs)
     # Timestamps (seconds, time.perf_counter): first_scheduled/first_token/finish.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

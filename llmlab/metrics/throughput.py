@@ -2,11 +2,17 @@
 
 Model FLOPs utilisation (MFU, Chowdhery et al. 2022 "PaLM", appendix B): achieved model FLOP/s
 over the device's peak, with training FLOPs per token ``6N + 12·L·h·T`` (the second term is
-attention's score and value matmuls). Recomputation (activation checkpointing) is not counted.
+attention's score and value matmuls; the formula is :func:`llmlab.formulas.compute.
+training_flops_per_token`, re-exported here). Recomputation (activation checkpointing) is not
+counted.
 """
 from __future__ import annotations
 
 import torch
+
+from llmlab.formulas.compute import training_flops_per_token
+
+__all__ = ["PEAK_FLOPS", "mfu", "peak_flops", "training_flops_per_token"]
 
 # Dense peak FLOP/s by device name fragment and compute dtype, from the vendors' data sheets (no
 # sparsity): "bf16"/"fp16" on tensor cores, "tf32" tensor cores (fp32 matmuls with
@@ -23,11 +29,6 @@ PEAK_FLOPS = {
     "4090": {"bf16": 165e12, "fp16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12},
     "3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
 }
-
-
-def training_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """``6N + 12·L·h·T`` FLOPs to train on one token (forward + backward)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
 def peak_flops(device: torch.device | str | None = None, dtype: str = "bf16") -> float | None:

@@ -2,6 +2,7 @@
 
 | file | what it holds |
 |---|---|
+| ``config.py`` | ``ServerConfig``: the HTTP limits (body size, prompts, streams, slow readers, allowed hosts) |
 | ``protocol.py`` | the OpenAI request bodies, the error body, request -> ``SamplingParams`` |
 | ``chat.py`` | chat messages -> prompt (tokenizer template, ``--chat-template``, plain template) |
 | ``async_engine.py`` | ``LLMEngine`` stepping on its own thread; requests join/leave between steps |
@@ -9,8 +10,8 @@
 | ``responses.py`` | outputs -> OpenAI responses and server-sent-event chunks |
 | ``metrics.py`` | ``/metrics``: vLLM v1 names under ``llmlab:``, KV fragmentation, engine busy |
 | ``context.py`` | ``ServingContext``: engines, router, renderer, limits, the tokenizer thread |
-| ``middleware.py`` | API key (every route but ``/health``), body-size limit (413), error bodies |
-| ``routes/`` | the handlers: ``info`` (health, metrics, models), ``completions``, ``chat`` |
+| ``middleware.py`` | Host allow-list, request ids, API key (every route but ``/health``), body-size limit (413), error bodies |
+| ``routes/`` | the handlers: ``info`` (health, metrics, models), ``completions``, ``chat``, ``tokenize`` |
 | ``generation.py`` | one generation request: admit, answer whole or streamed, abort on disconnect |
 | ``app.py`` | assembles the app from the above |
 | ``server.py`` | uvicorn in the foreground or on a thread; clean shutdown |
@@ -66,9 +67,9 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
 def _replica_devices(device: str, n: int) -> list[str]:
     """One device per replica: with ``cuda`` (or ``auto`` on a CUDA machine) and several GPUs,
     replica ``r`` gets ``cuda:r % num_gpus``; otherwise every replica gets ``device``."""
-    import torch
-    if str(device) in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        return [f"cuda:{r % torch.cuda.device_count()}" for r in range(n)]
+    from llmlab.runtime.hardware import gpu_count, resolve_device
+    if resolve_device(str(device)) == "cuda" and gpu_count() > 1:
+        return [f"cuda:{r % gpu_count()}" for r in range(n)]
     return [device] * n
 
 
@@ -77,26 +78,33 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                  chat_template: str | None = None, data_parallel_size: int = 1,
                  max_waiting_requests: int | None = None, shutdown_timeout: float = 5.0,
                  public_metrics: bool = False, allow_special_tokens_in_chat: bool = False,
-                 routing_policy=None, **engine_args):
+                 routing_policy=None, server_config=None, **engine_args):
     """Build the engines and the app and run them on a background thread; returns the started
     :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit).
-    ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``).
+    ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``), and
+    :class:`~llmlab.serve.config.ServerConfig` fields (or ``server_config=``).
     ``routing_policy``: which replica takes a request (:class:`~llmlab.serve.router.Router`)."""
+    import dataclasses
+
     from llmlab.serve.app import build_app
+    from llmlab.serve.config import SERVER_FIELDS, ServerConfig
     from llmlab.serve.metrics import ServerMetrics
     from llmlab.serve.server import ServerThread
-    import torch
+    from llmlab.runtime.hardware import resolve_device
+    server_args = {k: engine_args.pop(k) for k in list(engine_args) if k in SERVER_FIELDS}
+    server_config = dataclasses.replace(server_config or ServerConfig(), **server_args).validate()
     name = served_model_name or default_served_name(model)
     config = engine_args.get("config")
     device = str(engine_args.get("device", "auto" if config is None else config.device))
-    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    metrics = ServerMetrics(name, device_type="cuda" if on_gpu else "cpu")
+    metrics = ServerMetrics(name, device_type=resolve_device(device).split(":")[0])
     engines = build_engines(model, data_parallel_size=data_parallel_size,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,
                     metrics=metrics, public_metrics=public_metrics,
                     allow_special_tokens_in_chat=allow_special_tokens_in_chat,
-                    routing_policy=routing_policy)
-    server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout)
+                    routing_policy=routing_policy, server=server_config,
+                    allowed_hosts=server_config.hosts_for(host))
+    server = ServerThread(app, engines, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                          send_buffer_bytes=server_config.send_buffer_bytes)
     server.app, server.metrics = app, metrics
     return server.start()

@@ -4,8 +4,9 @@ and leaving the running batch between steps.
 The HTTP handlers run on an asyncio event loop; the engine steps on one background thread (the
 "engine loop", as vLLM's ``AsyncLLM`` output-handler loop): between two steps it takes the
 commands handlers queued (add a request, abort one, stop), then runs ``engine.step()`` and hands
-each changed :class:`RequestOutput` to the handler's ``asyncio.Queue`` with
-``loop.call_soon_threadsafe``. Only this thread touches the engine, so the engine needs no locks.
+each changed :class:`RequestOutput` to the handler's :class:`Mailbox` with
+``loop.call_soon_threadsafe`` (the newest output replaces one not yet taken: a slow handler costs
+one output, not one per step). Only this thread touches the engine, so the engine needs no locks.
 
 A handler that stops listening (client disconnected, task cancelled) aborts its request; the abort
 is applied before the next step and the request's KV blocks go back to the pool.
@@ -25,6 +26,7 @@ import queue
 import threading
 import time
 import traceback
+import typing
 from dataclasses import dataclass
 
 from llmlab.inference.errors import EngineDeadError
@@ -41,10 +43,35 @@ class EngineStoppedError(RuntimeError):
     """The engine no longer admits requests (shutting down, or its loop died); answered 503."""
 
 
+class Mailbox:
+    """The newest undelivered item of one request, on its handler's event loop.
+
+    A :class:`RequestOutput` is cumulative (every token, the text and logprobs so far), so a newer
+    one replaces one the handler has not taken yet: a handler that stops reading holds one output,
+    not one per step. A finished output or an exception is never replaced (nothing follows it)."""
+
+    def __init__(self) -> None:
+        self._item: typing.Any = None      # a RequestOutput or the exception that ends the request
+        self._full = False
+        self._ready = asyncio.Event()
+
+    def put(self, item: typing.Any) -> None:
+        if self._full and (isinstance(self._item, BaseException) or self._item.finished):
+            return
+        self._item, self._full = item, True
+        self._ready.set()
+
+    async def get(self) -> typing.Any:
+        await self._ready.wait()
+        item, self._item, self._full = self._item, None, False
+        self._ready.clear()
+        return item
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: Mailbox
     num_output_tokens: int = 0
     prompt_counted: bool = False
 
@@ -146,7 +173,7 @@ class AsyncEngine:
         if not self._admitting or not self._thread.is_alive():
             raise EngineStoppedError("the server is shutting down" if not self._admitting
                                      else "the engine loop is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), Mailbox())
         added: concurrent.futures.Future = concurrent.futures.Future()
         # The request's arrival is now, not when the engine thread picks the command up between two
         # steps: TTFT and end-to-end latency include that wait (lab 11 compares them with the client's).
@@ -307,7 +334,7 @@ class AsyncEngine:
 
 def _put(stream: _Stream, item) -> bool:
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        stream.loop.call_soon_threadsafe(stream.queue.put, item)
         return True
     except RuntimeError:                            # the event loop is closed
         return False

@@ -17,6 +17,7 @@ import os
 import sys
 
 from llmlab.inference.engine_config import EngineConfig, add_engine_arguments, from_args
+from llmlab.serve.config import add_server_arguments, server_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every second")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, let /metrics answer without the key (default: off)")
+    add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
     g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
     add_engine_arguments(g, None, {"tensor_parallel_size": {
         "help": "ranks the model is sharded over (not with --data-parallel-size > 1)"}})
@@ -81,6 +83,7 @@ def validate(args) -> None:
         check_dir(args.tensorboard, "--tensorboard")
     try:
         engine_config(args)
+        server_config(args)
     except ValueError as e:   # name the flag: "max_n=0 must be ..." -> "--max-n 0 must be ..."
         name, _, rest = str(e).partition("=")
         raise ValueError(f"--{name.replace('_', '-')} {rest}" if rest else str(e)) from None
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     template = load_template(args.chat_template)
     name = args.served_model_name or default_served_name(args.model)
     config = engine_config(args)
+    http = server_config(args)
     metrics = ServerMetrics(name, device_type=_device_type(args.device))
     try:  # before any model is loaded: a taken port fails at once, nothing to stop
         sock = bind_socket(args.host, args.port)
@@ -119,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     app = build_app(engines, served_model_name=name, chat_template=template, api_key=args.api_key,
                     metrics=metrics, public_metrics=args.public_metrics,
-                    allow_special_tokens_in_chat=args.allow_special_tokens_in_chat)
+                    allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+                    server=http, allowed_hosts=http.hosts_for(args.host))
     host, port = sock.getsockname()[:2]
-    server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    server = make_server(app, engines, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                         send_buffer_bytes=http.send_buffer_bytes)
     if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
         print(f"llmlab serve: warning: listening on {host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr, flush=True)
@@ -145,7 +151,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _device_type(device: str) -> str:
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    from llmlab.runtime.hardware import resolve_device
+    return resolve_device(device).split(":")[0]

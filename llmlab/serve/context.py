@@ -1,6 +1,7 @@
 """What every route handler needs, built once per app: the engines and their router, the served
-name, the tokenizer and chat renderer, the limits (from the engines'
-:class:`~llmlab.inference.engine_config.EngineConfig`), and the one thread that tokenizes.
+name, the tokenizer and chat renderer, the limits (the engines'
+:class:`~llmlab.inference.engine_config.EngineConfig` and the server's
+:class:`~llmlab.serve.config.ServerConfig`), and the one thread that tokenizes.
 
 Tokenizing and rendering chat templates run on :attr:`ServingContext.tokenizer_pool` (one
 thread: Hugging Face tokenizers are not safe to call from several threads at once), never on the
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from llmlab.serve.chat import ChatRenderer
+from llmlab.serve.config import ServerConfig
 from llmlab.serve.protocol import APIError
 from llmlab.serve.router import Router
 
@@ -28,6 +30,8 @@ class ServingContext:
     router: Router
     renderer: ChatRenderer | None
     metrics: object = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    open_streams: int = 0                   # streamed responses running (max_concurrent_streams)
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "llmlab-tokenize"))

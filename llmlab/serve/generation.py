@@ -9,27 +9,39 @@ connection; the server goes on.
 Disconnects: a non-streamed request listens for the client's ``http.disconnect`` while it waits
 (:func:`merge`), a stream is cancelled by Starlette when its client leaves; either way every
 prompt's request is aborted, which the engine applies before its next step.
+
+Slow readers (:class:`~llmlab.serve.config.ServerConfig`): at most ``max_concurrent_streams``
+streams are open (one more is a 503); a stream whose client takes no chunk for
+``stream_timeout_s`` seconds is cut (its connection aborted) and its requests aborted. While a
+client reads slowly, each of its prompts holds one pending output (the engine's
+:class:`~llmlab.serve.async_engine.Mailbox`) and :func:`merge` one more: never a backlog.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from llmlab.inference.sampling import SamplingParams
 from llmlab.serve import responses as R
 from llmlab.serve.async_engine import EngineStoppedError, QueueFullError
 from llmlab.serve.context import ServingContext
 from llmlab.serve.protocol import APIError, error_body, param_of
+
+log = logging.getLogger("llmlab.serve")
+# an ASGI scope extension the server's HTTP protocol adds: abort this connection now
+ABORT_CONNECTION = "llmlab.abort_connection"
 
 
 @dataclass
 class Prompt:
     echo: str               # text put before the generated text ("" without echo)
     token_ids: list[int]
-    params: object          # SamplingParams
+    params: SamplingParams
 
 
 @dataclass
@@ -47,12 +59,14 @@ class _Job:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
 
-    def logprobs(self, token_ids, logprobs, offset: int):
-        if self.k is None or logprobs is None:
+    def logprobs(self, cursor: R.LogprobCursor, c, end: int):
+        """The logprobs of choice ``c``'s tokens newly inside its text of length ``end``."""
+        if self.k is None or c.logprobs is None:
             return None
+        a, b, offset = cursor.advance(c.token_ids, c.logprobs, self.ctx.decode, end)
         if self.chat:
-            return R.chat_logprobs(token_ids, logprobs, self.ctx.decode, self.k)
-        return R.completion_logprobs(token_ids, logprobs, self.ctx.decode, offset)
+            return R.chat_logprobs(c.token_ids[a:b], c.logprobs[a:b], self.ctx.decode, self.k)
+        return R.completion_logprobs(c.token_ids[a:b], c.logprobs[a:b], self.ctx.decode, offset)
 
     def prompt_logprobs(self, i: int, out):
         """Completions ``echo`` + ``logprobs``: the prompt tokens' entries (first: None)."""
@@ -63,24 +77,41 @@ class _Job:
 
 async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt], chat: bool,
                    echo_logprobs: bool = False):
-    """Admit ``prompts`` and answer: a JSON response, or a streamed one with ``req.stream``."""
-    rid = R.new_id("chatcmpl" if chat else "cmpl")
+    """Admit ``prompts`` and answer: a JSON response, or a streamed one with ``req.stream``.
+    The response's ``id`` carries the request's ``x-request-id``."""
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(raw)}"
     for p in prompts:
         try:
             ctx.engine.check_limits(p.params)
         except ValueError as e:
             raise APIError(str(e), param=param_of(str(e))) from None
-    streams = await _admit(ctx, rid, prompts)
+    if not req.stream:
+        streams = await _admit(ctx, rid, prompts)
+        job = _Job(ctx, rid, streams, prompts, req.n, chat, prompts[0].params.logprobs, echo_logprobs)
+        return await _whole(job, raw)
+    limit = ctx.server.max_concurrent_streams
+    if ctx.open_streams >= limit:
+        raise APIError(f"{ctx.open_streams} streams are open (--max-concurrent-streams={limit}); "
+                       "retry later", 503, "max_concurrent_streams")
+    ctx.open_streams += 1                       # until the response ends, however it ends
+    try:
+        streams = await _admit(ctx, rid, prompts)
+    except BaseException:
+        ctx.open_streams -= 1
+        raise
     job = _Job(ctx, rid, streams, prompts, req.n, chat, prompts[0].params.logprobs, echo_logprobs)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _EngineStream(_stream_body(job, include_usage), streams,
-                             media_type="text/event-stream")
-    return await _whole(job, raw)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return _EngineStream(_stream_body(job, include_usage), streams, ctx,
+                         media_type="text/event-stream")
+
+
+def request_id(raw: Request) -> str:
+    """The request's id: its ``x-request-id`` (set by the request-id middleware), else new."""
+    return raw.scope.get("llmlab.request_id") or R.new_id("req").partition("-")[2]
 
 
 async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt]) -> list:
-    streams = []
+    streams = []                # engine ids "<id>-<prompt>": an x-request-id in use is a 400, as vLLM
     try:
         for i, p in enumerate(prompts):
             streams.append(await ctx.router.pick().add_request(p.token_ids, p.params, f"{rid}-{i}"))
@@ -112,11 +143,12 @@ async def _whole(job: _Job, raw: Request):
     for i, p in enumerate(job.prompts):
         out = finals[i]
         for c in out.outputs:
-            lp = job.logprobs(c.token_ids, c.logprobs, len(p.echo))
+            text = p.echo + (c.text or "")
+            lp = job.logprobs(R.LogprobCursor(len(p.echo)), c, len(text))
             pre = job.prompt_logprobs(i, out)
             if pre is not None:
                 lp = R.join_completion_logprobs(pre, lp)
-            choices.append({"index": i * job.n + c.index, "text": p.echo + (c.text or ""),
+            choices.append({"index": i * job.n + c.index, "text": text,
                             "finish_reason": c.finish_reason, "logprobs": lp})
             if out.prompt_logprobs is not None and not job.echo_logprobs:
                 choices[-1]["prompt_logprobs"] = R.vllm_prompt_logprobs(out.prompt_logprobs)
@@ -129,7 +161,8 @@ async def _whole(job: _Job, raw: Request):
 async def _stream_body(job: _Job, include_usage: bool):
     name, created, n = job.ctx.served_model_name, int(time.time()), job.n
     deltas = R.ChoiceDeltas()
-    gen_tokens, lp_sent = {}, {}
+    gen_tokens: dict[int, int] = {}
+    cursors: dict[int, R.LogprobCursor] = {}
     if job.chat:
         for idx in range(len(job.streams) * n):
             yield R.sse(R.chunk(job.rid, name, created, idx, None, None, True, include_usage,
@@ -142,16 +175,14 @@ async def _stream_body(job: _Job, include_usage: bool):
             for c in out.outputs:
                 idx = i * n + c.index
                 gen_tokens[idx] = len(c.token_ids)
-                offset = len(deltas.sent.get(idx, ""))
                 d = deltas.delta(idx, job.prompts[i].echo + (c.text or ""), c.finish_reason)
                 if d is None:
                     continue
-                a = lp_sent.get(idx, 0)
-                lp = job.logprobs(c.token_ids[a:], (c.logprobs or [])[a:],
-                                  max(offset, len(job.prompts[i].echo)))
-                if idx not in lp_sent and (pre := job.prompt_logprobs(i, out)) is not None:
+                first = idx not in cursors
+                cursor = cursors.setdefault(idx, R.LogprobCursor(len(job.prompts[i].echo)))
+                lp = job.logprobs(cursor, c, len(deltas.sent[idx]))
+                if first and (pre := job.prompt_logprobs(i, out)) is not None:
                     lp = R.join_completion_logprobs(pre, lp)
-                lp_sent[idx] = len(c.token_ids)
                 yield R.sse(R.chunk(job.rid, name, created, idx, d[0], d[1], job.chat,
                                     include_usage, logprobs=lp))
     except (APIError, RuntimeError) as e:
@@ -174,14 +205,14 @@ async def _wait_disconnect(raw: Request) -> None:
 async def merge(streams: list, raw: Request | None):
     """``(prompt index, RequestOutput)`` from several request streams as they come. With ``raw``
     the client's disconnect ends it at once; the requests are then aborted."""
-    q: asyncio.Queue = asyncio.Queue()
-
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))   # bounded: a slow consumer
+                                                             # leaves the newest in each mailbox
     async def pump(i, s):
         try:
             async for out in s:
-                q.put_nowait((i, out))
-        except BaseException as e:               # noqa: BLE001  (handed to the consumer)
-            q.put_nowait((i, e))
+                await q.put((i, out))
+        except Exception as e:  # noqa: BLE001  (handed to the consumer; not a cancellation)
+            await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     gone = asyncio.create_task(_wait_disconnect(raw)) if raw is not None else None
@@ -207,16 +238,48 @@ async def merge(streams: list, raw: Request | None):
             s.abort()
 
 
-class _EngineStream(StreamingResponse):
-    """A streamed response that aborts its requests however it ends (client gone, cancelled)."""
+class SlowReaderError(Exception):
+    """The client took no chunk for ``stream_timeout_s`` seconds."""
 
-    def __init__(self, content, streams, **kw):
+
+class _EngineStream(StreamingResponse):
+    """A streamed response that aborts its requests however it ends (client gone, cancelled, or
+    too slow to read: no chunk taken for ``stream_timeout_s``, then its connection is aborted)."""
+
+    def __init__(self, content, streams, ctx: ServingContext, **kw):
         super().__init__(content, **kw)
-        self._streams = streams
+        self._streams, self._ctx = streams, ctx
 
     async def __call__(self, scope, receive, send):
+        timeout = self._ctx.server.stream_timeout_s
+
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise SlowReaderError() from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except BaseException as e:               # a slow reader is cut here
+            if not _is_slow_reader(e):
+                raise
+            log.warning("a client read nothing for %.1f s (--stream-timeout-s): disconnected, "
+                        "its request aborted", timeout)
+            abort = (scope.get("extensions") or {}).get(ABORT_CONNECTION)
+            if abort is None:
+                raise SlowReaderError("the client stopped reading") from None
+            abort()
+            await asyncio.sleep(0)               # let uvicorn see the connection is gone
         finally:
+            await self.body_iterator.aclose()    # the body's merge() stops its tasks now
             for s in self._streams:
                 s.abort()
+            self._ctx.open_streams -= 1
+
+
+def _is_slow_reader(e: BaseException) -> bool:
+    if isinstance(e, SlowReaderError):
+        return True
+    group = getattr(e, "exceptions", None) or ()    # an exception group (anyio's task group)
+    return bool(group) and all(_is_slow_reader(x) for x in group)

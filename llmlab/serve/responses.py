@@ -63,6 +63,27 @@ def _token_text(lp, token_id: int, decode) -> str:
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode([token_id])
 
 
+class LogprobCursor:
+    """One choice's generated tokens whose logprobs were sent, and where the next one's text
+    starts in the choice's text. Only tokens that start inside the text sent so far are
+    reported, so the reported tokens join back into the text: the end-of-turn token and a token
+    that hit a stop string (left out of the text) are never reported, and every ``text_offset``
+    lies within the text (vLLM's behaviour). Each token is looked at once."""
+
+    def __init__(self, start: int = 0):
+        self.count, self.at = 0, start
+
+    def advance(self, token_ids: list[int], logprobs: list, decode, end: int) -> tuple[int, int, int]:
+        """``(first, stop, offset)``: tokens ``[first, stop)`` are newly inside the text of
+        length ``end``; the first of them starts at ``offset``."""
+        first, offset = self.count, self.at
+        while self.count < min(len(token_ids), len(logprobs)) and self.at < end:
+            tid = token_ids[self.count]
+            self.at += len(_token_text(logprobs[self.count].get(tid), tid, decode))
+            self.count += 1
+        return first, self.count, offset
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
                         text_offset: int = 0) -> dict:
     """The completions API's ``logprobs`` of generated tokens: ``tokens`` (their text),

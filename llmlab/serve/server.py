@@ -13,10 +13,14 @@ import atexit
 import contextlib
 import signal
 import socket
+import struct
 import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from llmlab.serve.generation import ABORT_CONNECTION
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -29,6 +33,37 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+class AbortableH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that also hands each request a way to abort its connection
+    (``scope["extensions"]["llmlab.abort_connection"]``): a stream whose client stopped reading
+    is cut at once, not left waiting for its unread bytes to drain. ``send_buffer_bytes`` (set
+    by :func:`make_server`): the kernel send buffer of each connection (``SO_SNDBUF``), so what
+    a client that stops reading leaves queued in the kernel is bounded too."""
+
+    send_buffer_bytes: int | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if self.send_buffer_bytes is not None and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        scope = getattr(self, "scope", None)   # the request this call parsed, its task not yet run
+        if scope is not None:
+            scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.abort_connection
+
+    def abort_connection(self) -> None:
+        """Close the connection now with a reset, dropping what the client left unread (a
+        plain close would leave the kernel sending it to a client that does not read)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
 
 class LLMLabServer(uvicorn.Server):
@@ -59,8 +94,12 @@ class LLMLabServer(uvicorn.Server):
 
 
 def make_server(app, engines: list, *, log_level: str = "warning",
-                shutdown_timeout: float = 30.0) -> LLMLabServer:
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                shutdown_timeout: float = 30.0, send_buffer_bytes: int | None = None) -> LLMLabServer:
+    """uvicorn's server over ``app`` with :class:`AbortableH11Protocol` (each connection's kernel
+    send buffer ``send_buffer_bytes``; None: the OS's autotuning)."""
+    protocol = type("AbortableH11Protocol", (AbortableH11Protocol,),
+                    {"send_buffer_bytes": send_buffer_bytes})
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", http=protocol,
                             timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))),
                             access_log=log_level in ("info", "debug"))
     return LLMLabServer(config, engines)
@@ -73,11 +112,13 @@ class ServerThread:
     down and joins the thread (and the engine threads, through the app's shutdown)."""
 
     def __init__(self, app, engines: list, host: str = "127.0.0.1", port: int = 0,
-                 shutdown_timeout: float = 5.0, log_level: str = "warning"):
+                 shutdown_timeout: float = 5.0, log_level: str = "warning",
+                 send_buffer_bytes: int | None = None):
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.engines = engines
-        self.server = make_server(app, engines, log_level=log_level, shutdown_timeout=shutdown_timeout)
+        self.server = make_server(app, engines, log_level=log_level, shutdown_timeout=shutdown_timeout,
+                                  send_buffer_bytes=send_buffer_bytes)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="llmlab-http", daemon=True)
 

@@ -1,6 +1,6 @@
 """``TrainConfig``: every ``llmlab train`` flag, and the checks run before any rank starts.
 
-Each parallel strategy adds its own layout checks in :func:`validate`; a bad layout raises
+Each parallel strategy's own ``validate`` holds its layout rules (:func:`validate` calls them); a bad layout raises
 ``ValueError`` naming the constraint (e.g. ``tp=3 must divide num_attention_heads=4``) in the
 caller, before processes are launched.
 """
@@ -11,12 +11,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.parallel.configs import (ContextParallelConfig, DataParallelConfig, ExpertParallelConfig,
                                      PipelineConfig, TensorParallelConfig, ZeroConfig)
-from llmlab.runtime.mesh import check_degrees
+from llmlab.runtime.hardware import resolve_device as resolve_hw_device
+from llmlab.parallel.protocols import Strategy
+from llmlab.runtime.mesh import Mesh, check_degrees
 
 
 def option(default, help: str, choices=None):
@@ -43,9 +44,9 @@ class TrainConfig:
         lr_schedule: str = option("constant", "learning-rate schedule", choices=("constant", "cosine"))
 
     then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
-    :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout`` (a
-    strategy reads its own config, :mod:`llmlab.parallel.configs`, which :func:`strategy_configs`
-    fills from this one), and list
+    :func:`validate` enforces) to :func:`validate` or, for a layout rule, to the strategy's
+    ``validate(config, mesh, model_config)`` (a strategy reads its own config,
+    :mod:`llmlab.parallel.configs`, which :func:`strategy_configs` fills from this one), and list
     the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
     does and its unit; ``tests/test_train.py`` fails for a field without one. A new value the
     run reports (a per-step ``grad_norm``, a mesh coordinate) goes into
@@ -96,6 +97,9 @@ class TrainConfig:
     checkpoint_dir: str | None = option(None, "folder for training checkpoints")
     checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
                                       "(a checkpoint is always written after the last step)")
+    checkpoint_every_minutes: float = option(0.0, "with --checkpoint-dir, also save when this many "
+                                                  "minutes of training have passed since the last "
+                                                  "save (rank 0's clock decides; 0: never by time)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
     override_opt_param_scheduler: bool = option(
         False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
@@ -181,22 +185,10 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    """``cpu`` or ``cuda``; raises ``ValueError`` if CUDA is asked for but absent or too small."""
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {cfg.device!r}: expected auto, cpu or cuda")
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.device == "cuda":
-        if n == 0:
-            raise ValueError("--device cuda, but no CUDA GPU is available")
-        from llmlab.runtime.launch import under_torchrun
-        if not under_torchrun() and cfg.world_size > n:
-            raise ValueError(f"{cfg.world_size} ranks need {cfg.world_size} GPUs, but only {n} "
-                             f"are visible (one GPU per rank)")
-        return "cuda"
-    if cfg.device == "cpu":
-        return "cpu"
-    from llmlab.runtime.launch import under_torchrun
-    return "cuda" if n > 0 and (cfg.world_size <= n or under_torchrun()) else "cpu"
+    """``cpu`` or ``cuda`` for ``cfg.world_size`` ranks (:func:`llmlab.runtime.hardware.
+    resolve_device`); raises ``ValueError`` if CUDA is asked for but absent or too small."""
+    from llmlab.runtime.process import under_torchrun
+    return resolve_hw_device(cfg.device, cfg.world_size, flag="--device", torchrun=under_torchrun())
 
 
 def validate(cfg: TrainConfig) -> ModelConfig:
@@ -225,27 +217,20 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "
                          f"{mc.max_position_embeddings}")
-    if cfg.global_batch_size % cfg.dp:
-        raise ValueError(f"dp={cfg.dp} must divide --global-batch-size {cfg.global_batch_size}")
-    local = cfg.global_batch_size // cfg.dp
-    if local % cfg.num_microbatches:
-        raise ValueError(f"--num-microbatches {cfg.num_microbatches} must divide the per-rank batch "
-                         f"{local} (global batch {cfg.global_batch_size} / dp {cfg.dp})")
     if (cfg.num_experts or cfg.top_k or cfg.capacity_factor) and not mc.num_experts:
         raise ValueError("--num-experts/--top-k/--capacity-factor need a MoE model "
                          "(--model tiny-moe or --num-experts E > 0)")
-    if mc.num_experts and mc.num_experts % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide num_experts={mc.num_experts}")
-    if cfg.ep > 1 and not mc.num_experts:
-        raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
     if cfg.max_consecutive_skips < 0:
         raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
     if cfg.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if cfg.checkpoint_every and not cfg.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if cfg.checkpoint_every_minutes < 0:
+        raise ValueError(f"--checkpoint-every-minutes must be >= 0, got {cfg.checkpoint_every_minutes}")
+    for flag in ("checkpoint_every", "checkpoint_every_minutes"):
+        if getattr(cfg, flag) and not cfg.checkpoint_dir:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --checkpoint-dir")
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
@@ -256,13 +241,17 @@ def validate(cfg: TrainConfig) -> ModelConfig:
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
     resolve_device(cfg)
+    # Every layout rule lives in its strategy: each checks its own config against the mesh's
+    # degrees and the model (ValueError naming the constraint). The batch split and the experts
+    # first, then the model's sharding: the first error reported is the most general one.
     from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
-                                 tensor_parallel, zero)
-    sc = strategy_configs(cfg)
-    for check, c in ((data_parallel.validate_layout, sc.dp), (tensor_parallel.validate_layout, sc.tp),
-                     (pipeline_parallel.validate_layout, sc.pp), (expert_parallel.validate_layout, sc.ep),
-                     (zero.validate_layout, sc.zero), (context_parallel.validate_layout, sc.cp)):
-        check(c, mc)   # each strategy's own checks, on its own config (ValueError naming the constraint)
+                                 tp_plan, zero)
+    mesh, sc = layout_mesh(cfg), strategy_configs(cfg)
+    checks: list[tuple[Strategy, object]] = [
+        (data_parallel, sc.dp), (expert_parallel, sc.ep), (tp_plan, sc.tp),
+        (pipeline_parallel, sc.pp), (zero, sc.zero), (context_parallel, sc.cp)]
+    for strategy, c in checks:
+        strategy.validate(c, mesh, mc)
     return mc
 
 
@@ -297,15 +286,21 @@ class StrategyConfigs:
 
 
 def strategy_configs(cfg: TrainConfig) -> StrategyConfigs:
-    """What each strategy is told of ``cfg`` (the strategies never read ``TrainConfig``). The
-    pipeline's ``seq_len`` is the whole sequence here; under context parallelism each rank's
-    stages exchange ``seq_len / cp`` tokens (the trainer replaces it)."""
+    """What each strategy is told of ``cfg`` (the strategies never read ``TrainConfig``); the
+    degrees are the mesh's (:func:`layout_mesh` before launch). The pipeline's ``seq_len`` is
+    this rank's: under context parallelism its stages exchange ``seq_len / cp`` tokens."""
     return StrategyConfigs(
-        dp=DataParallelConfig(cfg.dp, cfg.dp_mode, cfg.bucket_mb, cfg.global_batch_size),
-        tp=TensorParallelConfig(cfg.tp, cfg.sequence_parallel, cfg.seq_len),
-        pp=PipelineConfig(cfg.pp, cfg.pp_schedule, cfg.virtual_stages, cfg.num_microbatches,
-                          cfg.seq_len, cfg.tp, cfg.sequence_parallel),
-        ep=ExpertParallelConfig(cfg.ep, cfg.dp, cfg.tp, cfg.sequence_parallel),
+        dp=DataParallelConfig(cfg.dp_mode, cfg.bucket_mb, cfg.global_batch_size, cfg.num_microbatches),
+        tp=TensorParallelConfig(cfg.sequence_parallel, cfg.seq_len),
+        pp=PipelineConfig(cfg.pp_schedule, cfg.virtual_stages, cfg.num_microbatches,
+                          cfg.seq_len // cfg.cp, cfg.sequence_parallel),
+        ep=ExpertParallelConfig(),
         zero=ZeroConfig(cfg.zero, cfg.dtype, cfg.bucket_mb, cfg.cpu_offload, bool(cfg.save_model)),
-        cp=ContextParallelConfig(cfg.cp, cfg.cp_mode, cfg.seq_len, cfg.tp, cfg.sequence_parallel, cfg.ep))
+        cp=ContextParallelConfig(cfg.cp_mode, cfg.seq_len, cfg.sequence_parallel))
 
+
+def layout_mesh(cfg: TrainConfig) -> Mesh:
+    """The mesh's shape before any rank starts: ``cfg``'s degrees, no process groups (what the
+    strategies' ``validate`` reads). Raises ``ValueError`` when the degrees cannot form a mesh."""
+    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
+    return Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)

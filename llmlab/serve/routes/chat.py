@@ -18,10 +18,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request):
     if ctx.renderer is None:
         raise APIError("this model has no tokenizer: chat completions need one")
     req.check_fields()
-    if (req.model_extra or {}).get("prompt_logprobs") is not None:
+    if req.prompt_logprobs is not None:
         raise APIError("prompt_logprobs is not supported for chat completions",
                        param="prompt_logprobs")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(req.messages)]
     check_text_size(ctx, "".join(m["content"] for m in messages), "messages")
     try:
         _, ids = await ctx.off_loop(ctx.renderer.render, messages, req.add_generation_prompt,

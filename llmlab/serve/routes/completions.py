@@ -43,10 +43,10 @@ async def completions(req: CompletionRequest, raw: Request):
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
     req.check_fields()
-    if req.stream and (req.model_extra or {}).get("prompt_logprobs") is not None:
+    if req.stream and req.prompt_logprobs is not None:
         raise APIError("prompt_logprobs is not available with stream", param="prompt_logprobs")
     prompts = req.prompts()
-    limit = ctx.config.max_prompts_per_request
+    limit = ctx.server.max_prompts_per_request
     if len(prompts) > limit:
         raise APIError(f"prompt: {len(prompts)} prompts are over the limit "
                        f"max_prompts_per_request={limit}", param="prompt")

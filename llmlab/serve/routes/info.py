@@ -1,5 +1,6 @@
 """``GET /health`` (200 while every engine loop runs, else 503), ``GET /metrics`` (Prometheus
-text, :mod:`llmlab.serve.metrics`), ``GET /v1/models`` (the one served model)."""
+text, :mod:`llmlab.serve.metrics`), ``GET /v1/models`` (the one served model) and
+``GET /v1/models/{id}`` (it, or 404: the ``openai`` client's ``models.retrieve``)."""
 from __future__ import annotations
 
 from fastapi import Request
@@ -22,8 +23,18 @@ async def metrics(raw: Request):
     return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _card(ctx) -> dict:
+    return {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
+            "owned_by": "llmlab", "root": ctx.served_model_name, "parent": None,
+            "max_model_len": ctx.max_model_len}
+
+
 async def models(raw: Request):
+    return {"object": "list", "data": [_card(get_context(raw))]}
+
+
+async def model(model_id: str, raw: Request):
     ctx = get_context(raw)
-    return {"object": "list", "data": [{"id": ctx.served_model_name, "object": "model",
-                                        "created": ctx.created, "owned_by": "llmlab",
-                                        "max_model_len": ctx.max_model_len}]}
+    if model_id != ctx.served_model_name:
+        raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
+    return _card(ctx)
