@@ -137,6 +137,9 @@ class LLMEngine:
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
         self.quantization = cfg.quantization
+        self.mm_config = getattr(model, "mm_config", None)    # a vision-language model's
+        if self.mm_config is not None and cfg.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 does not support vision-language models")
         mc = self.model_config = model.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -258,13 +261,20 @@ class LLMEngine:
         params.validate()
         self.check_limits(params)
         text, ids = self.encode(prompt)
+        mm = None
+        if self.mm_config is not None or (isinstance(prompt, dict) and (
+                prompt.get("multi_modal_data") or prompt.get("multi_modal_state"))):
+            from llmlab.inference import multimodal          # images: expand their placeholders
+            ids, mm = multimodal.from_request(prompt, ids, self.mm_config, self.config)
+            if mm is not None and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: not supported for prompts with images")
         self._check_fits(ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm)
         if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
             req.prompt_logprobs = [None]
             seq.skip_prefix_cache = True
