@@ -31,7 +31,7 @@ LAB_SIZES: dict[str, dict] = {
     "06_paged_kv_cache": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
     "07_continuous_batching": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare",
                                    gpu_model="shakespeare"),
-    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
+    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4, cpu_steps=5, gpu_steps=5),   # every run of the lab
     "09_kernels": dict(max_ranks=1, min_ranks=1),
     # cp ranks split the sequence (2 on CPU); ulysses needs cp | the kv heads of "small" (4)
     "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),

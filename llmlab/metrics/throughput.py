@@ -8,7 +8,10 @@ counted.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a device is asked about: the formulas need none
+    import torch
 
 from llmlab.formulas.compute import training_flops_per_token
 
@@ -38,6 +41,7 @@ def peak_flops(device: torch.device | str | None = None, dtype: str = "bf16") ->
     Raises ``ValueError`` for another dtype."""
     if dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
+    import torch
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:

@@ -94,15 +94,30 @@ class Checkpointable(Protocol):
 # The flags that set the learning rate of every step (and so the optimizer's trajectory): a resumed
 # run must use the checkpoint's values unless --override-opt-param-scheduler says otherwise.
 SCHEDULE_FLAGS = ("lr_schedule", "lr", "min_lr", "warmup_steps", "steps")
+# The flags that choose the data of every step (BatchLoader: step s reads a batch drawn from
+# (seed, s) of global_batch_size sequences of seq_len tokens): a resumed run must keep them, or it
+# trains on other data than the run it continues, unless --override-data-order says otherwise.
+DATA_FLAGS = ("seed", "global_batch_size", "seq_len")
 
 
 def check_resume_flags(cfg: TrainConfig, meta: dict, path) -> None:
-    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) other than those the
-    checkpoint at ``path`` was made with: ``ValueError`` naming the flag and both values, unless
-    ``cfg.override_opt_param_scheduler`` (then this run's values are taken, as Megatron's
-    ``--override-opt_param-scheduler``). ``--steps`` counts only for a decaying schedule (linear,
-    cosine: the decay ends at the last step); extending a constant-rate run is allowed. A
-    checkpoint of an older llmlab without the record is not checked."""
+    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) or data flags
+    (:data:`DATA_FLAGS`) other than those the checkpoint at ``path`` was made with:
+    ``ValueError`` naming the flag and both values. ``cfg.override_opt_param_scheduler`` takes
+    this run's schedule values instead (as Megatron's ``--override-opt_param-scheduler``),
+    ``cfg.override_data_order`` this run's data flags. ``--steps`` counts only for a decaying
+    schedule (linear, cosine: the decay ends at the last step); extending a constant-rate run is
+    allowed. A checkpoint of an older llmlab without a record is not checked for it (its
+    ``seed`` is)."""
+    data = meta.get("data_flags") or ({"seed": meta["seed"]} if "seed" in meta else {})
+    if not cfg.override_data_order:
+        for k in DATA_FLAGS:
+            if k in data and data[k] != getattr(cfg, k):
+                flag = "--" + k.replace("_", "-")
+                raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} "
+                                 f"was made with {flag} {data[k]!r} (the data of every step "
+                                 f"depends on it); resume with the same value, or pass "
+                                 f"--override-data-order to take the new one")
     saved = meta.get("schedule_flags")
     if not saved or cfg.override_opt_param_scheduler:
         return
@@ -260,6 +275,7 @@ def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: s
                 "lr_schedule": {"step": step, "lr": engine.last.get("lr")},
                 # the flags the schedule and optimizer were made with (checked on resume)
                 "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
+                "data_flags": {k: getattr(cfg, k) for k in DATA_FLAGS},
                 "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
         meta.update(extra or {})
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))

@@ -10,14 +10,19 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-
+from llmlab.formulas._checks import check_count
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.parallel.configs import (ContextParallelConfig, DataParallelConfig, ExpertParallelConfig,
                                      PipelineConfig, TensorParallelConfig, ZeroConfig)
-from llmlab.runtime.hardware import resolve_device as resolve_hw_device
-from llmlab.parallel.protocols import Strategy
-from llmlab.runtime.mesh import Mesh, check_degrees
+
+# Every rank seeds torch with --seed and the data order with --seed * 1_000_003 + step (both < 2**64).
+SEED_LIMIT = 2**32
+
+if TYPE_CHECKING:   # torch-free at import: `llmlab train` checks its flags before importing torch
+    from llmlab.parallel.protocols import Strategy
+    from llmlab.runtime.mesh import Mesh
 
 
 def option(default, help: str, choices=None):
@@ -88,7 +93,7 @@ class TrainConfig:
                                             "whose gradient was non-finite (each one skipped, not "
                                             "applied; fp16 counts them once its loss scale is at "
                                             "the minimum); 0 never stops")
-    seed: int = option(0, "seed for weights and data order (same seed, same run)")
+    seed: int = option(0, "seed for weights and data order (same seed, same run), in [0, 2**32)")
     dtype: str = option("fp32", "compute dtype; bf16/fp16 keep fp32 master weights "
                                 "(fp16 adds loss scaling)", choices=("fp32", "bf16", "fp16"))
     activation_checkpointing: bool = option(False, "recompute each layer's activations in the "
@@ -105,6 +110,10 @@ class TrainConfig:
         False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
                "--steps instead of refusing values that differ from the checkpoint's (Megatron's "
                "--override-opt_param-scheduler)")
+    override_data_order: bool = option(
+        False, "with --resume, take this run's --seed, --global-batch-size and --seq-len instead "
+               "of refusing values that differ from the checkpoint's (the steps left then train on "
+               "other data than the run it continues would have)")
     device: str = option("auto", "where ranks run (auto: one GPU per rank if enough, else CPU)",
                          choices=("auto", "cpu", "cuda"))
     metrics_json: str | None = option(None, "write the run's metrics (docs/CONTRACT.md) to this file")
@@ -181,22 +190,49 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 def resolve_device(cfg: TrainConfig) -> str:
     """``cpu`` or ``cuda`` for ``cfg.world_size`` ranks (:func:`llmlab.runtime.hardware.
     resolve_device`); raises ``ValueError`` if CUDA is asked for but absent or too small."""
+    from llmlab.runtime.hardware import resolve_device as resolve_hw_device
     from llmlab.runtime.process import under_torchrun
     return resolve_hw_device(cfg.device, cfg.world_size, flag="--device", torchrun=under_torchrun())
 
 
-def validate(cfg: TrainConfig) -> ModelConfig:
-    """Check a configuration before launching. Returns the resolved model config.
+# Whole-number flags and their least value; real-valued flags and whether 0 is allowed. None (an
+# optional flag not given) is allowed; anything else out of range is refused, never defaulted.
+COUNT_FLAGS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "num_microbatches": 1,
+               "virtual_stages": 1, "steps": 1, "global_batch_size": 1, "seq_len": 1,
+               "num_experts": 1, "top_k": 1, "warmup_steps": 0, "max_consecutive_skips": 0,
+               "checkpoint_every": 0}
+REAL_FLAGS = {"lr": False, "min_lr": True, "grad_clip": False, "capacity_factor": False,
+              "bucket_mb": False, "checkpoint_every_minutes": True}
 
-    Raises ``ValueError`` naming the first violated constraint, or ``NotImplementedError`` for a
-    feature this version does not have yet.
-    """
-    for name in ("steps", "global_batch_size", "seq_len", "num_microbatches", "virtual_stages"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Each numeric flag on its own: an integer (not a bool) at least its :data:`COUNT_FLAGS`
+    value, a finite number > 0 (>= 0 where :data:`REAL_FLAGS` allows 0), ``--seed`` in
+    ``[0, 2**32)``. Raises ``ValueError`` naming the flag (``--lr must be a finite number, got
+    nan``)."""
+    for name, least in COUNT_FLAGS.items():
+        v, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{flag} must be an integer, got {v!r}")
+        if v < least:
+            raise ValueError(f"{flag} must be >= {least}, got {v}")
+    for name, zero_ok in REAL_FLAGS.items():
+        if getattr(cfg, name) is not None:
+            check_count("--" + name.replace("_", "-"), getattr(cfg, name), allow_zero=zero_ok)
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be an integer in [0, 2**32), got {cfg.seed!r}")
+
+
+def check_inputs(cfg: TrainConfig) -> ModelConfig:
+    """The checks that need no torch (so ``llmlab train`` refuses bad flags at once): every flag
+    alone (:func:`check_numbers`, choices) and together (batch and degrees, schedule, model
+    shape, paths). Returns the resolved model config; raises as :func:`validate`."""
+    check_numbers(cfg)
+    if cfg.dp % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (--ep divides --dp: expert-parallel "
+                         f"groups are carved out of the data-parallel ranks)")
     for f in dataclasses.fields(cfg):
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices is not None and value not in choices:
@@ -205,8 +241,10 @@ def validate(cfg: TrainConfig) -> ModelConfig:
                              f"{', '.join(rest)} or {last}")
     from llmlab.training.lr_schedule import check_schedule
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
-    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
-        raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
+    experts = get_preset(cfg.model).num_experts if cfg.num_experts is None else cfg.num_experts
+    if cfg.top_k is not None and experts and cfg.top_k > experts:
+        raise ValueError(f"--top-k {cfg.top_k} must be <= the number of experts {experts} "
+                         f"(--num-experts, else the preset's)")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "
@@ -214,10 +252,6 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     if (cfg.num_experts or cfg.top_k or cfg.capacity_factor) and not mc.num_experts:
         raise ValueError("--num-experts/--top-k/--capacity-factor need a MoE model "
                          "(--model tiny-moe or --num-experts E > 0)")
-    if cfg.max_consecutive_skips < 0:
-        raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
-    if cfg.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if cfg.checkpoint_every_minutes < 0:
@@ -233,13 +267,29 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
+    if cfg.save_model and mc.num_experts:
+        raise NotImplementedError(f"--save-model writes a Llama checkpoint (config.json + "
+                                  f"model.safetensors), which has no mixture-of-experts layers: "
+                                  f"--model {cfg.model} cannot be saved (use --checkpoint-dir)")
+    return mc
+
+
+def validate(cfg: TrainConfig) -> ModelConfig:
+    """Check a configuration before launching. Returns the resolved model config.
+
+    :func:`check_inputs`, then the mesh's degrees, the device and each strategy's own checks.
+    Raises ``ValueError`` naming the first violated constraint, or ``NotImplementedError`` for a
+    feature this version does not have yet.
+    """
+    mc = check_inputs(cfg)
+    mesh = layout_mesh(cfg)
     resolve_device(cfg)
     # Every layout rule lives in its strategy: each checks its own config against the mesh's
     # degrees and the model (ValueError naming the constraint). The batch split and the experts
     # first, then the model's sharding: the first error reported is the most general one.
     from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
                                  tp_plan, zero)
-    mesh, sc = layout_mesh(cfg), strategy_configs(cfg)
+    sc = strategy_configs(cfg)
     checks: list[tuple[Strategy, object]] = [
         (data_parallel, sc.dp), (expert_parallel, sc.ep), (tp_plan, sc.tp),
         (pipeline_parallel, sc.pp), (zero, sc.zero), (context_parallel, sc.cp)]
@@ -277,5 +327,6 @@ def strategy_configs(cfg: TrainConfig) -> StrategyConfigs:
 def layout_mesh(cfg: TrainConfig) -> Mesh:
     """The mesh's shape before any rank starts: ``cfg``'s degrees, no process groups (what the
     strategies' ``validate`` reads). Raises ``ValueError`` when the degrees cannot form a mesh."""
+    from llmlab.runtime.mesh import Mesh, check_degrees
     check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
     return Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
