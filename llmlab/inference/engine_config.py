@@ -85,6 +85,11 @@ class EngineConfig:
     quantization: str | None = option(None, "store linear weights in int8 with per-channel scales",
                                       choices=("int8",))
     tensor_parallel_size: int = option(1, "ranks the model is sharded over")
+    pipeline_parallel_size: int = option(1, "pipeline stages the layers are split into (each stage "
+                                            "tensor-parallel over tensor-parallel-size ranks)")
+    distributed_executor_backend: str = option(
+        "mp", "how the ranks are started: mp (processes on this host) or ray (actors placed on a "
+              "Ray cluster: ray start --head / --address first)", choices=("mp", "ray"))
     seed: int = option(0, "seed for requests that send none")
     generation_defaults: dict | None = option(
         None, "sampling fields a request leaves unset (default: the checkpoint's "
@@ -130,7 +135,8 @@ class EngineConfig:
         """Raise ``ValueError`` naming the first field out of its range (or a kernel this machine
         cannot build). Called once, when the config is made; call it again after changing a
         field in place."""
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_n",
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size",
+                     "pipeline_parallel_size", "max_n",
                      "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -146,7 +152,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
-        for name in ("quantization", "preemption_mode", "paged_attention"):   # device: where it is used
+        for name in ("quantization", "preemption_mode", "paged_attention",
+                     "distributed_executor_backend"):   # device: where it is used
             v, choices = getattr(self, name), _FIELDS[name].metadata["choices"]
             if v is not None and v not in choices:
                 raise ValueError(f"{name}={v!r}: supported values are None and "

@@ -229,7 +229,8 @@ class AsyncEngine:
                 except Exception as e:
                     failures = (MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError)
                                 else failures + 1)
-                    self._step_failed(traceback.format_exc(), failures)
+                    self._step_failed(traceback.format_exc(), failures,
+                                      f"the engine stopped: {e}" if isinstance(e, EngineDeadError) else None)
                     continue
                 t1 = time.perf_counter()
                 self.num_steps += 1
@@ -251,11 +252,12 @@ class AsyncEngine:
         if stop is not None:
             stop()
 
-    def _step_failed(self, tb: str, failures: int) -> None:
-        """Fail and free every request in flight; stop after too many failing steps in a row."""
+    def _step_failed(self, tb: str, failures: int, reason: str | None = None) -> None:
+        """Fail and free every request in flight (with ``reason``, when known); stop after too
+        many failing steps in a row."""
         log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
                   failures, tb)
-        self._abort_all(RuntimeError("the engine step failed; see the server log"))
+        self._abort_all(RuntimeError(reason or "the engine step failed; see the server log"))
         for rid in [r for r, req in self.engine.requests.items() if not req.finished]:
             self.engine.abort_request(rid)
             self.engine.release(rid)

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
     g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
     add_engine_arguments(g, None, {"tensor_parallel_size": {
-        "help": "ranks the model is sharded over (not with --data-parallel-size > 1)"}})
+        "help": "ranks the model is sharded over (with --data-parallel-size > 1: only with "
+                "--distributed-executor-backend ray or --pipeline-parallel-size > 1)"}})
 
 
 def engine_config(args) -> EngineConfig:
@@ -69,9 +70,11 @@ def validate(args) -> None:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
-    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
-        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 is not "
-                                  "supported (one tensor-parallel engine per server process)")
+    if (args.tensor_parallel_size > 1 and args.data_parallel_size > 1
+            and args.pipeline_parallel_size == 1 and args.distributed_executor_backend == "mp"):
+        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 needs "
+                                  "--distributed-executor-backend ray or --pipeline-parallel-size "
+                                  "> 1 (one mp tensor-parallel engine per server process)")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests {args.max_waiting_requests} must be >= 1")
     if args.shutdown_timeout < 0:
