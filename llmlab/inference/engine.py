@@ -40,6 +40,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
+from llmlab.metrics.profiling import TraceRecorder, phase
 from llmlab.runtime.hardware import resolve_device
 
 
@@ -199,6 +200,17 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self._step = 0
+        self.profiler = TraceRecorder(cfg.profile_dir)
+
+    def start_profile(self) -> None:
+        """Start recording a PyTorch profiler trace of the steps that follow (vLLM's
+        ``start_profile``), in the thread that calls :meth:`step`. ``RuntimeError`` without
+        ``profile_dir`` or while recording."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording; returns the trace's path (``profile_dir/engine-N.pt.trace.json.gz``)."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks or the pipeline's workers, if any (idempotent)."""
@@ -417,6 +429,11 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration (:meth:`_step_once`), named ``llmlab.engine step`` in a profiler trace."""
+        with phase("engine step", n=self._step):
+            return self._step_once()
+
+    def _step_once(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed in it. A forward
         pass that raises fails the requests of this step (``finish_reason="error"``, blocks
         freed); a sampling error fails its request alone. Neither is raised; only
@@ -426,7 +443,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
         cow_before = bm.stats["cow_copies"]
-        out = sched.schedule()
+        with phase("schedule"):
+            out = sched.schedule()
         if out.is_empty:
             self._check_progress()
             return []
@@ -525,20 +543,21 @@ class LLMEngine:
         sched.update(out)
         now = time.perf_counter()
         changed, sample_s = {}, 0.0
-        for seq, n in out.scheduled:
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                           # mid-prompt chunk: no token
-            req = self.requests[seq.request_id]
-            changed[req.request_id] = req
-            group = self._fork(req, seq)
-            try:
-                sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
-                                               fast.get(seq.seq_id))
-            except Exception as e:              # noqa: BLE001  (this request fails alone)
-                req.error = f"sampling failed: {type(e).__name__}: {e}"
-                for s in group:
-                    if not s.is_finished:
-                        self._finish(s, "error", now)
+        with phase("sampling"):
+            for seq, n in out.scheduled:
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue                                           # mid-prompt chunk: no token
+                req = self.requests[seq.request_id]
+                changed[req.request_id] = req
+                group = self._fork(req, seq)
+                try:
+                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
+                                                   fast.get(seq.seq_id))
+                except Exception as e:              # noqa: BLE001  (this request fails alone)
+                    req.error = f"sampling failed: {type(e).__name__}: {e}"
+                    for s in group:
+                        if not s.is_finished:
+                            self._finish(s, "error", now)
         for req in changed.values():
             if req.finished:
                 req.metrics.finish_time = now

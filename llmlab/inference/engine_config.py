@@ -117,6 +117,9 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
+    profile_dir: str | None = option(None, "folder for the engine's PyTorch profiler traces "
+                                           "(LLMEngine.start_profile/stop_profile; llmlab serve: "
+                                           "POST /start_profile, /stop_profile)")
     # --- images (a vision-language model; llmlab.inference.multimodal) ---------------------------
     min_pixels: int = option(56 * 56, "images smaller than this (pixels) are scaled up to it")
     max_pixels: int = option(28 * 28 * 1280, "images larger than this (pixels) are scaled down "
@@ -156,6 +159,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r}: supported values are None and "
                                  + ", ".join(repr(c) for c in choices))
         self._check_kernels()
+        if self.profile_dir:
+            from llmlab.metrics.profiling import check_dir
+            check_dir(self.profile_dir, "--profile-dir")
         return self
 
     def _check_kernels(self) -> None:

@@ -171,7 +171,7 @@ class AsyncEngine:
         if not self._thread.is_alive():
             return fn(self.engine)              # not started (or stopped): nothing steps
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("call", fn, done))
+        self._send(("run", fn, done))
         return await asyncio.wrap_future(done)
 
     async def add_request(self, prompt, params, request_id: str, lora: str | None = None
@@ -203,6 +203,22 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    async def start_profile(self) -> None:
+        """Start the engine's profiler in the engine thread (the profiler sees its own thread's
+        work); ``RuntimeError`` as :meth:`LLMEngine.start_profile`."""
+        await self._in_loop("start_profile")
+
+    async def stop_profile(self) -> str:
+        """Stop it there; returns the trace's path."""
+        return await self._in_loop("stop_profile")
+
+    async def _in_loop(self, method: str):
+        if not self._thread.is_alive():
+            raise EngineStoppedError("the engine loop is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", method, done))
+        return await asyncio.wrap_future(done)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -270,11 +286,17 @@ class AsyncEngine:
                 self._add(*cmd[1:])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
-            elif cmd[0] == "call":
+            elif cmd[0] == "run":
                 _, fn, done = cmd
                 try:
                     done.set_result(fn(self.engine))
                 except Exception as e:      # answered to the caller, never fatal
+                    done.set_exception(e)
+            elif cmd[0] == "call":               # start_profile / stop_profile
+                _, method, done = cmd
+                try:
+                    done.set_result(getattr(self.engine, method)())
+                except Exception as e:           # noqa: BLE001  (answered to the caller)
                     done.set_exception(e)
             elif cmd[0] == "stop":
                 return False

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-chat", action="store_true",
                    help="parse special tokens written inside chat message content as the "
                         "template's markers (default: off, so a message cannot forge a turn)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write the serving gauges (/metrics) as TensorBoard scalars to DIR, "
+                        "every second")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, let /metrics answer without the key (default: off)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
@@ -93,6 +96,9 @@ def validate(args) -> None:
         raise ValueError(f"--max-lora-rank {args.max_lora_rank} must be >= 1")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if args.tensorboard:
+        from llmlab.metrics.profiling import check_dir
+        check_dir(args.tensorboard, "--tensorboard")
     try:
         engine_config(args)
         server_config(args)
@@ -151,12 +157,18 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"llmlab serve: serving {name} at http://{shown}:{port} "
           f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})", flush=True)
+    tb = None
+    if args.tensorboard:
+        from llmlab.serve.tensorboard import GaugeLogger
+        tb = GaugeLogger(metrics, args.tensorboard).start()
     try:
         server.run(sockets=[sock])
     finally:
         for e in engines:
             e.shutdown()
         sock.close()
+        if tb is not None:
+            tb.close()
     print("llmlab serve: stopped", file=sys.stderr, flush=True)
     return 0
 

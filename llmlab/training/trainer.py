@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
+from llmlab.metrics.profiling import StepProfiler, phase
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
@@ -53,6 +54,7 @@ from llmlab.training.checkpoint_clock import CheckpointClock
 from llmlab.training.precision import DynamicLossScaler
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 from llmlab.training.data_source import make_loader
+from llmlab.training.export import save_model
 
 
 class LocalModule(torch.nn.Module):
@@ -259,10 +261,12 @@ class Engine:
         for i, (x, y) in enumerate(micro):
             ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
             with ctx:
-                loss = self.wrapper(x, y)
-                aux = self.model.aux_loss()
-                loss = (loss - aux) * weights[i] + aux / M
-                (loss * self.loss_scale()).backward()
+                with phase("forward", mb=i):
+                    loss = self.wrapper(x, y)
+                    aux = self.model.aux_loss()
+                    loss = (loss - aux) * weights[i] + aux / M
+                with phase("backward", mb=i):
+                    (loss * self.loss_scale()).backward()
             total += loss.item()
         return total
 
@@ -316,7 +320,8 @@ class Engine:
         with SavedActivations(self.parameters()) as act:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
-        self.wrapper.finish_grad_sync()
+        with phase("grad sync"):
+            self.wrapper.finish_grad_sync()
         for f in model_record(self.model).grad_finalizers:
             f(self.wrapper.grad_of)  # ZeRO: the part of p in this rank's shard
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(self.wrapper.grad_tensors()))
@@ -333,9 +338,10 @@ class Engine:
         if not skipped:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            if cfg.grad_clip:
-                clip_([g for g, _ in pieces], cfg.grad_clip, norm)
-            self.optimizer.apply()
+            with phase("optimizer"):
+                if cfg.grad_clip:
+                    clip_([g for g, _ in pieces], cfg.grad_clip, norm)
+                self.optimizer.apply()
         self.optimizer.zero_grad(set_to_none=True)
         self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
@@ -376,6 +382,14 @@ def _force_overflow(rank: int) -> int | None:
     return s if r == rank else None
 
 
+def _evaluate(engine: Engine, loader, cfg: TrainConfig, step: int) -> dict:
+    """``{"eval_loss": held-out loss}`` on ``--eval-every`` steps and the last, else ``{}``."""
+    if not cfg.eval_every or (step % cfg.eval_every and step != cfg.steps):
+        return {}
+    micro = _eval_micro(loader, cfg, engine.mesh, engine.device)
+    return {"eval_loss": global_loss(engine.eval_loss(micro), engine.mesh, engine.device)}
+
+
 def _eval_micro(loader, cfg: TrainConfig, mesh: Mesh, device) -> list:
     """This rank's micro-batches of the held-out examples (``--data``), as a training step's."""
     x, y = loader.eval_batch(mesh.dp * cfg.num_microbatches)
@@ -387,6 +401,14 @@ def _eval_micro(loader, cfg: TrainConfig, mesh: Mesh, device) -> list:
         from llmlab.parallel.context_parallel import shard_microbatches
         micro = shard_microbatches(micro, mesh, cfg.cp_mode)
     return micro
+
+
+def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``; ``None`` when not profiling."""
+    if not cfg.profile_steps:
+        return None
+    from llmlab.metrics.profiling import parse_steps
+    return parse_steps(cfg.profile_steps, 1, cfg.steps)
 
 
 def rank_main(cfg: TrainConfig) -> dict:
@@ -414,6 +436,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
+    prof = StepProfiler(cfg.profile_dir, mesh.rank, _profile_range(cfg), first)
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
@@ -425,10 +448,12 @@ def rank_main(cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        local_loss = engine.train_step(micro, step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with phase("step", step=step):
+            local_loss = engine.train_step(micro, step)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        prof.step()
         loss = global_loss(local_loss, mesh, device)
         tps = cfg.global_batch_size * cfg.seq_len / dt
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps} | engine.last
@@ -439,15 +464,14 @@ def rank_main(cfg: TrainConfig) -> dict:
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-            rec["eval_loss"] = global_loss(engine.eval_loss(_eval_micro(loader, cfg, mesh, device)),
-                                           mesh, device)
+        rec |= _evaluate(engine, loader, cfg, step)
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
             save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+    prof.close()
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
@@ -464,8 +488,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         out["memory_bytes"]["cuda"] = cuda_memory(device)
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
-    if cfg.save_model:   # collective: gathered from every layout's shards
-        from llmlab.training.export import save_model
+    if cfg.save_model:   # collective: gathered from every layout's shards (training/export.py)
         save_model(engine, cfg.save_model)
     return out
 
@@ -474,7 +497,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     """Validate, launch the ranks, train, and return the CONTRACT metrics dict.
 
     ``on_step(record)`` is called in the caller for every step as it finishes (live plots).
-    Writes ``cfg.metrics_json`` when set. Raises ``ValueError``/``NotImplementedError`` before
+    Writes ``cfg.metrics_json`` and the TensorBoard scalars of ``cfg.tensorboard`` when set, and
+    one profiler trace per rank into ``cfg.profile_dir`` (steps ``cfg.profile_steps``). Raises ``ValueError``/``NotImplementedError`` before
     any rank starts for a bad configuration, and :class:`~llmlab.runtime.launch.RankError` if a
     rank fails.
     """
@@ -505,6 +529,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
         write_metrics(metrics, cfg.metrics_json)
+    if cfg.tensorboard and os.environ.get("RANK", "0") == "0":
+        from llmlab.metrics.tensorboard import write_train_metrics
+        write_train_metrics(metrics, cfg.tensorboard)
     return metrics
 
 
