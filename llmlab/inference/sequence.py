@@ -102,7 +102,7 @@ class Sequence:
         """What names tokens ``[start, end)`` in the prefix cache: their ids, and for a prompt
         with images each overlapping image's content hash (``mm.block_key``)."""
         toks = tuple(self.token_ids[start:end])
-        return toks if self.mm is None else toks + self.mm.block_key(start, end)
+        return toks if self.mm is None else toks + self.mm.block_key(start, end)  # type: ignore[attr-defined]
 
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:

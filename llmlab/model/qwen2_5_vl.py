@@ -85,6 +85,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids)
         if image_embeds is not None and image_embeds.shape[0]:
+            assert image_mask is not None, "image_embeds need their image_mask"
             flat = h.view(-1, h.shape[-1])
             flat[image_mask.view(-1)] = image_embeds.to(h.dtype)
         if positions is None:
