@@ -35,7 +35,7 @@ class W8A8Linear(nn.Module):
         self.kernel = path()
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "W8A8Linear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear:
         qw, sw = quantize_per_channel(weight)
         return cls(qw, sw, bias)
 
