@@ -68,11 +68,12 @@ def run_train(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from llmlab.training.config import TrainConfig
-    from llmlab.training.trainer import train
+    from llmlab.training.config import TrainConfig, check_inputs
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if hasattr(args, f.name)}
     cfg = TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
+    check_inputs(cfg)   # bad flags are refused here, before torch is imported (seconds)
+    from llmlab.training.trainer import train
     leader = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
     if cfg.resume and leader:
         from llmlab.training.checkpoint import latest_checkpoint
@@ -82,10 +83,12 @@ def run_train(args: argparse.Namespace) -> int:
     if not leader:
         return _rank_done()
     steps = metrics["steps"]
-    if steps:
+    if steps:   # throughput of the whole run: its tokens over the sum of its step times
+        tokens = len(steps) * cfg.global_batch_size * cfg.seq_len
+        tokens_per_s = tokens / sum(s["step_time_s"] for s in steps)
         print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
-              f"loss {steps[-1]['loss']:.4f}  ({steps[-1]['tokens_per_s']:.0f} tokens/s, "
-              f"{cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
+              f"loss {steps[-1]['loss']:.4f}  ({tokens_per_s:.0f} tokens/s over {len(steps)} "
+              f"step{'s' if len(steps) > 1 else ''}, {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
     else:  # only a resumed run can have no step left
         print(f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
               f"step {cfg.steps} or later (--steps {cfg.steps})")

@@ -173,9 +173,22 @@ def add_arguments(p) -> None:
                    help="with --selftest: smaller sizes (about 2 minutes on a 2-core CPU)")
     p.add_argument("--check", action="append", default=None, metavar="NAME",
                    help="with --selftest: run only this check (repeatable)")
+    p.add_argument("--nodes", action="store_true",
+                   help="under torchrun on every host: the cluster's pre-flight table (inventory, "
+                        "rendezvous, all-reduce inside and between nodes, checkpoint dir, interface "
+                        "variables); exit code 1 on a FAIL (llmlab.tools.node_check)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="with --nodes: check that every node can write and read this directory")
+    p.add_argument("--bytes", type=int, default=4 << 20,
+                   help="with --nodes: all-reduce size for the bandwidth lines")
+    p.add_argument("--min-bandwidth", type=float, default=0.0, metavar="GBPS",
+                   help="with --nodes: FAIL a link whose all-reduce bus bandwidth is below this (GB/s)")
 
 
 def run(args) -> int:
+    if args.nodes:
+        from llmlab.tools.node_check import run as run_nodes
+        return run_nodes(args)
     if args.selftest or args.quick or args.check:
         from llmlab.selftest import run_selftest
         report = run_selftest(quick=args.quick, json_path=args.json, only=args.check)

@@ -31,7 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from llmlab.formulas._checks import check_ranks
+from llmlab.formulas._checks import check_flag
 from llmlab.formulas.activations import activation_bytes_per_layer, activation_bytes_per_rank
 from llmlab.formulas.communication import (communication_wall, ring_all_reduce_time, ring_factor,
                                            zero_comm_bytes_per_step)
@@ -88,8 +88,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "how many GPUs hold the parameters, the model states and the activations")
 
 
+# Numeric flags, checked before any formula runs: whole numbers (argparse dest -> least value) and
+# reals (dest -> whether 0 is allowed; else > 0), all bounded (formulas._checks.check_flag).
+COUNT_FLAGS = {"num_gpus": 1, "dp": 1, "seq_len": 1, "micro_batch_size": 1, "num_layers": 1,
+               "hidden_size": 1, "num_heads": 1, "tp": 1, "cp": 1}
+REAL_FLAGS = {"params": False, "tokens": False, "gpu_tflops": False, "tokens_per_step": False,
+              "bandwidth_gb_s": False, "activation_comm_bytes": True, "gpu_memory_gb": False}
+CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adam", "adamw", "momentum", "sgd"),
+           "recompute": ("none", "selective", "full"), "zero": (0, 1, 2, 3)}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every numeric flag given: a finite number in its range (0 is an error where it means
+    nothing, never a default), choices, and the shape's constraints (``--num-heads`` divides
+    ``--hidden-size``, ``--tp`` divides ``--num-heads``, ``--cp`` divides ``--seq-len``).
+    Raises ``ValueError`` naming the flag."""
+    def flag(dest: str) -> str:
+        return "--" + dest.replace("_", "-")
+    for dest, least in COUNT_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            check_flag(flag(dest), getattr(args, dest), integer=True, least=least, most=10**9)
+    for dest, zero_ok in REAL_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            check_flag(flag(dest), getattr(args, dest), zero_ok=zero_ok)
+    check_flag("--mfu", getattr(args, "mfu", 1.0), most=1.0)     # a share of the peak: (0, 1]
+    for dest, allowed in CHOICES.items():
+        v = getattr(args, dest, None)
+        if v is not None and v not in allowed:
+            raise ValueError(f"{flag(dest)} {v!r}: expected one of {', '.join(map(str, allowed))}")
+    hidden, heads, tp = args.hidden_size, args.num_heads, getattr(args, "tp", 1)
+    if hidden is not None and heads is not None and hidden % heads:
+        raise ValueError(f"--num-heads {heads} must divide --hidden-size {hidden}")
+    if heads is not None and heads % tp:
+        raise ValueError(f"--tp {tp} must divide --num-heads {heads}")
+    cp = getattr(args, "cp", 1)
+    if args.seq_len is not None and args.seq_len % cp:
+        raise ValueError(f"--cp {cp} must divide --seq-len {args.seq_len}")
+
+
 def estimate(args: argparse.Namespace) -> dict:
-    """Everything ``llmlab estimate`` computes, as a JSON-ready dict (bytes, FLOPs, seconds)."""
+    """Everything ``llmlab estimate`` computes, as a JSON-ready dict (bytes, FLOPs, seconds).
+    Raises ``ValueError`` naming the flag (:func:`check_args`) or the missing companion flag."""
+    check_args(args)
     layers, hidden, heads = args.num_layers, args.hidden_size, args.num_heads
     if (args.params is None) == (args.model is None):
         raise ValueError("give exactly one of --params N or --model PRESET (--num-layers, "
@@ -98,17 +138,19 @@ def estimate(args: argparse.Namespace) -> dict:
         from llmlab.model.config import get_preset
         mc = get_preset(args.model)
         n = mc.num_parameters()
-        layers = layers or mc.num_hidden_layers
-        hidden = hidden or mc.hidden_size
-        heads = heads or mc.num_attention_heads
+        layers = mc.num_hidden_layers if layers is None else layers
+        hidden = mc.hidden_size if hidden is None else hidden
+        heads = mc.num_attention_heads if heads is None else heads
+        if hidden % heads:
+            raise ValueError(f"--num-heads {heads} must divide --hidden-size {hidden} "
+                             f"(--model {args.model}'s, unless given)")
+        if heads % args.tp:
+            raise ValueError(f"--tp {args.tp} must divide --num-heads {heads} "
+                             f"(--model {args.model}'s, unless given)")
     else:
         n = args.params
     if args.zero is not None and args.dp is None:
         raise ValueError("--zero needs --dp (the number of data-parallel ranks to shard over)")
-    if args.zero is not None and args.zero not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {args.zero}")
-    if args.dp is not None:
-        check_ranks(args.dp)
     out = {"inputs": {k: v for k, v in vars(args).items() if k not in ("command", "module", "json")} |
            {"num_params": n},
            "memory": {"dtype": args.dtype, "optimizer": args.optimizer,

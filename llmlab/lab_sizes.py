@@ -31,7 +31,7 @@ LAB_SIZES: dict[str, dict] = {
     "06_paged_kv_cache": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
     "07_continuous_batching": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare",
                                    gpu_model="shakespeare"),
-    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4),
+    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4, cpu_steps=5, gpu_steps=5),   # every run of the lab
     "09_kernels": dict(max_ranks=1, min_ranks=1),
     # cp ranks split the sequence (2 on CPU); ulysses needs cp | the kv heads of "small" (4)
     "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),
@@ -39,6 +39,9 @@ LAB_SIZES: dict[str, dict] = {
     "11_deployment": dict(max_ranks=2, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
     # the planner validated in miniature: its layouts come from the search, checked by the trainer
     "12_planner": dict(max_ranks=4, min_ranks=2, cpu_steps=4, gpu_steps=6),
+    # two hosts on this machine with 2 ranks each (dp2 x tp2); they share its GPUs, so the lab
+    # runs them as CPU ranks (LLMLAB_DEVICE=cpu): on real nodes the same commands use NCCL
+    "13_cluster": dict(max_ranks=4, min_ranks=4, cpu_steps=6, gpu_steps=6),
 }
 
 

@@ -170,3 +170,113 @@ def test_the_checker_sees_an_import_cycle(tmp_path):
     assert _cycles(graph) == [["llmlab.doctor", "llmlab.selftest.runner"],
                               ["llmlab.model.a", "llmlab.model.b"]]
     assert _cycles(_package_graph(graph)) == [["doctor", "selftest"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Readability rules: short functions, no module reading another's private attributes
+# --------------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(root: Path) -> list[str]:
+    """``path:line name (N lines)`` of every function (methods, nested ones) longer than
+    :data:`MAX_FUNCTION_LINES`, counted from ``def`` to its last line."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_over_80_lines():
+    assert _long_functions(ROOT) == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _owned_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: module-level and class-level ``_x`` (functions,
+    classes, assignments) and every attribute ``_x`` it assigns (``obj._x = ...``)."""
+    owned = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            owned.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+            owned.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+            owned.add(node.attr)
+    return owned
+
+
+def _private_reads(root: Path) -> list[str]:
+    """``path:line obj._x`` where a module reads a private attribute ``_x`` of an object other
+    than ``self``/``cls`` that another llmlab module defines and this one does not, or imports a
+    private name from another llmlab package. Third-party private names (``os._exit``,
+    ``tensor._base``) belong to no llmlab module and are not this rule's business."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(root.rglob("*.py"))}
+    owned = {path: _owned_private_names(tree) for path, tree in trees.items()}
+    out = []
+    for path, tree in trees.items():
+        others = set().union(*(o for p, o in owned.items() if p != path)) - owned[path]
+        pkg = _package_of(root, path)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                    and node.attr in others
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                out.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
+            elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                  and node.module.startswith("llmlab.")
+                  and node.module.split(".")[1] != pkg):
+                out += [f"{path.relative_to(root.parent)}:{node.lineno} imports {node.module}.{a.name}"
+                        for a in node.names if _private(a.name)]
+    return out
+
+
+def _package_of(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """A module speaks to another through its public names: no ``obj._x`` of a private attribute
+    another llmlab module defines, no private name imported from another package."""
+    assert _private_reads(ROOT) == []
+
+
+def test_checkpoints_use_the_strategies_only_through_their_contract():
+    """``training/checkpoint.py`` saves and loads sharded state through the optimizer's
+    ``param_state``/``load_param_state`` pair: it imports nothing private from ``parallel/`` and
+    reads no underscore attribute of any object but itself."""
+    tree = ast.parse((ROOT / "training" / "checkpoint.py").read_text())
+    bad = [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
+           if isinstance(n, ast.Attribute) and _private(n.attr)
+           and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    bad += [f"line {n.lineno}: from {n.module} import {a.name}" for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("llmlab.parallel")
+            for a in n.names if _private(a.name)]
+    assert bad == []
+
+
+def test_the_readability_checkers_see_a_long_function_and_a_private_read(tmp_path):
+    """The rules can fail: an 81-line function, a module reading another's ``_x`` and importing
+    a private name from another package are reported; reading its own ``_x`` and a third-party
+    one (``os._exit``) are not."""
+    fake = tmp_path / "llmlab"
+    (fake / "parallel").mkdir(parents=True)
+    (fake / "training").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    (fake / "parallel" / "zero.py").write_text(
+        "class Bucket:\n    def __init__(self):\n        self._flat = 0\n\n"
+        "def _gather(b):\n    return b._flat\n\n"      # its own private attribute: fine
+        f"def long():\n{body}    return x0\n")
+    (fake / "training" / "checkpoint.py").write_text(
+        "import os\nfrom llmlab.parallel.zero import _gather\n\n"
+        "def save(bucket):\n    os._exit\n    return bucket._flat\n")
+    assert _long_functions(fake) == ["llmlab/parallel/zero.py:8 long (81 lines)"]
+    assert _private_reads(fake) == ["llmlab/training/checkpoint.py:2 imports llmlab.parallel.zero._gather",
+                                    "llmlab/training/checkpoint.py:6 bucket._flat"]

@@ -139,3 +139,25 @@ def test_resume_refuses_a_changed_schedule_naming_the_flag_unless_overridden(tmp
     m = llmlab.train(TrainConfig(steps=3, lr_schedule="cosine", resume=True,
                                  override_opt_param_scheduler=True, **kw), progress=False)
     assert [s["step"] for s in m["steps"]] == [3] and m["steps"][0]["lr"] == 0.0   # cosine's end
+
+
+def test_resume_refuses_a_changed_seed_batch_or_sequence_length_unless_overridden(tmp_path, capsys):
+    """The data of step s depends on (seed, s, global batch size, sequence length): a resumed run
+    that changes one would train on other data than the run it continues."""
+    from llmlab.cli import main
+    kw = dict(checkpoint_dir=str(tmp_path), **RESUME)
+    llmlab.train(TrainConfig(steps=1, **kw), progress=False)
+    meta = json.loads((tmp_path / "step_00000001" / "metadata.json").read_text())
+    assert meta["data_flags"] == {"seed": 7, "global_batch_size": 4, "seq_len": 32}
+    for flag, change in (("--seed", {"seed": 8}), ("--global-batch-size", {"global_batch_size": 8}),
+                         ("--seq-len", {"seq_len": 16})):
+        with pytest.raises(ValueError, match=f"{flag} is {list(change.values())[0]} but the checkpoint "
+                                             f".* made with {flag} {RESUME[list(change)[0]]}"):
+            llmlab.train(TrainConfig(steps=2, resume=True, **(kw | change)), progress=False)
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", str(tmp_path),
+                 "--global-batch-size", "4", "--seq-len", "32", "--seed", "8", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed is 8 but the checkpoint" in err and "--override-data-order" in err
+    m = llmlab.train(TrainConfig(steps=2, resume=True, override_data_order=True, **(kw | {"seed": 8})),
+                     progress=False)
+    assert [s["step"] for s in m["steps"]] == [2]

@@ -18,7 +18,8 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
 """
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"], ["train", "--help"],
+                                  ["plan", "--help"]])
 def test_version_and_help_do_not_import_torch(argv):
     out = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True,
                          text=True, timeout=60)
@@ -52,3 +53,17 @@ def test_classroom_results_does_not_import_torch(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines() == [f"no results in {tmp_path} yet", "NO-TORCH 0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--seed", str(2**64)], "--seed must be an integer in [0, 2**32)"),
+    (["train", "--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["plan", "--params", "8e9", "--peak-tflops", "0"], "--peak-tflops must be > 0"),
+    (["estimate", "--params", "8e9", "--tokens", "-1"], "--tokens must be > 0"),
+])
+def test_an_argument_error_is_reported_before_torch_is_imported(argv, message):
+    """A bad flag is refused in a fraction of a second: the check runs before torch is imported."""
+    out = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "NO-TORCH 2", (out.stdout, out.stderr)
+    assert f"llmlab {argv[0]}: error: {message}" in out.stderr

@@ -145,14 +145,18 @@ def test_moe_statistics_cover_every_pipeline_stage():
 
 def test_tied_embeddings_are_refused_clearly_where_they_would_be_wrong():
     from llmlab.model.config import get_preset
-    from llmlab.parallel.pipeline_parallel import validate_layout as pp_layout
-    from llmlab.parallel.zero import validate_layout as zero_layout
+    from llmlab.parallel import pipeline_parallel, zero
+    from llmlab.training.config import layout_mesh
     tied = get_preset("tiny").replace(tie_word_embeddings=True)
+
+    def zero_layout(cfg, mc):
+        zero.validate(strategy_configs(cfg).zero, layout_mesh(cfg), mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        zero_layout(strategy_configs(TrainConfig(dp=2, zero=3)).zero, tied)
+        zero_layout(TrainConfig(dp=2, zero=3), tied)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        pp_layout(strategy_configs(TrainConfig(dp=1, pp=2)).pp, tied)
-    zero_layout(strategy_configs(TrainConfig(dp=2, zero=2)).zero, tied)   # stages 1-2 keep the parameter object: tied
+        cfg = TrainConfig(dp=1, pp=2)
+        pipeline_parallel.validate(strategy_configs(cfg).pp, layout_mesh(cfg), tied)
+    zero_layout(TrainConfig(dp=2, zero=2), tied)   # stages 1-2 keep the parameter object: tied
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def test_doctor_runs_a_real_all_reduce_and_writes_json(tmp_path, capsys):
     if not torch.cuda.is_available():  # each lab's own size, as the notebook will choose it
         assert report["labs"]["04_expert_parallel"]["model"] == "tiny-moe"
         assert report["labs"]["06_paged_kv_cache"]["world_size"] == 1
-        assert "08_3d_parallelism        4 ranks (gloo, cpu), model 'tiny', 20 steps" in text
+        assert "08_3d_parallelism        4 ranks (gloo, cpu), model 'tiny', 5 steps" in text
         assert "05_zero                  2 ranks (gloo, cpu), model 'tiny', 2 steps" in text
         assert "06_paged_kv_cache        1 process on cpu, model 'shakespeare'" in text
     from llmlab.doctor import format_report

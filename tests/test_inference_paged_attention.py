@@ -21,7 +21,7 @@ def test_paged_equals_dense_on_ragged_prefill_and_decode(block_size):
     # (context length, new tokens): decode, prefill, block-boundary lengths, prefix-cached chunk
     cases = [(1, 1), (block_size, block_size), (block_size + 1, 1), (2 * block_size + 3, 5),
              (3 * block_size, 1), (7, 7)]
-    qs, ks, vs, tables, dense = [], [], [], [], []
+    qs, tables, dense = [], [], []
     for ctx, n in cases:
         nb = -(-ctx // block_size)
         table = [free.pop() for _ in range(nb)]

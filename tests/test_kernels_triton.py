@@ -23,7 +23,7 @@ from llmlab.kernels import TRITON_MARKER, triton_platform  # noqa: E402  (does n
 if not triton_platform():
     pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
                 allow_module_level=True)
-import triton  # noqa: E402  (installed by the dev/kernels extras here: missing is a failure)
+import triton  # noqa: E402, F401  (installed by the dev/kernels extras here: missing is a failure)
 
 import llmlab.kernels as K  # noqa: E402
 from llmlab.kernels.reference import (attention_reference, rms_norm_reference,  # noqa: E402

@@ -1,7 +1,6 @@
 """Mesh: Megatron rank order, group membership, and real collectives on each group."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import llmlab
 from llmlab.runtime import comm

@@ -180,3 +180,78 @@ def test_moe_layouts_split_experts_and_pay_all_to_all():
     b = next(x for x in r["layouts"] if (x["dp"], x["tp"], x["ep"], x["pp"]) == (16, 1, 1, 1)
              and x["num_microbatches"] == a["num_microbatches"] and x["recompute"] == a["recompute"])
     assert a["memory"]["params"] < b["memory"]["params"]   # experts split 8 ways
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--peak-tflops", "-1"], "--peak-tflops must be > 0, got -1"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number, got nan"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0"),
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a finite number, got nan"),
+    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0, got 0"),
+    (["--tokens=-1e9"], "--tokens must be > 0, got -1e+09"),
+    (["--params", "inf"], "--params must be a finite number, got inf"),
+    (["--num-heads", "0"], "--num-heads must be an integer >= 1, got 0"),
+    (["--num-layers", "0"], "--num-layers must be an integer >= 1, got 0"),
+    (["--vocab-size", "0"], "--vocab-size must be an integer >= 1, got 0"),
+    (["--num-heads", "8", "--num-kv-heads", "16"], "--num-kv-heads 16 must divide --num-heads 8"),
+    (["--hidden-size", "4096", "--num-heads", "5"], "--num-heads 5 must divide --hidden-size 4096"),
+    (["--num-kv-heads", "3"], "kv_heads 3 (--num-kv-heads) must divide heads 32 (--num-heads)"),
+    (["--global-batch-tokens", "nan"], "--global-batch-tokens must be a finite number, got nan"),
+    (["--achievable-fraction", "nan"], "--achievable-fraction must be a finite number, got nan"),
+    (["--achievable-fraction", "1.5"], "--achievable-fraction must be between 1e-09 and 1, got 1.5"),
+    (["--global-batch-tokens", "1e300"], "--global-batch-tokens must be between 1e-09 and 1e+18"),
+    (["--peak-tflops", "1e-300"], "--peak-tflops must be between 1e-09 and 1e+18, got 1e-300"),
+    (["--num-gpus", "16777216"], "--num-gpus must be <= 1,048,576, got 16,777,216"),
+    (["--inter-bw-gb-s", "inf"], "--inter-bw-gb-s must be a finite number, got inf"),
+    (["--num-gpus", "0"], "--num-gpus must be an integer >= 1, got 0"),
+])
+def test_plan_refuses_each_absurd_input_naming_it(flags, message, capsys):
+    from llmlab.cli import main
+    argv = ["plan"] + (["--params", "8e9"] if "--params" not in flags else []) + flags
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "llmlab plan: error: " in err and message in err, err
+
+
+def test_plan_api_checks_the_shape_too():
+    from llmlab.planner.specs import ModelSpec
+    with pytest.raises(ValueError, match="--num-heads must be an integer >= 1, got 0"):
+        llmlab.plan(params=8e9, heads=0)
+    with pytest.raises(ValueError, match=r"heads \(--num-heads\) must be an integer >= 1, got 0"):
+        llmlab.plan(ModelSpec(4, 64, 0, 1, 128, 256))
+    with pytest.raises(ValueError, match=r"kv_heads 8 \(--num-kv-heads\) must divide heads 4"):
+        llmlab.plan(params=8e9, heads=4, kv_heads=8)
+    with pytest.raises(ValueError, match=r"--peak-tflops \(--dtype bf16\) must be a finite number > 0"):
+        llmlab.plan(params=8e9, peak_flops={"bf16": float("nan")})
+    with pytest.raises(ValueError, match="--tokens .* must be a finite number > 0"):
+        llmlab.plan(params=8e9, workload=Workload(token_budget=-1.0))
+
+
+def test_plan_exits_1_with_a_headline_when_no_layout_fits(tmp_path, capsys):
+    from llmlab.cli import main
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama3-70b", "--num-gpus", "8", "--top", "2",
+                 "--json", str(out)]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    rows = json.loads(out.read_text())["layouts"]
+    least = min(rows, key=lambda r: r["memory_bytes_per_gpu"])
+    assert not any(r["fits"] for r in rows)
+    assert first.startswith(f"NO LAYOUT FITS: of {len(rows)} layouts the smallest, {least['name']} ")
+    assert f"needs {least['memory_bytes_per_gpu'] / 1e9:.1f} GB per GPU > 80.0 GB" in first
+    assert main(["plan", "--params", "8e9", "--num-gpus", "8", "--top", "1"]) == 0
+    assert "NO LAYOUT FITS" not in capsys.readouterr().out
+
+
+def test_plan_report_rounding_noise_and_units():
+    from llmlab.planner.report import count, seconds
+    from llmlab.planner.search import needs
+    assert needs(80.04e9, 80e9) == "needs 80.04 GB per GPU > 80.00 GB"      # never "80.0 > 80.0"
+    assert needs(80.0004e9, 80e9) == "needs 80.0004 GB per GPU > 80.0000 GB"
+    assert needs(166.6e9, 80e9) == "needs 166.6 GB per GPU > 80.0 GB"
+    assert [count(n) for n in (230_000, 6.6e6, 8e9, 70.6e9, 1.2e12, 512)] == \
+        ["230k", "6.6M", "8B", "70.6B", "1.2T", "512"]
+    assert seconds(1.0 + 2e-16 - 1.0, 3.0) == "0" and seconds(0.05, 3.0) == "0.05"
+    text = llmlab.plan("tiny", num_gpus=2)
+    from llmlab.planner.report import format_table
+    assert format_table(text, 1).startswith(f"tiny: {count(text['model']['num_params'])} parameters")
+    assert "0.00023B" not in format_table(text, 1)

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 import torch
-import transformers  # a hard dependency: missing is a failure, not a skip
+import transformers  # noqa: F401  (a hard dependency: missing is a failure, not a skip)
 
 from llmlab.cli import main
 from llmlab.inference import bench, workload

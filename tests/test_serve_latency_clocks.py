@@ -5,7 +5,6 @@ engine thread included, not when that thread picks the request up between steps)
 request's own times stay in ``ReplicaMetrics.recent`` and the load test keeps each response's id,
 so both sides of one request can be matched. One process, one ``perf_counter``: the server's
 arrival follows the client's send, and the server's first token precedes the client's first chunk."""
-import threading
 import time
 
 from llmlab.serve import start_server

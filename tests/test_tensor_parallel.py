@@ -6,7 +6,8 @@ import torch
 import llmlab
 from llmlab import TrainConfig
 from llmlab.model.config import get_preset
-from llmlab.parallel.tensor_parallel import validate_layout
+from llmlab.parallel.tp_plan import validate as validate_tp
+from llmlab.runtime.mesh import Mesh
 from llmlab.formulas.activations import llama_block_activation_bytes
 from llmlab.formulas.communication import (tp_block_comm_bytes, tp_replicated_kv_grad_bytes,
                                            tp_step_comm_bytes)
@@ -44,10 +45,10 @@ def test_validate_layout_names_constraint(overrides, message):
     mc = get_preset("tiny", **overrides)
     cfg = strategy_configs(TrainConfig(tp=4)).tp
     if message is None:
-        validate_layout(cfg, mc)
+        validate_tp(cfg, Mesh(tp=4), mc)
     else:
         with pytest.raises(ValueError, match=message):
-            validate_layout(cfg, mc)
+            validate_tp(cfg, Mesh(tp=4), mc)
 
 
 def test_calculator_scales_with_tp():
@@ -153,7 +154,7 @@ def _dtensor_rank(tp):
     from llmlab.runtime.mesh import Mesh
     mc = get_preset("tiny", num_hidden_layers=1)
     mesh = Mesh.build(tp=tp)
-    group, r = mesh.groups["tp"], mesh.coords["tp"]
+    group = mesh.groups["tp"]
     dmesh = init_device_mesh("cpu", (tp,))
     ours = LlamaForCausalLM(mc, seed=0).model.layers[0]
     theirs = LlamaForCausalLM(mc, seed=0).model.layers[0]

@@ -1,5 +1,6 @@
 """`llmlab train` on one rank: falling loss, CONTRACT metrics, exact memory accounting, errors."""
 import json
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,9 @@ def test_cli_train_writes_metrics_and_refuses_bad_input(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--no-progress", "--metrics-json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert len(data["steps"]) == 2 and data["config"]["steps"] == 2
+    # the summary's throughput is the whole run's: its tokens over the sum of its step times
+    whole = 2 * 16 * 64 / sum(s["step_time_s"] for s in data["steps"])
+    assert f"({whole:.0f} tokens/s over 2 steps, 1 rank)" in capsys.readouterr().out
     assert main(["train", "--dp", "3", "--global-batch-size", "10"]) == 2
     assert "dp=3 must divide --global-batch-size 10" in capsys.readouterr().err
 
@@ -195,3 +199,37 @@ def test_python_dash_m_llmlab_is_the_cli(tmp_path):
     assert "loss" in proc.stdout
     from llmlab.model.hf import load_hf_model
     assert load_hf_model(model_dir).config.num_hidden_layers == 4
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"seed": 2**64}, "--seed must be an integer in [0, 2**32), got 18446744073709551616"),
+    ({"seed": -1}, "--seed must be an integer in [0, 2**32)"),
+    ({"lr": float("nan")}, "--lr must be a finite number, got nan"),
+    ({"lr": float("inf")}, "--lr must be a finite number, got inf"),
+    ({"min_lr": -1.0}, "--min-lr must be >= 0"),
+    ({"grad_clip": float("nan")}, "--grad-clip must be a finite number"),
+    ({"bucket_mb": 0.0}, "--bucket-mb must be > 0"),
+    ({"capacity_factor": -1.0, "model": "tiny-moe"}, "--capacity-factor must be > 0"),
+    ({"num_experts": 0}, "--num-experts must be >= 1, got 0"),
+    ({"top_k": 5, "model": "tiny-moe"}, "--top-k 5 must be <= the number of experts 4"),
+    ({"dp": 0}, "--dp must be >= 1, got 0"),
+    ({"seq_len": -3}, "--seq-len must be >= 1, got -3"),
+    ({"warmup_steps": -1}, "--warmup-steps must be >= 0"),
+    ({"steps": 2.5}, "--steps must be an integer, got 2.5"),
+])
+def test_every_numeric_flag_is_checked_naming_it(kw, msg):
+    from llmlab.training.config import check_inputs
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        check_inputs(TrainConfig(**kw))
+
+
+def test_cli_refuses_a_huge_seed_and_saving_a_moe_model_before_training(tmp_path, capsys, monkeypatch):
+    import llmlab.training.trainer as trainer
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training started"))
+    assert main(["train", "--seed", str(2**64)]) == 2
+    assert "--seed must be an integer in [0, 2**32)" in capsys.readouterr().err
+    out = tmp_path / "moe"
+    assert main(["train", "--model", "tiny-moe", "--save-model", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--save-model" in err and "mixture-of-experts" in err and "--model tiny-moe" in err
+    assert not out.exists()

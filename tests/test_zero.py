@@ -12,8 +12,8 @@ import llmlab
 from llmlab.model.config import get_preset
 from llmlab.formulas.communication import zero_comm_bytes_per_step
 from llmlab.formulas.memory import zero_model_state_bytes
-from llmlab.parallel.zero import validate_layout
-from llmlab.training.config import TrainConfig, model_config, strategy_configs, validate
+from llmlab.parallel.zero import validate as validate_zero
+from llmlab.training.config import TrainConfig, layout_mesh, model_config, strategy_configs, validate
 
 STEPS = 4
 PSI = get_preset("tiny").num_parameters()
@@ -218,12 +218,14 @@ def test_train_cli_path_bf16_stage3():
 
 def test_layout_refusals():
     mc = get_preset("tiny")
+    def check(cfg, mc):
+        validate_zero(strategy_configs(cfg).zero, layout_mesh(cfg), mc)
     with pytest.raises(ValueError, match="--cpu-offload .* needs --zero"):
-        validate_layout(strategy_configs(TrainConfig(cpu_offload=True)).zero, mc)
+        check(TrainConfig(cpu_offload=True), mc)
     for kw in (dict(tp=2), dict(pp=2), dict(dp=4, ep=2)):   # composes: accepted
-        validate_layout(strategy_configs(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw)).zero, mc)
+        check(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw), mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        validate_layout(strategy_configs(TrainConfig(dp=2, zero=3)).zero, mc.replace(tie_word_embeddings=True))
+        check(TrainConfig(dp=2, zero=3), mc.replace(tie_word_embeddings=True))
     with pytest.raises(ValueError, match="--save-model with --zero 3"):
         validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))
     validate(TrainConfig(dp=2, zero=2, dtype="bf16", cpu_offload=True))   # accepted

@@ -255,3 +255,22 @@ def tp_step_comm_bytes(b: int, s: int, h: int, num_layers: int, t: int,
         out["all_reduce"] += 2 * x              # embedding output; LM-head input gradient
     out["all_reduce"] += 3 * b * s * 4 + replicated_grad_bytes   # vocab-parallel cross-entropy
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# Expert and context parallelism: all-to-all payloads
+# ------------------------------------------------------------------------------------------
+def moe_a2a_bytes(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:
+    """Payload bytes one rank passes to the dispatch all-to-all of one MoE layer when dropless:
+    ``K * N * h * bytes`` for ``N`` tokens routed to ``K`` experts each (the combine sends as many
+    back; backward repeats both). Source: GShard (Lepikhin et al. 2020), §2.2-3.2."""
+    return top_k * tokens * hidden * bytes_per_element
+
+
+def ulysses_bytes_per_layer(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+                            head_dim: int, cp: int, dtype_bytes: int = 4) -> dict:
+    """Bytes one rank passes to all-to-all for one attention layer under DeepSpeed-Ulysses over
+    ``cp`` ranks (its whole local tensors). Forward: q, k, v and out, ``B·(2H + 2H_kv)·(S/N)·D``
+    elements; backward the same again. Source: Jacobs et al. 2023, §3."""
+    elems = batch * (2 * num_heads + 2 * num_kv_heads) * (seq_len // cp) * head_dim
+    return {"forward": elems * dtype_bytes, "backward": elems * dtype_bytes}

@@ -3,7 +3,7 @@
 Training FLOPs ≈ 6·N·T (Kaplan et al. 2020, §2.1: 2 FLOPs per parameter per token forward, 4
 backward). The source articles' 8B model on 2.5e11 tokens: 1.2e22 FLOPs, 3.85e7 s ≈ 445 days on
 one 312 TFLOP/s GPU. The per-token count with attention is
-:func:`llmlab.metrics.throughput.training_flops_per_token` (it feeds the measured MFU).
+:func:`training_flops_per_token` (it feeds the measured MFU, :mod:`llmlab.metrics.throughput`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def training_flops(num_params: float, num_tokens: float) -> float:
     check_count("num_params", num_params)
     check_count("num_tokens", num_tokens)
     return 6.0 * num_params * num_tokens
+
+
+def training_flops_per_token(num_params: float, num_layers: int, hidden: int, seq_len: int) -> float:
+    """``6N + 12·L·h·T`` FLOPs to train on one token (forward + backward): the 6·N of the weights
+    and attention's scores and weighted sum, 12·L·h·T (PaLM, Chowdhery et al. 2022, App. B)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
 def ideal_training_time_s(total_flops: float, peak_flops_per_s: float, num_gpus: int = 1,

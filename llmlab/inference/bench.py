@@ -174,14 +174,14 @@ def bench_serve(model="shakespeare", num_requests: int = 64, request_rate: float
     transformers' continuous batching runs its loop in a background thread, where the same op
     behaves differently; one setting for all makes the comparison about batching."""
     from llmlab.inference import loader
-    from llmlab.inference.engine import _pick_device
+    from llmlab.runtime.hardware import resolve_device
     if memory_matched_batch is not None and memory_matched_batch < 1:
         raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be >= 1")
     if baseline not in (None, "hf"):
         raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
-    device = str(_pick_device(device))
+    device = resolve_device(str(device))
     if num_threads is not None:
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1")

@@ -112,7 +112,7 @@ class BlockManager:
             return []
         hits, parent, bs = [], None, self.block_size
         for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = seq.block_tokens(i * bs, (i + 1) * bs)
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens \
@@ -129,7 +129,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         for i in range(len(hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = seq.block_tokens(i * bs, (i + 1) * bs)
             parent = hashes[-1] if hashes else None
             h = chain_hash(parent, tokens)
             hashes.append(h)
@@ -264,7 +264,7 @@ class BlockManager:
             for i, b in enumerate(seq.block_table):
                 block = self.blocks[b]
                 if block.hash is not None:
-                    assert tuple(seq.token_ids[i * bs:(i + 1) * bs]) == block.token_ids, \
+                    assert seq.block_tokens(i * bs, (i + 1) * bs) == block.token_ids, \
                         f"seq {seq.seq_id} block {i}: cached tokens differ from the sequence's"
         assert len(host_used) == len(set(host_used)), "a host block is used twice"
         assert len(host_used) + len(self.host_free) == self.num_host_blocks, \

@@ -39,6 +39,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
+from llmlab.runtime.hardware import resolve_device
 
 
 @dataclass
@@ -58,14 +59,6 @@ class _Request:
         return all(s.is_finished for s in self.seqs) and (
             len(self.seqs) == self.params.n
             or any(s.finish_reason in ("abort", "error") for s in self.seqs))
-
-
-def _pick_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
-    return torch.device(device)
 
 
 def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
@@ -132,7 +125,7 @@ class LLMEngine:
                  **engine_args):
         cfg = resolve(config, engine_args)           # (checked once, when made)
         self.config = cfg
-        self.device = _pick_device(cfg.device)
+        self.device = torch.device(resolve_device(str(cfg.device)))   # auto: a GPU if any
         spec = model
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if cfg.generation_defaults is None
@@ -144,6 +137,9 @@ class LLMEngine:
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
         self.quantization = cfg.quantization
+        self.mm_config = getattr(model, "mm_config", None)    # a vision-language model's
+        if self.mm_config is not None and cfg.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 does not support vision-language models")
         mc = self.model_config = model.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -257,13 +253,20 @@ class LLMEngine:
         params.validate()
         self.check_limits(params)
         text, ids = self.encode(prompt)
+        mm = None
+        if self.mm_config is not None or (isinstance(prompt, dict) and (
+                prompt.get("multi_modal_data") or prompt.get("multi_modal_state"))):
+            from llmlab.inference import multimodal          # images: expand their placeholders
+            ids, mm = multimodal.from_request(prompt, ids, self.mm_config, self.config)
+            if mm is not None and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: not supported for prompts with images")
         self._check_fits(ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n)
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm)
         if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
             req.prompt_logprobs = [None]
             seq.skip_prefix_cache = True

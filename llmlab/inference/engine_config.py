@@ -114,6 +114,13 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
+    # --- images (a vision-language model; llmlab.inference.multimodal) ---------------------------
+    min_pixels: int = option(56 * 56, "images smaller than this (pixels) are scaled up to it")
+    max_pixels: int = option(28 * 28 * 1280, "images larger than this (pixels) are scaled down "
+                                             "to it: the cap on an image's tokens (28x28 each)")
+    limit_mm_per_prompt: int = option(4, "most images in one prompt")
+    max_image_pixels: int = option(89_478_485, "refuse an image whose header claims more pixels "
+                                               "(decompression bombs; Pillow's limit)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +137,12 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}={v} must be >= 1 (or None)")
+        if not 1 <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} and max_pixels={self.max_pixels} must "
+                             f"satisfy 1 <= min_pixels <= max_pixels")
+        for name in ("limit_mm_per_prompt", "max_image_pixels"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         for name in ("quantization", "preemption_mode", "paged_attention"):   # device: where it is used

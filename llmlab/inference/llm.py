@@ -71,7 +71,11 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (text, token-id lists or request dicts), one for
-        every prompt: a refused or failed request has ``finish_reason="error"`` and ``error``."""
+        every prompt: a refused or failed request has ``finish_reason="error"`` and ``error``.
+        A vision-language model's request dict may carry ``"multi_modal_data": {"image": [...]}``
+        (PIL images, paths or bytes; one ``<|image_pad|>`` placeholder per image in the prompt)
+        and ``"mm_processor_kwargs": {"max_pixels": ..., "min_pixels": ...}``
+        (:mod:`llmlab.inference.multimodal`)."""
         entries = self._add(prompts, sampling_params)
         bar = None
         if use_tqdm:

@@ -3,8 +3,9 @@ a model object.
 
 - A *preset* name (``shakespeare``, ``tiny``, ...) is a model llmlab trains itself; when weights
   for it are shipped in ``llmlab/assets/models/<name>/`` they are used (no download).
-- A *directory* with ``config.json`` + safetensors: a local Hugging Face Llama/Qwen2 checkpoint or
-  a model written by ``llmlab train --save-model`` (the same format).
+- A *directory* with ``config.json`` + safetensors: a local Hugging Face Llama/Qwen2 checkpoint, a
+  Qwen2.5-VL one (:mod:`llmlab.model.qwen2_5_vl`, images in), or a model written by
+  ``llmlab train --save-model`` (the same format).
 - An ``LlamaForCausalLM`` instance, or a ``ModelConfig`` (random weights from ``init_weights``,
   seed 0: for tests and labs).
 
@@ -101,7 +102,9 @@ def load(model, tokenizer=None):
         tok = tokenizer or (ByteTokenizer() if model.vocab_size == 256 else None)
         return LlamaForCausalLM(model, seed=0), tok, [], {}
     from llmlab.model.hf import load_hf_model
+    from llmlab.model.qwen2_5_vl import MODEL_TYPES, load_qwen2_5_vl
     path = resolve_model_path(str(model))
-    m = load_hf_model(path)
+    vision = json.loads((path / "config.json").read_text()).get("model_type") in MODEL_TYPES
+    m = load_qwen2_5_vl(path) if vision else load_hf_model(path)
     return (m, tokenizer or load_tokenizer(path, m.config.vocab_size), eos_token_id(path),
             generation_defaults(path))

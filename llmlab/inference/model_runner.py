@@ -27,6 +27,7 @@ from llmlab.inference.attention_context import AttentionBatch, PagedAttentionCon
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
+from llmlab.inference.sequence import Sequence
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
 
@@ -156,7 +157,11 @@ class ModelRunner:
         batches, sample_rows, sample_seqs = self.prepare(out)
         prompt_rows = self.prompt_rows(out, seq_ids)
         extra = [r for _, _, rows in prompt_rows for r in rows]
-        logits = self.forward(batches, sample_rows + extra)    # always: it writes the K/V
+        order, mm_inputs = self._multimodal_inputs(out)
+        logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
+        if mm_inputs:
+            from llmlab.inference import multimodal
+            multimodal.release_done(order)
         if not sample_rows and not extra:
             return {}, {}
         logits = logits.float().cpu()
@@ -167,6 +172,17 @@ class ModelRunner:
             prompt[sid] = (first, logits[at:at + len(rows)])
             at += len(rows)
         return sampled, prompt
+
+    def _multimodal_inputs(self, out: SchedulerOutput
+                           ) -> tuple[list[tuple[Sequence, int]], dict[str, torch.Tensor]]:
+        """A vision-language model's extra forward inputs (M-RoPE ids, image-token embeddings;
+        :func:`llmlab.inference.multimodal.step_inputs`) and the step's ``(seq, n)`` order;
+        ``([], {})`` for a text model."""
+        if not getattr(self.model, "is_multimodal", False):
+            return [], {}
+        from llmlab.inference import multimodal
+        order = [x for g in self.attention_groups(out.scheduled) for x in g]
+        return order, multimodal.step_inputs(self.model, order, self.device)
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
@@ -199,15 +215,19 @@ class ModelRunner:
         return found
 
     @torch.no_grad()
-    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
+    def forward(self, batches: list[AttentionBatch], sample_rows: list[int],
+                **extra: torch.Tensor) -> torch.Tensor:
         """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
-        context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``."""
+        context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``.
+        ``extra``: a multimodal model's ``positions [3, N]`` (replacing the batches'),
+        ``image_embeds`` and ``image_mask`` (:func:`llmlab.inference.multimodal.step_inputs`)."""
         if len(batches) == 1:
             ids, positions = batches[0].input_ids, batches[0].positions
         else:
             ids = torch.cat([b.input_ids for b in batches])
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
+        positions = extra.pop("positions", positions)
         with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
                                                    self.cpu_fused)):
-            return self.model(ids[None], positions=positions, logits_indices=rows)
+            return self.model(ids[None], positions=positions, logits_indices=rows, **extra)

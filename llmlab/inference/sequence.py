@@ -64,6 +64,9 @@ class Sequence:
     text: str = ""
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Images in the prompt (llmlab.inference.multimodal.MultimodalState) or None: their spans
+    # name the prompt's blocks for prefix caching (block_tokens) and their M-RoPE positions.
+    mm: object = None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -94,6 +97,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def block_tokens(self, start: int, end: int) -> tuple:
+        """What names tokens ``[start, end)`` in the prefix cache: their ids, and for a prompt
+        with images each overlapping image's content hash (``mm.block_key``)."""
+        toks = tuple(self.token_ids[start:end])
+        return toks if self.mm is None else toks + self.mm.block_key(start, end)
+
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
@@ -113,5 +122,5 @@ class Sequence:
                          num_computed_tokens=self.num_computed_tokens,
                          block_table=list(self.block_table), status=self.status,
                          pending_fork=1, num_prefix_cached_tokens=self.num_prefix_cached_tokens,
-                         first_scheduled_time=self.first_scheduled_time)
+                         first_scheduled_time=self.first_scheduled_time, mm=self.mm)
         return child

@@ -45,6 +45,7 @@ from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.parallel.tp_plan import TP_PLAN, apply_plan
 from llmlab.runtime import process
+from llmlab.runtime.hardware import resolve_device
 from llmlab.runtime.messages import broadcast_message
 
 
@@ -229,7 +230,7 @@ def _start_workers(model, spec, tp: int, device: torch.device, runner_args: dict
     store = process.loopback_store()          # bound before any worker starts: no port race
     weights = spec if isinstance(spec, str) else model.state_dict()
     payload = cloudpickle.dumps((weights, model.config, runner_args))
-    threads = max(1, (os.cpu_count() or 1) // tp)
+    threads = process.child_threads(tp, backend)    # the seat's usable cores, shared
     env = process.local_env(backend)
     procs = []
     try:
@@ -246,20 +247,15 @@ def _start_workers(model, spec, tp: int, device: torch.device, runner_args: dict
 
 def join_torchrun(tp: int) -> int:
     """Under ``torchrun`` with ``tp > 1``: initialise the process group from the environment
-    (``WORLD_SIZE`` must equal ``tp``) and return this rank; otherwise 0 (rank 0 spawns its own
-    workers). Raises ``ValueError`` for a world size other than ``tp``."""
-    from llmlab.runtime.launch import resolve_torchrun_backend, under_torchrun
-    if tp == 1 or not under_torchrun():
+    (``WORLD_SIZE`` must equal ``tp``; :func:`llmlab.runtime.process.join_torchrun`) and return
+    this rank; otherwise 0 (rank 0 spawns its own workers). Raises ``ValueError`` for a world
+    size other than ``tp``."""
+    if tp == 1 or not process.under_torchrun():
         return 0
     world = int(os.environ["WORLD_SIZE"])
     if world != tp:
         raise ValueError(f"--tensor-parallel-size {tp} but torchrun started {world} ranks")
-    if not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        backend = resolve_torchrun_backend("auto")
-        if backend == "nccl":
-            torch.cuda.set_device(local % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method="env://", timeout=process.pg_timeout())
+    process.join_torchrun("auto")
     return dist.get_rank()
 
 
@@ -268,7 +264,7 @@ def run_worker(spec, device="auto") -> None:
     preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
     ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
     from llmlab.inference import loader
-    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(resolve_device(device))
     runner_args = broadcast_message(None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank())))
     model, _, _, _ = loader.load(spec)
     runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
@@ -285,13 +281,8 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
 def _worker_entry(rank, tp, port, backend, payload, device, threads, env) -> None:
     """A started rank > 0: it dies with its parent, joins rank 0's store, loads the model and
     serves rank 0's steps; a failure prints its traceback to stderr and exits 1."""
-    process.die_with_parent()
-    os.environ.update(env)         # the fork server's environment dates from its start
     try:
-        if backend == "gloo":
-            torch.set_num_threads(threads)     # CPU ranks share the cores: no OpenMP spin-waiting
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        process.setup_child(env, threads, backend, rank)   # the same first lines as launch's ranks
         process.init_process_group(backend, process.join_store("127.0.0.1", port), rank, tp)
         weights, config, runner_args = cloudpickle.loads(payload)
         if isinstance(weights, str):

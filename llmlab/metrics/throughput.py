@@ -2,11 +2,20 @@
 
 Model FLOPs utilisation (MFU, Chowdhery et al. 2022 "PaLM", appendix B): achieved model FLOP/s
 over the device's peak, with training FLOPs per token ``6N + 12·L·h·T`` (the second term is
-attention's score and value matmuls). Recomputation (activation checkpointing) is not counted.
+attention's score and value matmuls; the formula is :func:`llmlab.formulas.compute.
+training_flops_per_token`, re-exported here). Recomputation (activation checkpointing) is not
+counted.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a device is asked about: the formulas need none
+    import torch
+
+from llmlab.formulas.compute import training_flops_per_token
+
+__all__ = ["PEAK_FLOPS", "mfu", "peak_flops", "training_flops_per_token"]
 
 # Dense peak FLOP/s by device name fragment and compute dtype, from the vendors' data sheets (no
 # sparsity): "bf16"/"fp16" on tensor cores, "tf32" tensor cores (fp32 matmuls with
@@ -25,11 +34,6 @@ PEAK_FLOPS = {
 }
 
 
-def training_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """``6N + 12·L·h·T`` FLOPs to train on one token (forward + backward)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
-
-
 def peak_flops(device: torch.device | str | None = None, dtype: str = "bf16") -> float | None:
     """Peak dense FLOP/s of a known CUDA GPU for ``dtype`` (``bf16``, ``fp16``, ``fp32``; fp32
     reads the TF32 tensor-core figure when ``torch.backends.cuda.matmul.allow_tf32`` is on),
@@ -37,6 +41,7 @@ def peak_flops(device: torch.device | str | None = None, dtype: str = "bf16") ->
     Raises ``ValueError`` for another dtype."""
     if dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
+    import torch
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:

@@ -1,11 +1,14 @@
 """What each strategy is told: one small, frozen dataclass per strategy.
 
 A strategy in :mod:`llmlab.parallel` never reads the trainer's configuration; the trainer's
-:mod:`llmlab.training.config` builds these from ``TrainConfig`` (``llmlab.training.config.
-strategy_configs``), and a test or a tool may build them by hand. Each one carries the degrees and
-sizes its strategy's checks and wrapper read, named as the strategy names them (a pipeline's
-``schedule``, ZeRO's ``stage``).
+:mod:`llmlab.training.config` builds these from ``TrainConfig`` once per rank
+(``llmlab.training.config.strategy_configs``), and a test or a tool may build them by hand. Each
+one carries its strategy's own knobs, named as the strategy names them (a pipeline's ``schedule``,
+ZeRO's ``stage``); the degrees of the layout (``dp``, ``tp``, ``pp``, ``ep``, ``cp``) are the
+mesh's (:class:`~llmlab.runtime.mesh.Mesh`), which every strategy's ``validate(config, mesh,
+model_config)`` and ``apply(model, mesh, config)`` receive beside its config.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,40 +16,38 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """Data parallelism (:mod:`llmlab.parallel.data_parallel`): ``dp`` replicas synchronising
-    gradients by ``mode`` (naive, ddp, ring) in buckets of ``bucket_mb`` MiB; the global batch
-    (sequences per step) is split over them."""
+    """Data parallelism (:mod:`llmlab.parallel.data_parallel`): replicas synchronising gradients
+    by ``mode`` (naive, ddp, ring) in buckets of ``bucket_mb`` MiB; the global batch of
+    ``global_batch_size`` sequences is split over the ``dp`` replicas, each rank's share into
+    ``num_microbatches`` micro-batches (gradient accumulation)."""
 
-    dp: int = 1
     mode: str = "ddp"
     bucket_mb: float = 25.0
     global_batch_size: int = 1
+    num_microbatches: int = 1
 
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """Tensor (+ sequence) parallelism (:mod:`llmlab.parallel.tensor_parallel`): ``tp`` ranks per
-    layer; with ``sequence_parallel`` the activations between regions are split along the
-    sequence of ``seq_len`` tokens."""
+    """Tensor (+ sequence) parallelism (:mod:`llmlab.parallel.tp_plan`): with
+    ``sequence_parallel`` the activations between regions are split along the sequence of
+    ``seq_len`` tokens."""
 
-    tp: int = 1
     sequence_parallel: bool = False
     seq_len: int | None = None
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline parallelism (:mod:`llmlab.parallel.pipeline_parallel`): ``pp`` stages, each rank
+    """Pipeline parallelism (:mod:`llmlab.parallel.pipeline_parallel`): each rank holds
     ``virtual_stages`` chunks (interleaved schedule only), ``num_microbatches`` per flush of
-    sequences of ``seq_len`` tokens (this rank's, under context parallelism); under sequence
-    parallelism (``tp`` > 1) the activations sent between stages are ``seq_len/tp`` long."""
+    sequences of ``seq_len`` tokens (this rank's: ``seq_len/cp`` under context parallelism);
+    under sequence parallelism the activations sent between stages are ``seq_len/tp`` long."""
 
-    pp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
     num_microbatches: int = 1
     seq_len: int = 64
-    tp: int = 1
     sequence_parallel: bool = False
 
     @property
@@ -57,13 +58,8 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class ExpertParallelConfig:
-    """Expert parallelism (:mod:`llmlab.parallel.expert_parallel`): ``ep`` ranks share the experts,
-    carved out of ``dp`` data-parallel ranks; ``tp``/``sequence_parallel`` of the layout."""
-
-    ep: int = 1
-    dp: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
+    """Expert parallelism (:mod:`llmlab.parallel.expert_parallel`): no knob beyond its degree,
+    the mesh's ``ep`` (ranks sharing the experts, carved out of the ``dp`` data-parallel ranks)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +78,10 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class ContextParallelConfig:
-    """Context parallelism (:mod:`llmlab.parallel.context_parallel`): ``cp`` ranks split each
-    sequence of ``seq_len`` tokens, attention by ``mode`` (ring, ulysses); ``tp``,
-    ``sequence_parallel`` and ``ep`` of the layout, which constrain it."""
+    """Context parallelism (:mod:`llmlab.parallel.context_parallel`): the ``cp`` ranks of the mesh
+    split each sequence of ``seq_len`` tokens, attention by ``mode`` (ring, ulysses);
+    ``sequence_parallel`` of the layout constrains it."""
 
-    cp: int = 1
     mode: str = "ring"
     seq_len: int = 64
-    tp: int = 1
     sequence_parallel: bool = False
-    ep: int = 1

@@ -39,6 +39,8 @@ wire bytes appear as ``send``/``recv``.
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import contextlib
 import functools
 
@@ -47,11 +49,14 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import EventTimeline
+from llmlab.model.config import ModelConfig
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import DataParallelConfig
 from llmlab.parallel.protocols import replica_grads
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
 
 MODES = ("naive", "ddp", "ring")
 
@@ -59,7 +64,7 @@ MODES = ("naive", "ddp", "ring")
 # --------------------------------------------------------------------------------------------
 # Ring all-reduce from send/recv
 # --------------------------------------------------------------------------------------------
-def ring_all_reduce(t: torch.Tensor, group=None, trace: list | None = None) -> torch.Tensor:
+def ring_all_reduce(t: torch.Tensor, group: Group = None, trace: list[Any] | None = None) -> torch.Tensor:
     """Sum ``t`` (any shape) over ``group`` in place with a ring of send/recv; returns ``t``.
 
     The flat tensor is split into N chunks (N = group size; the last chunks may be shorter if N
@@ -118,7 +123,7 @@ def _group_key(p: nn.Parameter) -> str:
     return "edp" if param_record(p).expert_parallel else "dp"
 
 
-def broadcast_parameters(module: nn.Module, mesh) -> None:
+def broadcast_parameters(module: nn.Module, mesh: Mesh) -> None:
     """Copy every parameter (and buffer) from the first rank of its group to the others, so all
     replicas start identical even if they were initialised differently."""
     with torch.no_grad():
@@ -135,18 +140,18 @@ class _DataParallelBase(nn.Module):
     """Shared parts: the replica, parameter broadcast, the ``no_sync`` flag; the gradients are the
     parameters' own (:class:`~llmlab.parallel.protocols.TrainedModule`)."""
 
-    def __init__(self, module: nn.Module, mesh):
+    def __init__(self, module: nn.Module, mesh: Mesh) -> None:
         super().__init__()
         self.module, self.mesh = module, mesh
         self.require_backward_grad_sync = True
         self.params = [p for p in module.parameters() if p.requires_grad]
         broadcast_parameters(module, mesh)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Inside this context backward accumulates gradients locally without communication."""
         old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
@@ -168,7 +173,7 @@ class NaiveDataParallel(_DataParallelBase):
     and many small messages pay the per-message latency many times.
     """
 
-    def finish_grad_sync(self):
+    def finish_grad_sync(self) -> None:
         if not self.require_backward_grad_sync:
             return
         for p in self.params:
@@ -185,7 +190,7 @@ class NaiveDataParallel(_DataParallelBase):
 class Bucket:
     """Gradients of several parameters packed into one flat buffer, reduced as one message."""
 
-    def __init__(self, params: list[nn.Parameter], key: str, group, size: int, index: int):
+    def __init__(self, params: list[nn.Parameter], key: str, group: Group, size: int, index: int) -> None:
         self.params, self.key, self.group, self.size, self.index = params, key, group, size, index
         self.offsets, n = [], 0
         for p in params:
@@ -197,9 +202,9 @@ class Bucket:
         self.views = [self.buffer[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.ready: set[int] = set()
-        self.work = None
+        self.work: Any = None
         self.launched = False
 
     def view(self, j: int) -> torch.Tensor:
@@ -226,7 +231,7 @@ class Bucket:
 FIRST_BUCKET_MB = 1.0  # PyTorch DDP's _DEFAULT_FIRST_BUCKET_BYTES (1 MiB)
 
 
-def build_buckets(params: list[nn.Parameter], mesh, bucket_bytes: float,
+def build_buckets(params: list[nn.Parameter], mesh: Mesh, bucket_bytes: float,
                   first_bucket_bytes: float = FIRST_BUCKET_MB * 2**20) -> list[Bucket]:
     """Group ``params`` into buckets of about ``bucket_bytes`` each, in reverse order.
 
@@ -238,7 +243,9 @@ def build_buckets(params: list[nn.Parameter], mesh, bucket_bytes: float,
     different groups (dp / edp), dtypes or devices never share a bucket. Parameters whose group
     has a single rank need no bucket.
     """
-    open_, closed, out = {}, set(), []
+    open_: dict[tuple[str, torch.dtype, torch.device], list[nn.Parameter]] = {}
+    closed: set[tuple[str, torch.dtype, torch.device]] = set()
+    out: list[list[nn.Parameter]] = []
     for p in reversed(params):
         key = _group_key(p)
         if mesh.size(key) == 1:
@@ -278,15 +285,16 @@ class DistributedDataParallel(_DataParallelBase):
     overlap on a GPU too.
     """
 
-    def __init__(self, module: nn.Module, mesh, bucket_mb: float = 25.0, overlap: bool = True,
-                 record_timeline: bool = False):
+    def __init__(self, module: nn.Module, mesh: Mesh, bucket_mb: float = 25.0, overlap: bool = True,
+                 record_timeline: bool = False) -> None:
         super().__init__(module, mesh)
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb, self.overlap = bucket_mb, overlap
         self.buckets = build_buckets(self.params, mesh, bucket_mb * 2**20)
         self.next_bucket = 0
-        self.record_timeline, self.timeline = record_timeline, []
+        self.record_timeline = record_timeline
+        self.timeline: list[Any] = []
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
         self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
         # One hook per parameter that knows its bucket and slot (no lookup on the hot path).
@@ -294,7 +302,7 @@ class DistributedDataParallel(_DataParallelBase):
                        for b in self.buckets for j, p in enumerate(b.params)]
 
     # --- hooks ------------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self.record_timeline and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: self._event("backward_start", None))
@@ -334,7 +342,7 @@ class DistributedDataParallel(_DataParallelBase):
             self.next_bucket += 1
 
     # --- end of step ------------------------------------------------------------------------
-    def finish_grad_sync(self):
+    def finish_grad_sync(self) -> None:
         """Wait until every bucket is reduced; ``p.grad`` then holds the group average."""
         if not self.require_backward_grad_sync:
             return
@@ -358,7 +366,7 @@ class DistributedDataParallel(_DataParallelBase):
 class RingDataParallel(DistributedDataParallel):
     """The ``ddp`` buckets, each reduced after backward with :func:`ring_all_reduce`."""
 
-    def __init__(self, module: nn.Module, mesh, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, mesh: Mesh, bucket_mb: float = 25.0) -> None:
         super().__init__(module, mesh, bucket_mb=bucket_mb, overlap=False)
 
     def _launch(self, b: Bucket) -> None:
@@ -368,12 +376,12 @@ class RingDataParallel(DistributedDataParallel):
 
 
 class _Done:
-    def wait(self):
+    def wait(self) -> bool:
         return True
 
 
-def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: float = 25.0,
-                       **kwargs) -> nn.Module:
+def wrap_data_parallel(module: nn.Module, mesh: Mesh, mode: str = "ddp", bucket_mb: float = 25.0,
+                       **kwargs: Any) -> nn.Module:
     """Wrap ``module`` for data parallelism over ``mesh`` (``mode`` in naive, ddp, ring).
 
     Returns a :class:`~llmlab.parallel.protocols.TrainedModule` (``forward``, ``.module``,
@@ -390,11 +398,27 @@ def wrap_data_parallel(module: nn.Module, mesh, mode: str = "ddp", bucket_mb: fl
     raise ValueError(f"data-parallel mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
-def validate_layout(c: DataParallelConfig, model_config) -> None:
-    """Checks run before launch (called by ``llmlab.training.config.validate``)."""
-    if c.mode not in MODES:
-        raise ValueError(f"--dp-mode {c.mode!r}: expected one of {', '.join(MODES)}")
-    if c.bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be > 0, got {c.bucket_mb}")
-    if c.global_batch_size % c.dp:
-        raise ValueError(f"dp={c.dp} must divide --global-batch-size {c.global_batch_size}")
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: DataParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Refuse, before any rank starts, a layout data parallelism cannot run (``ValueError``
+    naming the constraint and the flag): an unknown mode, ``bucket_mb <= 0``, a global batch the
+    ``mesh.dp`` replicas cannot split evenly, or a per-rank batch ``num_microbatches`` cannot."""
+    if config.mode not in MODES:
+        raise ValueError(f"--dp-mode {config.mode!r}: expected one of {', '.join(MODES)}")
+    if config.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {config.bucket_mb}")
+    gbs, dp, m = config.global_batch_size, mesh.dp, config.num_microbatches
+    if gbs % dp:
+        raise ValueError(f"dp={dp} must divide --global-batch-size {gbs}")
+    if (gbs // dp) % m:
+        raise ValueError(f"--num-microbatches {m} must divide the per-rank batch {gbs // dp} "
+                         f"(global batch {gbs} / dp {dp})")
+
+
+def apply(model: nn.Module, mesh: Mesh, config: DataParallelConfig) -> nn.Module:
+    """Wrap ``model`` (this rank's replica) for data parallelism over ``mesh``'s ``dp`` group
+    (the trainer passes the data x context-parallel view): :func:`wrap_data_parallel` with the
+    config's mode and bucket size."""
+    return wrap_data_parallel(model, mesh, mode=config.mode, bucket_mb=config.bucket_mb)

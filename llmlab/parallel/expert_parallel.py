@@ -36,27 +36,35 @@ GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's sl
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from llmlab.formulas.communication import moe_a2a_bytes as a2a_bytes_formula  # noqa: F401  (re-exported)
+from llmlab.model.config import ModelConfig
 from llmlab.model.moe import MoE, moe_layers
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import ExpertParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any, TypeVar, cast
+
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd: backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Any:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> Any:
         out_splits, in_splits = ctx.splits
         g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
@@ -67,12 +75,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``scale`` in backward."""
 
     @staticmethod
-    def forward(ctx, x, scale: float):
+    def forward(ctx: Any, x: Tensor, scale: float) -> Any:
         ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: Tensor) -> Any:
         return grad * ctx.scale, None
 
 
@@ -84,7 +92,9 @@ class ExpertParallelMoE(MoE):
     :func:`apply_expert_parallel`, not directly.
     """
 
-    ep_group = None
+    experts: nn.ModuleDict  # type: ignore[assignment]  # keyed by global expert id, not a list
+    local_experts: list[int]
+    ep_group: Group = None
     ep_size = 1
     ep_rank = 0
 
@@ -111,10 +121,11 @@ class ExpertParallelMoE(MoE):
         y = _ScaleGrad.apply(y, 1.0 / ep)      # expert weight grads / ep (see module doc)
         y = y[torch.argsort(order)]            # back to (source rank, expert) blocks
         # 4. combine
-        return _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+        out: torch.Tensor = _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+        return out
 
 
-def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+def apply_expert_parallel(model: M, mesh: Mesh) -> M:
     """Keep this rank's ``E/ep`` experts of every MoE layer of the full (seeded) ``model`` and
     route tokens to the others with all-to-all over ``mesh.groups["ep"]``.
 
@@ -127,21 +138,21 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
     ep_rank = mesh.index("ep")
     for layer in moe_layers(model):
         E = layer.num_experts
-        if E % ep:
-            raise ValueError(f"ep={ep} must divide num_experts={E}")
+        check_experts(E, ep)
         El = E // ep
         keep = list(range(ep_rank * El, (ep_rank + 1) * El))
         experts = nn.ModuleDict({str(e): layer.experts[e] for e in keep})
         layer.__class__ = ExpertParallelMoE
-        layer.experts = experts
-        layer.local_experts = keep
-        layer.ep_group, layer.ep_size, layer.ep_rank = mesh.groups.get("ep"), ep, ep_rank
+        epl = cast(ExpertParallelMoE, layer)
+        epl.experts = experts
+        epl.local_experts = keep
+        epl.ep_group, epl.ep_size, epl.ep_rank = mesh.groups.get("ep"), ep, ep_rank
         for p in experts.parameters():
             param_record(p).expert_parallel = True
     return model
 
 
-def sync_moe_grads(model: nn.Module, mesh) -> None:
+def sync_moe_grads(model: nn.Module, mesh: Mesh) -> None:
     """Average gradients over their data-parallel group: ``edp`` for expert parameters, ``dp``
     for the rest. The plain (no bucketing, no overlap) form of what data parallelism does for a
     MoE model; used by the tests and the lab before ``llmlab.parallel.data_parallel`` exists."""
@@ -154,23 +165,29 @@ def sync_moe_grads(model: nn.Module, mesh) -> None:
             comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
 
 
-def a2a_bytes_formula(tokens: int, hidden: int, top_k: int, bytes_per_element: int = 4) -> int:
-    """Payload bytes one rank passes to the dispatch all-to-all of one MoE layer when dropless:
-    ``K * N * h * bytes`` (the combine sends as many back; backward repeats both)."""
-    return top_k * tokens * hidden * bytes_per_element
-
-
-def validate_layout(cfg: ExpertParallelConfig, model_config) -> None:
-    """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint)."""
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: ExpertParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Layout checks for ``llmlab train`` (raise ``ValueError`` naming the constraint): ``mesh.ep
+    > 1`` needs a mixture-of-experts model whose expert count it divides. (That ``ep`` divides
+    ``dp`` is the mesh's rule, :func:`~llmlab.runtime.mesh.check_degrees`.)"""
     E = model_config.num_experts
-    if cfg.ep > 1 and not E:
-        raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
-    if E and E % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide num_experts={E}")
-    if cfg.ep > 1 and cfg.dp % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (expert-parallel groups are carved "
-                         f"out of the data-parallel ranks)")
-    if E and cfg.tp > 1 and cfg.sequence_parallel:
-        raise ValueError(f"--sequence-parallel (tp={cfg.tp}) with a mixture-of-experts model is not "
-                         f"supported (experts are not tensor-sharded: each tp rank runs them on the "
-                         f"full sequence; drop --sequence-parallel)")
+    if mesh.ep > 1 and not E:
+        raise ValueError(f"ep={mesh.ep} needs a mixture-of-experts model (--model tiny-moe)")
+    if E:
+        check_experts(E, mesh.ep)
+
+
+def check_experts(num_experts: int, ep: int) -> None:
+    """``ValueError`` unless ``ep`` divides ``num_experts`` (each rank holds ``E/ep`` experts)."""
+    if num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
+
+
+def apply(model: M, mesh: Mesh, config: ExpertParallelConfig) -> M:
+    """This rank's experts of ``model`` (:func:`apply_expert_parallel`); ``model`` itself when
+    ``mesh.ep`` is 1 (every rank holds every expert, reduced over ``dp`` like the rest)."""
+    if mesh.ep == 1:
+        return model
+    return apply_expert_parallel(model, mesh)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from llmlab.runtime import comm
+from llmlab.runtime.comm import Group
 
 FP16_MAX = float(torch.finfo(torch.float16).max)   # 65504
 
@@ -47,7 +48,7 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum_(t: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the partial gradients ``t`` over ``group`` in place (fp16: in fp32, cast back)."""
     wide = sum_dtype(t.dtype)
     if wide == t.dtype:
@@ -59,7 +60,7 @@ def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Group) -> torch.Tensor:
     """Reduce-scatter the partial gradients ``inp`` (1-D or with dim 0 split) into ``out``
     (fp16: in fp32, cast back); returns ``out``."""
     wide = sum_dtype(inp.dtype)
@@ -72,7 +73,7 @@ def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group) -> torch.Ten
     return out
 
 
-def mean_over_ranks(grads: torch.Tensor, group, predivide: bool = True) -> torch.Tensor:
+def mean_over_ranks(grads: torch.Tensor, group: Group, predivide: bool = True) -> torch.Tensor:
     """The mean of this rank's ``grads`` over ``group`` by one real all-reduce, in ``grads``'
     dtype: divided before the sum (``predivide=True``, llmlab's rule) or after it (what ZeRO did
     before: the fp16 sum can overflow). Returns a new tensor; collective over ``group``."""

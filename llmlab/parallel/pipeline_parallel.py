@@ -33,38 +33,42 @@ import torch.distributed as dist
 from torch import nn
 
 from llmlab.metrics.timing import device_clock
+from llmlab.model.config import ModelConfig
+from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
-    B, COMM, F, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
+    B, COMM, F, RECV_ACT, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
     build_schedule, check_schedule_args, message_key)
+from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from typing import Any
 
 
-def validate_layout(cfg: PipelineConfig, model_config) -> None:
-    """Refuse, before any rank starts, what the pipeline cannot run. Raises ``ValueError``:
+def validate(config: PipelineConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Refuse, before any rank starts, what the pipeline of ``mesh.pp`` stages cannot run.
+    Raises ``ValueError``:
 
     * ``virtual_stages > 1`` without ``--pp > 1 --pp-schedule interleaved``;
     * layers not divisible by ``pp * virtual_stages``;
     * interleaved with ``num_microbatches`` not a multiple of ``pp``, or ``virtual_stages < 2``;
     * tied input/output embeddings across stages (``tie_word_embeddings``).
     """
-    if cfg.pp == 1:
-        if cfg.virtual_stages != 1:
-            raise ValueError(f"--virtual-stages {cfg.virtual_stages} needs --pp > 1 and "
-                             f"--pp-schedule interleaved")
+    pp, v = mesh.pp, config.virtual_stages
+    if pp == 1:
+        if v != 1:
+            raise ValueError(f"--virtual-stages {v} needs --pp > 1 and --pp-schedule interleaved")
         return
-    v = cfg.virtual_stages
-    check_schedule_args(cfg.schedule, cfg.pp, cfg.num_microbatches, v)
-    L, S = model_config.num_hidden_layers, cfg.pp * cfg.num_chunks
+    check_schedule_args(config.schedule, pp, config.num_microbatches, v)
+    L, S = model_config.num_hidden_layers, pp * config.num_chunks
     if L % S:
-        what = f"pp*virtual_stages = {cfg.pp}*{v} = {S}" if S != cfg.pp else f"pp={cfg.pp}"
+        what = f"pp*virtual_stages = {pp}*{v} = {S}" if S != pp else f"pp={pp}"
         raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
                          f"the same number of layers)")
     if model_config.tie_word_embeddings:
         raise ValueError("tie_word_embeddings is not supported with --pp > 1 (the embedding is "
                          "on the first stage and lm_head on the last; untie them)")
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise ValueError(f"tp={cfg.tp} must divide --seq-len {cfg.seq_len} for sequence parallel")
 
 
 class StageChunk(nn.Module):
@@ -73,7 +77,7 @@ class StageChunk(nn.Module):
     logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
     ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, layers, seq_len: int | None):
+    def __init__(self, model: LlamaForCausalLM, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
         super().__init__()
         self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -85,12 +89,13 @@ class StageChunk(nn.Module):
         object.__setattr__(self, "_model", model)  # not a submodule: its params are not ours
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self._model
+        m: LlamaForCausalLM = self.__dict__["_model"]
         h = m.embed(x) if self.is_first else x
         h = m.run_layers(h, layers=self.layers, seq_len=self.seq_len)
-        return m.head(h) if self.is_last else h
+        out: torch.Tensor = m.head(h) if self.is_last else h
+        return out
 
-    def aux_loss(self):
+    def aux_loss(self) -> Any:
         """Auxiliary (MoE load-balancing) losses of this chunk's layers from the last forward."""
         total = 0.0
         for layer in self.layers:
@@ -103,12 +108,13 @@ class StageChunk(nn.Module):
 class PipelineModule(nn.Module):
     """What a rank holds: ``chunks[c]`` is virtual stage ``c*p + r``. Not called directly."""
 
-    def __init__(self, chunks: list[StageChunk]):
+    def __init__(self, chunks: list[StageChunk]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
 
-def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | None = None):
+def split_model(model: LlamaForCausalLM, p: int, r: int, v: int = 1,
+                seq_len: int | None = None) -> "PipelineModule":
     """Cut ``model`` into ``p*v`` stages and return this rank's chunks (a :class:`PipelineModule`).
 
     The model is stripped of what other ranks hold (their layers, and the embedding / norm /
@@ -124,9 +130,9 @@ def split_model(model: nn.Module, p: int, r: int, v: int = 1, seq_len: int | Non
     held = [l for ch in chunks for l in ch.layers]
     model.model.layers = nn.ModuleList(held)
     if not any(ch.is_first for ch in chunks):
-        model.model.embed_tokens = None
+        model.model.embed_tokens = None  # type: ignore[assignment]
     if not any(ch.is_last for ch in chunks):
-        model.model.norm, model.lm_head = None, None
+        model.model.norm, model.lm_head = None, None  # type: ignore[assignment]
     return PipelineModule(chunks)
 
 
@@ -136,23 +142,23 @@ class _Flush:
     received, outputs kept for backward, gradients received or to send, activations to send), the
     sends not yet waited for, the timeline events and the running losses."""
 
-    microbatches: list
-    weights: list
+    microbatches: list[Any]
+    weights: list[Any]
     loss_scale: float
     last_b: int                     # index of the flush's last backward action
     dtype: torch.dtype
-    inputs: dict = dataclasses.field(default_factory=dict)
-    outputs: dict = dataclasses.field(default_factory=dict)
-    grads: dict = dataclasses.field(default_factory=dict)
-    to_send: dict = dataclasses.field(default_factory=dict)
-    pending_sends: list = dataclasses.field(default_factory=list)
-    events: list = dataclasses.field(default_factory=list)
+    inputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    grads: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    to_send: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    pending_sends: list[Any] = dataclasses.field(default_factory=list)
+    events: list[Any] = dataclasses.field(default_factory=list)
     loss_total: float = 0.0
     aux_total: float = 0.0
     inflight: int = 0
     t_start: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.m = len(self.microbatches)
         self.device = self.microbatches[0][0].device
         self.now = device_clock(self.device)  # on a GPU: after the queued work is done, not when queued
@@ -168,26 +174,22 @@ class PipelineRunner:
     the CONTRACT ``pipeline`` fields of this rank plus the per-step timelines.
     """
 
-    def __init__(self, model: nn.Module, module: PipelineModule, stage_ranks: list[int], rank: int,
-                 group, schedule: str, hidden_shape_fn):
+    def __init__(self, model: LlamaForCausalLM, module: PipelineModule, stage_ranks: list[int], rank: int,
+                 group: Group, schedule: str, hidden_shape_fn: Any, wrapper: TrainedModule | None = None) -> None:
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
         self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
         self.v = len(module.chunks)
         self.schedule_name = schedule
         self.hidden_shape_fn = hidden_shape_fn
-        self.wrapper = None
+        # the data-parallel wrapper of ``module``: its no_sync() for every backward but the last
+        self.wrapper = wrapper
         self.has_aux = bool(getattr(model.config, "num_experts", 0))
         self._schedules: dict[int, list[Action]] = {}
-        self.timelines: list[list] = []
+        self.timelines: list[dict[str, Any]] = []
         self.bubbles: list[float] = []
         self.peak_inflight = 0
-        self.num_microbatches = None
-
-    def attach(self, wrapper) -> None:
-        """Called by the trainer with the data-parallel wrapper: its ``no_sync()`` is used for
-        every backward but the last of the flush."""
-        self.wrapper = wrapper
+        self.num_microbatches: int | None = None
 
     def actions(self, m: int) -> list[Action]:
         if m not in self._schedules:
@@ -243,6 +245,7 @@ class PipelineRunner:
         t0 = f.now()
         ops, recvs = [], []
         for b in batch:
+            assert b.peer is not None   # a p2p action names its peer
             peer = self.stage_ranks[b.peer]
             tag = self._tag(b, f.m)
             if b.op == SEND_ACT:
@@ -276,7 +279,8 @@ class PipelineRunner:
 
     def _forward(self, f: "_Flush", a: Action) -> None:
         """Chunk ``a.chunk`` on micro-batch ``a.mb``; the last stage adds its weighted loss."""
-        chunk, key = self.module.chunks[a.chunk], (a.chunk, a.mb)
+        chunk: StageChunk = self.module.chunks[a.chunk]  # type: ignore[assignment]
+        key = (a.chunk, a.mb)
         x = f.microbatches[a.mb][0] if chunk.is_first else f.inputs[key]
         out = chunk(x)
         aux = chunk.aux_loss() if self.has_aux else 0.0
@@ -327,7 +331,7 @@ class PipelineRunner:
             return f.loss_total
         return None
 
-    def _record(self, events: list, local_end: float, device) -> None:
+    def _record(self, events: list[Any], local_end: float, device: Any) -> None:
         """Flush time = slowest rank's end (an all-reduce MAX on the pipeline group)."""
         t = torch.tensor([local_end], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # bookkeeping, not counted
@@ -336,7 +340,7 @@ class PipelineRunner:
         self.timelines.append({"span_s": span, "events": events})
         self.bubbles.append(1.0 - busy / span if span > 0 else 0.0)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """This rank's CONTRACT ``pipeline`` fields plus details: ``bubble_fraction_measured``
         (mean over steps after the first, which includes connection set-up), per-step values,
         ``timeline`` (per step: ``span_s`` and events ``[op, chunk, mb, t0_s, t1_s]``, op in
@@ -357,23 +361,37 @@ class PipelineRunner:
         }
 
 
-def build_pipeline(model: nn.Module, mesh, cfg: PipelineConfig) -> PipelineRunner:
-    """Keep this rank's stages of ``model`` and return the runner (trainer protocol).
+def apply(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig) -> PipelineModule:
+    """Keep this rank's stages of ``model`` (the full seeded
+    :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel already): the
+    :class:`PipelineModule` of its ``config.num_chunks`` chunks, which data parallelism then
+    wraps; :func:`build_runner` runs them. Raises ``ValueError`` if the layout is invalid
+    (:func:`validate`)."""
+    validate(config, mesh, model.config)
+    sp = config.sequence_parallel and mesh.tp > 1
+    return split_model(model, mesh.pp, mesh.coords["pp"], config.num_chunks,
+                       seq_len=config.seq_len if sp else None)
 
-    ``model``: the full seeded :class:`~llmlab.model.llama.LlamaForCausalLM` (possibly already
-    tensor-parallel); ``mesh``: :class:`~llmlab.runtime.mesh.Mesh` with ``pp > 1``; ``cfg``: its
-    :class:`~llmlab.parallel.configs.PipelineConfig` (``seq_len``: this rank's tokens per
-    sequence). Raises ``ValueError`` if the layout is invalid (:func:`validate_layout`).
-    """
-    validate_layout(cfg, model.config)
-    p, r, v = mesh.pp, mesh.coords["pp"], cfg.num_chunks
-    sp = cfg.sequence_parallel and cfg.tp > 1
-    module = split_model(model, p, r, v, seq_len=cfg.seq_len if sp else None)
-    h = model.config.hidden_size
 
-    def hidden_shape(ids: torch.Tensor):
+def build_runner(model: LlamaForCausalLM, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
+                 wrapper: TrainedModule | None = None) -> PipelineRunner:
+    """The runner of this rank's ``stages`` (from :func:`apply`) over ``mesh.groups["pp"]``;
+    ``wrapper``: the data-parallel wrapper of ``stages`` (``None``: one replica), whose
+    ``no_sync()`` it uses for every backward but the flush's last."""
+    sp = config.sequence_parallel and mesh.tp > 1
+    tp, h = mesh.tp, model.config.hidden_size
+
+    def hidden_shape(ids: torch.Tensor) -> tuple[int, int, int]:
         b, T = ids.shape
-        return (b, T // cfg.tp if sp else T, h)
+        return (b, T // tp if sp else T, h)
 
-    return PipelineRunner(model, module, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
-                          cfg.schedule, hidden_shape)
+    return PipelineRunner(model, stages, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
+                          config.schedule, hidden_shape, wrapper)
+
+
+def build_pipeline(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig,
+                   wrapper: TrainedModule | None = None) -> PipelineRunner:
+    """:func:`apply` then :func:`build_runner`: the runner of this rank's stages of ``model``
+    (``mesh.pp > 1``; ``config.seq_len``: this rank's tokens per sequence). Its ``module`` is
+    the stages. Raises ``ValueError`` if the layout is invalid (:func:`validate`)."""
+    return build_runner(model, apply(model, mesh, config), mesh, config, wrapper)

@@ -30,7 +30,11 @@ Bubble fraction (CONTRACT): idle time over the total time of one flush, averaged
 """
 from __future__ import annotations
 
+from typing import Any
+
 from typing import NamedTuple
+
+from llmlab.formulas.pipeline import pipeline_bubble_fraction
 
 F, B = "F", "B"
 RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD = "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD"
@@ -82,7 +86,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         if schedule == "interleaved":
             total = m * v
 
-            def fwd(k, back=False):
+            def fwd(k: int, back: bool = False) -> tuple[int, int]:
                 group, pos = divmod(k, p * v)  # groups of p micro-batches through all chunks
                 chunk = pos // p
                 return (v - 1 - chunk if back else chunk), group * p + pos % p
@@ -91,7 +95,7 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
         else:
             total = m
 
-            def fwd(k, back=False):
+            def fwd(k: int, back: bool = False) -> tuple[int, int]:
                 return 0, k
 
             warmup = m if schedule == "gpipe" else min(m, p - r - 1)
@@ -128,8 +132,8 @@ def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
     S = p * v
     acts: list[list[Action]] = [[] for _ in range(p)]
     nxt, busy = [0] * p, [0.0] * p
-    arrived: list[set] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
-    outbox: list[list] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
+    arrived: list[set[Any]] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
+    outbox: list[list[Any]] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
     t = 0.0
     while any(nxt[r] < len(orders[r]) or outbox[r] for r in range(p)):
         for r in range(p):  # the round at time t: sends of ready outputs, and their receives
@@ -177,14 +181,14 @@ def message_key(action: Action, rank: int, p: int) -> tuple[str, int, int]:
 
 
 def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of one flush: ``(p-1)/(m+p-1)``, or ``(p-1)/(v*m+p-1)`` interleaved
-    (GPipe §2.2; Megatron-LM SC'21 §2.2.1-2.2.2, written relative to total time)."""
-    v = v if schedule == "interleaved" else 1
-    return (p - 1) / (v * m + p - 1)
+    """Idle share of one flush of ``schedule``: ``(p-1)/(m+p-1)``, or ``(p-1)/(v*m+p-1)``
+    interleaved (GPipe §2.2; Megatron-LM SC'21 §2.2.1-2.2.2, written relative to total time);
+    the formula is :func:`llmlab.formulas.pipeline.pipeline_bubble_fraction`."""
+    return pipeline_bubble_fraction(p, m, v if schedule == "interleaved" else 1)
 
 
 def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
-             blocking_sends: bool = False) -> dict:
+             blocking_sends: bool = False) -> dict[str, Any]:
     """Run the action lists with unit costs and instant p2p, as an event simulation.
 
     Each rank executes its actions in order; ``t_f``/``t_b`` are the costs of a forward/backward
@@ -201,11 +205,11 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
     actions if the schedule deadlocks or a message is never matched.
     """
     p = len(schedule)
-    sent: dict[tuple, float] = {}
-    posted: dict[tuple, float] = {}  # blocking model: (key, is_send) -> time posted
+    sent: dict[tuple[Any, ...], float] = {}
+    posted: dict[tuple[Any, ...], float] = {}  # blocking model: (key, is_send) -> time posted
     pc = [0] * p
     clock = [0.0] * p
-    timeline = [[] for _ in range(p)]
+    timeline: list[list[Any]] = [[] for _ in range(p)]
     inflight, peak = [0] * p, [0] * p
 
     def batch_end(r: int) -> int:

@@ -12,14 +12,16 @@ ad-hoc attributes:
   runs after gradient synchronisation, each as ``f(grad_of)`` (``grad_of(p)``: the gradient of
   ``p`` this rank holds).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 
 _ATTR = "llmlab_record"
+R = TypeVar("R", "ParamRecord", "ModelRecord")
 
 
 @dataclass
@@ -35,10 +37,10 @@ class ParamRecord:
 class ModelRecord:
     """What the strategies left on a model for the trainer (see the module docstring)."""
 
-    grad_finalizers: list[Callable] = field(default_factory=list)
+    grad_finalizers: list[Callable[..., Any]] = field(default_factory=list)
 
 
-def _record(obj, make):
+def _record(obj: Any, make: Callable[[], R]) -> R:
     rec = getattr(obj, _ATTR, None)
     if rec is None:
         rec = make()

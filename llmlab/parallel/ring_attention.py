@@ -42,12 +42,15 @@ import torch.distributed as dist
 
 from llmlab.kernels.online_softmax import merge_softmax_partials, softmax_partial
 from llmlab.runtime import comm
+from llmlab.runtime.comm import Group
+from typing import Any
+from torch import Tensor
 
 # When a list, each ring step appends ``(phase, step, what, t_start, t_end)`` (``what`` is
 # ``"attention"`` for the block computation, ``"comm"`` from posting the step's transfers to
 # seeing them complete: after the attention when overlapped, before it when not); the lab draws
 # the timeline of communication against block attention.
-TIMELINE: list | None = None
+TIMELINE: list[Any] | None = None
 
 _KV_TAG, _DKV_TAG = 11, 12
 
@@ -85,7 +88,8 @@ def step_blocks(step: int, cp_rank: int, cp: int, c: int) -> tuple[slice, slice,
     return slice(c, None), slice(None), False
 
 
-def block_attention_forward(q, k, v, scale: float, causal: bool):
+def block_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                            causal: bool) -> tuple[Tensor, Tensor]:
     """One block: ``q [B,H,M,D]`` against ``k, v [B,H_kv,N,D]`` (GQA without repeating K/V).
 
     Returns ``out [B,H,M,D]`` and ``lse [B,H,M]`` (fp32), normalised over this block only.
@@ -100,7 +104,9 @@ def block_attention_forward(q, k, v, scale: float, causal: bool):
     return out.view(B, H, M, D), lse.view(B, H, M)
 
 
-def block_attention_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+def block_attention_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+                             delta: Tensor, scale: float,
+                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``lse`` and ``delta = rowsum(dout·out)``.
 
     ``p = exp(s - lse)`` are the block's entries of the full softmax, so the block's share of
@@ -123,7 +129,7 @@ def block_attention_backward(q, k, v, dout, lse, delta, scale: float, causal: bo
     return dq.view(B, H, M, D), dk, dv
 
 
-def _record(phase, step, what, t0):
+def _record(phase: str, step: int, what: str, t0: float) -> None:
     if TIMELINE is not None:
         TIMELINE.append((phase, step, what, t0, time.perf_counter()))
 
@@ -131,12 +137,13 @@ def _record(phase, step, what, t0):
 class _Ring:
     """The ring of one context-parallel group: this rank's place and its neighbours."""
 
-    def __init__(self, group, ranks: list[int]):
+    def __init__(self, group: Group, ranks: list[int]) -> None:
         me = dist.get_rank()
         self.group, self.n, self.r = group, len(ranks), ranks.index(me)
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
-    def post(self, send=None, recv=None, tag=_KV_TAG, extra_recv=None, extra_send=None) -> list:
+    def post(self, send: Tensor | None = None, recv: Tensor | None = None, tag: int = _KV_TAG,
+             extra_recv: Tensor | None = None, extra_send: Tensor | None = None) -> list[Any]:
         """Post (non-blocking) sends to ``next`` and receives from ``prev`` as ONE batch; returns
         the works. ``extra_send``/``extra_recv`` (the gradient accumulator passed on) come first
         on both sides, so the two ranks of a pair post in the same order (NCCL matches by order).
@@ -164,14 +171,15 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, scale, overlap=True):
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Group, ranks: list[Any], scale: float, overlap: bool=True) -> Any:
         ring = _Ring(group, ranks)
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
         kv = torch.stack([k, v]).contiguous()
         for s in range(ring.n):
-            t0, works, nxt = time.perf_counter(), [], None
+            t0, works = time.perf_counter(), []
+            nxt: Tensor | None = None
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring.post(send=kv, recv=nxt)
@@ -188,23 +196,26 @@ class RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 _record("forward", s, "comm", t0)
-            kv = nxt
+            if nxt is not None:
+                kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.scale, ctx.overlap = group, ranks, scale, overlap
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: Tensor) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.group, ctx.ranks), ctx.scale
         c = q.shape[2] // 2
         delta = (dout.float() * out.float()).sum(-1)                   # [B, H, T]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = None  # the accumulator of the block last processed, passed on with the next batch
+        dkv: Tensor | None = None  # the accumulator of the block last processed, passed on with the next batch
         for s in range(ring.n):
-            t0, nxt, dkv_in = time.perf_counter(), None, None
+            t0 = time.perf_counter()
+            nxt: Tensor | None = None
+            dkv_in: Tensor | None = None
             if s > 0:
                 dkv_in = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             if s < ring.n - 1:
@@ -227,22 +238,24 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 _record("backward", s, "comm", t0)
             dkv = contrib if dkv_in is None else contrib + dkv_in       # the block's accumulator
-            kv = nxt
+            if nxt is not None:
+                kv = nxt
         if ring.n > 1:                                                  # one more hop: home
             home = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             _wait(ring.post(extra_recv=home, extra_send=dkv))
             dkv = home
+        assert dkv is not None
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _wait(works) -> list:
+def _wait(works: list[Any]) -> list[Any]:
     """Wait for every work (a work may be waited for only once); returns ``[]``."""
     for w in works:
         w.wait()
     return []
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks: list[int],
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, ranks: list[int],
                    scale: float | None = None, overlap: bool = True) -> torch.Tensor:
     """Causal attention of this rank's load-balanced chunks over the whole sequence.
 
@@ -255,11 +268,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_kv_heads={k.shape[1]} must divide num_heads={q.shape[1]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, list(ranks), scale, overlap)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, list(ranks), scale, overlap)
+    return out
 
 
 def ring_bytes_per_layer(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, cp: int,
-                         dtype_bytes: int = 4, grad_bytes: int = 4) -> dict:
+                         dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, Any]:
     """Bytes one rank sends around the ring for one attention layer (forward, backward).
 
     Forward: ``N-1`` K/V blocks of ``2·B·H_kv·(S/N)·D`` elements. Backward: the K/V blocks again

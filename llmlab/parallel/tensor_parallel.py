@@ -30,7 +30,7 @@ by :func:`vocab_parallel_cross_entropy` without ever gathering the ``[B, T, voca
 the forward every tp rank holds the same full loss. ``model(ids)`` without labels returns this
 rank's logits shard ``[B, T, vocab/tp]`` (gather it with
 :func:`~llmlab.parallel.tp_comm.gather_from_tensor_model_parallel_region`). The vocabulary is not
-padded: a degree that does not divide it is refused (:func:`validate_layout`).
+padded: a degree that does not divide it is refused (:func:`check_shardable`).
 
 Sequence parallelism: hidden states between blocks are ``[B, T/tp, h]``; the norms (and the
 residual adds) run on the shard. The column-parallel matmuls all-gather their input and, as in
@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
-from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.records import param_record
 from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
                                      gather_from_tensor_model_parallel_region,
@@ -56,9 +55,12 @@ from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gathe
                                      reduce_scatter_to_sequence_parallel_region,
                                      scatter_to_tensor_model_parallel_region)
 from llmlab.runtime import comm
+from llmlab.runtime.comm import Group
+from typing import Any
+from llmlab.model.config import ModelConfig
 
 
-def _tp_rank(group) -> int:
+def _tp_rank(group: Group) -> int:
     import torch.distributed as dist
     return dist.get_rank(group) if comm.group_size(group) > 1 else 0
 
@@ -75,7 +77,7 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, *params):
+    def forward(ctx: Any, x: Tensor, group: Group, *params: Tensor) -> Any:
         total = gather_along(x, 1, group)
         ws, bs = params[0::2], params[1::2]
         ctx.group, ctx.has_bias = group, [b is not None for b in bs]
@@ -83,20 +85,22 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
         return tuple(F.linear(total, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Tensor) -> Any:
         x, *ws = ctx.saved_tensors
         total = gather_along(x, 1, ctx.group)
         flat = total.reshape(-1, total.shape[-1])
-        grad_total, out = None, []
+        grad_total: Tensor | None = None
+        out: list[Tensor | None] = []
         for g, w, has_b in zip(grads, ws, ctx.has_bias):
             gi = g @ w
             grad_total = gi if grad_total is None else grad_total + gi
             g2 = g.reshape(-1, g.shape[-1])
             out += [g2.t() @ flat, g2.sum(0) if has_b else None]
+        assert grad_total is not None
         return (reduce_scatter_along(grad_total, 1, ctx.group, grad=True), None, *out)
 
 
-def column_parallel_linears(x: torch.Tensor, layers: list["ColumnParallelLinear"], group,
+def column_parallel_linears(x: torch.Tensor, layers: list["ColumnParallelLinear"], group: Group,
                             sequence_parallel: bool = False) -> list[torch.Tensor]:
     """Apply several column-parallel layers to one input with one communication region.
 
@@ -125,9 +129,9 @@ class ColumnParallelLinear(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``out_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 num_shards: int | None = None):
+                 num_shards: int | None = None) -> None:
         super().__init__()
         n = num_shards or comm.group_size(group)
         if out_features % n:
@@ -140,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group, gather_output: bool = False,
+    def from_linear(cls, linear: nn.Linear, group: Group, gather_output: bool = False,
                     sequence_parallel: bool = False, shard: int | None = None,
                     num_shards: int | None = None) -> "ColumnParallelLinear":
         """This rank's rows of ``linear.weight``: shard ``shard`` (default: tp rank) of
@@ -150,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
         m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                 gather_output, sequence_parallel, num_shards=n)
         m.weight.copy_(linear.weight.chunk(n, 0)[i])
-        if linear.bias is not None:
+        if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias.chunk(n, 0)[i])
         return m.to(linear.weight.device)
 
@@ -173,8 +177,8 @@ class RowParallelLinear(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``in_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = False,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False):
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         n = comm.group_size(group)
         if in_features % n:
@@ -190,13 +194,13 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group, input_is_parallel: bool = True,
+    def from_linear(cls, linear: nn.Linear, group: Group, input_is_parallel: bool = True,
                     sequence_parallel: bool = False) -> "RowParallelLinear":
         """This rank's columns of ``linear.weight`` (the bias is copied whole)."""
         m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
                 input_is_parallel, sequence_parallel)
         m.weight.copy_(linear.weight.chunk(comm.group_size(group), 1)[_tp_rank(group)])
-        if linear.bias is not None:
+        if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias)
         return m.to(linear.weight.device)
 
@@ -225,8 +229,8 @@ class VocabParallelEmbedding(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``num_embeddings``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group,
-                 sequence_parallel: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         n = comm.group_size(group)
         if num_embeddings % n:
@@ -239,7 +243,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_embedding(cls, emb: nn.Embedding, group, sequence_parallel: bool = False):
+    def from_embedding(cls, emb: nn.Embedding, group: Group,
+                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
         m = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
         m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
         return m.to(emb.weight.device)
@@ -257,7 +262,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from vocab-sharded logits (Megatron ``cross_entropy.py`` steps)."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group, ignore_index):
+    def forward(ctx: Any, logits: Tensor, target: Any, vocab_start: int, group: Group, ignore_index: int) -> Any:
         # 1. global max over the vocabulary, for a stable softmax (one all-reduce of [N] floats).
         m = logits.max(dim=-1).values
         if comm.group_size(group) > 1:
@@ -282,7 +287,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         softmax, idx, onehot_here, valid = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, idx.unsqueeze(-1), -onehot_here.to(grad.dtype).unsqueeze(-1))
@@ -290,7 +295,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Group,
                                  vocab_start: int | None = None,
                                  ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy over labels ``!= ignore_index`` from vocab-sharded logits.
@@ -303,7 +308,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     if vocab_start is None:
         vocab_start = _tp_rank(group) * logits.shape[-1]
     flat, tgt = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    per_token = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
+    per_token: Tensor = _VocabParallelCrossEntropy.apply(flat, tgt, vocab_start, group, ignore_index)
     return per_token.sum() / (tgt != ignore_index).sum().clamp(min=1)
 
 
@@ -320,7 +325,7 @@ class ParallelAttention(nn.Module):
     the paged KV cache, as in :class:`~llmlab.model.llama.Attention`.
     """
 
-    def __init__(self, attn: Attention, group, sequence_parallel: bool = False):
+    def __init__(self, attn: Attention, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         tp, r = comm.group_size(group), _tp_rank(group)
         H, KV = attn.num_heads, attn.num_kv_heads
@@ -352,16 +357,18 @@ class ParallelAttention(nn.Module):
                               k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
                               v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
                               self.sliding_window)
-            return self.o_proj(o.reshape(B, T, self.num_heads * D))
+            res: Tensor = self.o_proj(o.reshape(B, T, self.num_heads * D))
+            return res
         out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        res = self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        return res
 
 
 class ParallelMLP(nn.Module):
     """SwiGLU MLP with ``gate/up`` column-parallel (one region) and ``down`` row-parallel.
     ``[B,T,h] -> [B,T,h]`` (``[B,T/tp,h]`` in and out under SP); ``ffn/tp`` features per rank."""
 
-    def __init__(self, mlp: MLP, group, sequence_parallel: bool = False):
+    def __init__(self, mlp: MLP, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group)
@@ -372,21 +379,14 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_linears(x, [self.gate_proj, self.up_proj], self.group,
                                            self.sequence_parallel)
-        return self.down_proj(F.silu(gate) * up)
+        out: Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
 # Which degrees can shard a model
 # --------------------------------------------------------------------------------------------
-def validate_layout(c: TensorParallelConfig, model_config) -> None:
-    """Raise ``ValueError`` naming the constraint when ``c.tp`` cannot shard ``model_config``.
-
-    Called by :func:`llmlab.training.config.validate` before any rank starts.
-    """
-    check_shardable(model_config, c.tp, c.sequence_parallel, c.seq_len)
-
-
-def check_shardable(mc, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
+def check_shardable(mc: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
                     name: str = "tp") -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard model config
     ``mc`` (heads, kv heads, FFN width, vocabulary; ``seq_len`` under sequence parallelism);

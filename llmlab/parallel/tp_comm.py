@@ -37,13 +37,16 @@ import torch.distributed as dist
 
 from llmlab.parallel.grad_reduce import all_reduce_sum_, reduce_scatter_sum
 from llmlab.runtime import comm
+from llmlab.runtime.comm import Group
+from typing import Any
+from torch import Tensor
 
 
-def _rank(group) -> int:
+def _rank(group: Group) -> int:
     return dist.get_rank(group) if comm.group_size(group) > 1 else 0
 
 
-def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def split_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's contiguous ``1/tp`` slice of ``x`` along ``dim``. Raises ``ValueError`` if
     the group size does not divide ``x.shape[dim]``."""
     n = comm.group_size(group)
@@ -54,7 +57,7 @@ def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[_rank(group)].contiguous()
 
 
-def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (one all-gather; bytes = gathered output)."""
     n = comm.group_size(group)
     if n == 1:
@@ -65,7 +68,7 @@ def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group, grad: bool = False) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: Group, grad: bool = False) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's ``1/tp`` slice along ``dim`` (bytes = input).
     ``grad=True``: ``x`` holds partial gradients, summed by
     :func:`~llmlab.parallel.grad_reduce.reduce_scatter_sum` (fp16 in fp32)."""
@@ -83,7 +86,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group, grad: bool = False) -
     return out.movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, group, grad: bool = False) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group, grad: bool = False) -> torch.Tensor:
     """Sum ``x`` over ranks (a new tensor; the input is left untouched). ``grad=True``: ``x``
     holds partial gradients, summed by :func:`~llmlab.parallel.grad_reduce.all_reduce_sum_`
     (fp16 in fp32, so the sum overflows only where the gradient itself does)."""
@@ -99,101 +102,108 @@ def all_reduce(x: torch.Tensor, group, grad: bool = False) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return all_reduce(g, ctx.group, grad=True), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         return all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return g, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: Tensor, group: Group, dim: int) -> Any:
         ctx.group, ctx.dim = group, dim
         return split_along(x, dim, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return gather_along(g, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx: Any, x: Tensor, group: Group, dim: int) -> Any:
         ctx.group, ctx.dim = group, dim
         return gather_along(x, dim, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return split_along(g, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         ctx.group = group
         return gather_along(x, 1, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return reduce_scatter_along(g, 1, ctx.group, grad=True), None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         ctx.group = group
         return reduce_scatter_along(x, 1, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return gather_along(g, 1, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``f``: identity forward, all-reduce of the gradient backward. ``[*] -> [*]``."""
-    return _CopyToRegion.apply(x, group)
+    out: torch.Tensor = _CopyToRegion.apply(x, group)
+    return out
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``g``: all-reduce forward (partial sums -> full), identity backward. ``[*] -> [*]``."""
-    return _ReduceFromRegion.apply(x, group)
+    out: torch.Tensor = _ReduceFromRegion.apply(x, group)
+    return out
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's slice of the last dim: ``[..., n] -> [..., n/tp]``; backward all-gathers."""
-    return _ScatterToRegion.apply(x, group, -1)
+    out: torch.Tensor = _ScatterToRegion.apply(x, group, -1)
+    return out
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather the last dim: ``[..., n/tp] -> [..., n]``; backward keeps this rank's slice."""
-    return _GatherFromRegion.apply(x, group, -1)
+    out: torch.Tensor = _GatherFromRegion.apply(x, group, -1)
+    return out
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's sequence slice: ``[B, T, h] -> [B, T/tp, h]``; backward all-gathers."""
-    return _ScatterToRegion.apply(x, group, 1)
+    out: torch.Tensor = _ScatterToRegion.apply(x, group, 1)
+    return out
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather the sequence: ``[B, T/tp, h] -> [B, T, h]``; backward reduce-scatters
     (the gradient of a replicated input is the sum of every rank's contribution)."""
-    return _GatherFromSequenceRegion.apply(x, group)
+    out: torch.Tensor = _GatherFromSequenceRegion.apply(x, group)
+    return out
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice: ``[B, T, h] -> [B, T/tp, h]``;
     backward all-gathers."""
-    return _ReduceScatterToSequenceRegion.apply(x, group)
+    out: torch.Tensor = _ReduceScatterToSequenceRegion.apply(x, group)
+    return out

@@ -13,16 +13,20 @@ actually moved and saved, to be shown next to the formulas.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmlab.formulas.activations import activation_bytes_per_layer, llama_block_activation_bytes
 from llmlab.formulas.communication import ring_wire_factor, tp_block_comm_bytes
 from llmlab.formulas.compute import block_flops
+from llmlab.runtime.mesh import Mesh
+from llmlab.model.config import ModelConfig
 
 
 def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: int = 32,
-                  kv: int = 8, tps=(1, 2, 4, 8), dtype_bytes: int = 2,
-                  sequence_parallel: bool = False) -> list[dict]:
+                  kv: int = 8, tps: tuple[int, ...] = (1, 2, 4, 8), dtype_bytes: int = 2,
+                  sequence_parallel: bool = False) -> list[dict[str, Any]]:
     """Per-rank cost of one block at each tp degree (defaults: the Qwen3-8B-like shape of the
     seed article, batch 16, sequence 4096, hidden 4096, MLP 12288, 32 heads, 8 kv heads, bf16).
 
@@ -51,8 +55,8 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
     return rows
 
 
-def measure_block(model_config, mesh, sequence_parallel: bool = False, batch: int = 2,
-                  seq_len: int = 32, seed: int = 0) -> dict:
+def measure_block(model_config: ModelConfig, mesh: Mesh, sequence_parallel: bool = False, batch: int = 2,
+                  seq_len: int = 32, seed: int = 0) -> dict[str, Any]:
     """Run block 0 of a tensor-parallel model forward and backward on this rank (inside
     :func:`llmlab.launch` ranks; every rank calls it).
 

@@ -16,16 +16,22 @@ import torch
 from torch import nn
 
 from llmlab.model.layers import MLP, RMSNorm
+from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.grad_reduce import all_reduce_sum_
 from llmlab.parallel.records import model_record, param_record
 from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                              RowParallelLinear, VocabParallelEmbedding, _tp_rank,
                                              check_shardable, vocab_parallel_cross_entropy)
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
+from llmlab.runtime.comm import Group
+from torch.nn import Parameter
+from typing import Any, Callable
 
 
-def _grad(p):
+def _grad(p: Parameter) -> torch.Tensor | None:
     return p.grad
 
 
@@ -37,10 +43,10 @@ class SumOverTP:
     (default ``p.grad``; under ZeRO the part of ``p`` in this rank's gradient shard, laid out
     identically on every tp rank, so the buffers still line up)."""
 
-    def __init__(self, params: list[nn.Parameter], group):
+    def __init__(self, params: list[nn.Parameter], group: Group) -> None:
         self.params, self.group = params, group
 
-    def __call__(self, grad_of=_grad):
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         grads = [g for g in map(grad_of, self.params) if g is not None and g.numel()]
         if not grads:
             return
@@ -57,10 +63,10 @@ class SumOverKVReplicas:
     the row of its kv head: row ``j`` becomes the sum over kv head ``j``'s replicas.
     """
 
-    def __init__(self, attns: list["ParallelAttention"], group):
+    def __init__(self, attns: list["ParallelAttention"], group: Group) -> None:
         self.attns, self.group = attns, group
 
-    def __call__(self, grad_of=_grad):
+    def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
         params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
         grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
@@ -77,14 +83,14 @@ class VocabParallelLoss:
     """The model's ``loss_function`` under TP: :func:`vocab_parallel_cross_entropy` of this rank's
     vocabulary slice (``logits [*, V/tp]``, ``labels [*]``) -> the same scalar on every tp rank."""
 
-    def __init__(self, group, vocab_start: int):
+    def __init__(self, group: Group, vocab_start: int) -> None:
         self.group, self.vocab_start = group, vocab_start
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
 
 
-def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group) -> None:
+def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group: Group) -> None:
     """Set every parameter's ``tp_duplicate`` (:class:`~llmlab.parallel.records.ParamRecord`): ``True`` where another tp rank holds the same
     values (replicated norms, biases and experts on tp ranks > 0; a replicated kv head on all but
     its first rank), so the global gradient norm counts each element once."""
@@ -114,19 +120,19 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-def _vocab_parallel(m, group, sp):
+def _vocab_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return VocabParallelEmbedding.from_embedding(m, group, sp)
 
 
-def _attention(m, group, sp):
+def _attention(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelAttention(m, group, sp)
 
 
-def _mlp(m, group, sp):
+def _mlp(m: Any, group: Group, sp: bool) -> nn.Module:
     return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m   # MoE: experts replicated
 
 
-def _column_parallel(m, group, sp):
+def _column_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
 
@@ -134,7 +140,7 @@ STYLES = {"vocab_parallel": _vocab_parallel, "attention": _attention, "mlp": _ml
           "column_parallel": _column_parallel}
 
 
-def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel: bool) -> None:
+def apply_plan(model: nn.Module, plan: dict[str, str], group: Group, sequence_parallel: bool) -> None:
     """Replace every module whose name matches a pattern of ``plan`` by its parallel form
     (:data:`STYLES`), in place. The parallel modules copy this rank's slice of the full weights."""
     import fnmatch
@@ -147,8 +153,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group, sequence_parallel:
         setattr(parent, attr, STYLES[style](module, group, sequence_parallel))
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool = False,
-                          plan: dict[str, str] | None = None):
+def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel: bool = False,
+                          plan: dict[str, str] | None = None) -> LlamaForCausalLM:
     """Shard a full, seeded model over ``mesh.groups["tp"]`` in place with ``plan`` (default
     :data:`TP_PLAN`) and return it.
 
@@ -181,5 +187,23 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh, sequence_parallel: bool
     if attns and attns[0].kv_replicated:
         finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)
-    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)
+    model.loss_function = VocabParallelLoss(group, model.model.embed_tokens.vocab_start)  # type: ignore[assignment, arg-type]
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# The strategy's contract (llmlab.parallel.protocols)
+# --------------------------------------------------------------------------------------------
+def validate(config: TensorParallelConfig, mesh: Mesh, model_config: ModelConfig) -> None:
+    """Raise ``ValueError`` naming the constraint when ``mesh.tp`` ranks cannot shard
+    ``model_config`` (heads, kv heads, FFN width, vocabulary; the sequence under sequence
+    parallelism): :func:`~llmlab.parallel.tensor_parallel.check_shardable`."""
+    check_shardable(model_config, mesh.tp, config.sequence_parallel, config.seq_len)
+
+
+def apply(model: LlamaForCausalLM, mesh: Mesh, config: TensorParallelConfig) -> LlamaForCausalLM:
+    """This rank's tensor-parallel shard of ``model`` (:func:`apply_tensor_parallel` with
+    :data:`TP_PLAN`); ``model`` itself when ``mesh.tp`` is 1."""
+    if mesh.tp == 1:
+        return model
+    return apply_tensor_parallel(model, mesh, sequence_parallel=config.sequence_parallel)

@@ -24,7 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmlab.formulas.communication import ulysses_bytes_per_layer as ulysses_bytes_per_layer  # noqa: F401  (its bytes; re-exported)
 from llmlab.runtime import comm
+from llmlab.runtime.comm import Group
+from typing import Any
+from torch import Tensor
 
 
 def check_heads(num_heads: int, num_kv_heads: int, cp: int, tp: int = 1) -> None:
@@ -44,7 +48,7 @@ def ulysses_token_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     return torch.arange(cp_rank * c, (cp_rank + 1) * c)
 
 
-def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[B, H, T, D]`` (T local tokens, all heads) -> ``[B, H/N, N·T, D]`` (all tokens, H/N heads)."""
     N = comm.group_size(group)
     B, H, T, D = x.shape
@@ -54,7 +58,7 @@ def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     return recv.permute(2, 1, 0, 3, 4).reshape(B, H // N, N * T, D)
 
 
-def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+def _head_to_seq(y: torch.Tensor, group: Group) -> torch.Tensor:
     """Inverse of :func:`_seq_to_head`: ``[B, H/N, N·T, D]`` -> ``[B, H, T, D]``."""
     N = comm.group_size(group)
     B, h, S, D = y.shape
@@ -68,12 +72,12 @@ class SeqToHead(torch.autograd.Function):
     """All-to-all from sequence shards to head shards; its backward is the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: Tensor, group: Group) -> Any:
         ctx.group = group
         return _seq_to_head(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return _head_to_seq(g.contiguous(), ctx.group), None
 
 
@@ -81,16 +85,16 @@ class HeadToSeq(torch.autograd.Function):
     """All-to-all from head shards back to sequence shards; backward is :class:`SeqToHead`'s."""
 
     @staticmethod
-    def forward(ctx, y, group):
+    def forward(ctx: Any, y: Tensor, group: Group) -> Any:
         ctx.group = group
         return _head_to_seq(y, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> Any:
         return _seq_to_head(g.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group) -> torch.Tensor:
     """Causal attention of this rank's consecutive tokens over the whole sequence.
 
     ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` (rank ``i`` of the group holds tokens
@@ -106,14 +110,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) 
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return HeadToSeq.apply(out, group)
-
-
-def ulysses_bytes_per_layer(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-                            head_dim: int, cp: int, dtype_bytes: int = 4) -> dict:
-    """Bytes one rank passes to all-to-all for one attention layer (its whole local tensors).
-
-    Forward: q, k, v and out, ``B·(2H + 2H_kv)·(S/N)·D`` elements; backward the same again.
-    """
-    elems = batch * (2 * num_heads + 2 * num_kv_heads) * (seq_len // cp) * head_dim
-    return {"forward": elems * dtype_bytes, "backward": elems * dtype_bytes}
+    res: torch.Tensor = HeadToSeq.apply(out, group)
+    return res

@@ -53,20 +53,24 @@ import contextlib
 import functools
 import re
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
+from llmlab.model.config import ModelConfig
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import ZeroConfig
 from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
-from llmlab.parallel.zero_optimizer import ZeroOptimizer
+from llmlab.parallel.zero_optimizer import LossScaler, ZeroOptimizer
 from llmlab.runtime import comm
+from llmlab.runtime.mesh import Mesh
+from torch.nn import Module
 
 
-def validate_layout(cfg: ZeroConfig, model_config) -> None:
+def validate(cfg: ZeroConfig, mesh: Mesh, model_config: ModelConfig) -> None:
     """Refuse ZeRO layouts this version does not handle (``ValueError`` naming the constraint).
 
     ``--zero`` with ``--dp 1`` is allowed (N = 1: nothing is sharded, a baseline for the lab).
@@ -86,10 +90,13 @@ def validate_layout(cfg: ZeroConfig, model_config) -> None:
                          "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
 
-def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsize: int):
+def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float,
+                  elsize: int) -> list[list[tuple[str, nn.Parameter]]]:
     """Split ``params`` (already in backward order) into runs of at most ``cap_bytes`` that never
     mix dense and expert parameters (they are reduced over different groups)."""
-    buckets, cur, size = [], [], 0
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    cur: list[tuple[str, nn.Parameter]] = []
+    size = 0
     for name, p in params:
         if cur and (size + p.numel() * elsize > cap_bytes or _is_expert(p) != _is_expert(cur[-1][1])):
             buckets.append(cur)
@@ -101,11 +108,17 @@ def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsi
     return buckets
 
 
+def _held(t: torch.Tensor | None) -> torch.Tensor:
+    """``t``, a buffer the wrapper's stage has allocated (gradient buffers, stage 3's shard)."""
+    assert t is not None, "a ZeRO buffer used before its stage allocated it"
+    return t
+
+
 def _is_expert(p: nn.Parameter) -> bool:
     return param_record(p).expert_parallel
 
 
-def _split_by_group(ps):
+def _split_by_group(ps: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
     """``ps`` split into the dense run and the expert run (either may be empty)."""
     return [run for run in ([q for q in ps if not _is_expert(q[1])], [q for q in ps if _is_expert(q[1])])
             if run]
@@ -115,7 +128,8 @@ def zero3_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str,
     """Stage-3 units in forward order: each ``layers.<i>`` block whole, and every other module
     that owns parameters directly (embedding, final norm, LM head) as its own unit. Only
     parameters that require a gradient are listed (frozen ones stay whole and untouched)."""
-    units, claimed = [], []
+    units: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
+    claimed: list[str] = []
     for name, m in module.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue
@@ -156,8 +170,8 @@ class ZeroDataParallel(nn.Module):
     the same collectives in the same order.
     """
 
-    def __init__(self, module: nn.Module, mesh, stage: int, dtype: str = "fp32",
-                 bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, mesh: Mesh, stage: int, dtype: str = "fp32",
+                 bucket_mb: float = 25.0) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: expected 1, 2 or 3")
@@ -168,10 +182,10 @@ class ZeroDataParallel(nn.Module):
         self.compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         device = next(module.parameters()).device
         self.param_names = [n for n, _ in module.named_parameters()]
-        self.events: list[dict] = []
+        self.events: list[dict[str, Any]] = []
         self.max_events = 2000
 
-        def bucket(name, ps):
+        def bucket(name: str, ps: list[tuple[str, nn.Parameter]]) -> FlatBucket:
             g = groups_of[_is_expert(ps[0][1])]
             n = comm.group_size(g)
             b = FlatBucket(name, ps, n, dist.get_rank(g) if n > 1 else 0, self.compute_dtype, device)
@@ -189,10 +203,10 @@ class ZeroDataParallel(nn.Module):
             self.buckets = [bucket(f"bucket{i}", ps) for i, ps in enumerate(
                 _size_buckets(params, bucket_mb * 2**20, torch.finfo(self.compute_dtype).bits // 8))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._pending: list = []      # in-flight reduce-scatters: (bucket, out, work, staging)
+        self._pending: list[Any] = []      # in-flight reduce-scatters: (bucket, out, work, staging)
         self._next_launch = 0
         self._callback_queued = False
-        self._gathering: dict[int, object] = {}
+        self._gathering: dict[tuple[int, int], Any] = {}   # (unit, bucket) -> the gather's work
         if stage == 1:
             for b in self.buckets:
                 b.grad_full = torch.zeros_like(b.full)
@@ -218,15 +232,15 @@ class ZeroDataParallel(nn.Module):
                 m.register_forward_hook(functools.partial(self._post_forward, i))
 
     # --- LocalModule protocol -------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def no_sync(self):
+    def no_sync(self) -> contextlib.nullcontext[None]:
         """Stage 1 reduces once per step anyway; stages 2/3 reduce every micro-batch."""
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def finish_grad_sync(self):
+    def finish_grad_sync(self) -> None:
         """Reduce-scatter what is left and wait: the gradient shards hold the mean over N.
 
         Every bucket is divided by N *before* its reduce-scatter (:func:`predivide_`, the rule of
@@ -234,11 +248,12 @@ class ZeroDataParallel(nn.Module):
         rank's gradient does."""
         if self.stage == 1:
             for b in self.buckets:
-                out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
+                full = _held(b.grad_full)
+                out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
                 self.log_event("reduce_scatter", b.name, "step")
-                comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group)
+                comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group)
                 a, e = b.shard_range
-                b.grad_full[a:e].copy_(out)
+                full[a:e].copy_(out)
             return
         if self._next_launch:
             self._end_of_backward()
@@ -250,23 +265,24 @@ class ZeroDataParallel(nn.Module):
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Gradient buffers held by this rank: full flat buffers (stage 1) or shards (2, 3)."""
-        return [b.grad_full if self.stage == 1 else b.grad_shard for b in self.buckets]
+        return [_held(b.grad_full if self.stage == 1 else b.grad_shard) for b in self.buckets]
 
     @torch.no_grad()
-    def zero_grad_buffers(self):
+    def zero_grad_buffers(self) -> None:
         for b in self.buckets:
             if self.stage == 1:
-                b.grad_full.zero_()
-                b.attach_grads(b.grad_full)
+                b.attach_grads(_held(b.grad_full).zero_())
             else:
-                b.grad_shard.zero_()
+                _held(b.grad_shard).zero_()
 
     def grad_shard(self, b: FlatBucket) -> torch.Tensor:
         """The reduced gradient of bucket ``b``'s shard (after ``finish_grad_sync``)."""
+        g = b.grad_full if self.stage == 1 else b.grad_shard
+        assert g is not None, "gradient buffers exist once the wrapper is built"
         if self.stage == 1:
             a, e = b.shard_range
-            return b.grad_full[a:e]
-        return b.grad_shard
+            return g[a:e]
+        return g
 
     def grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
         """After ``finish_grad_sync``: the part of ``p``'s reduced gradient in this rank's shard
@@ -281,11 +297,12 @@ class ZeroDataParallel(nn.Module):
 
     # --- stages 2 and 3: gradients ----------------------------------------------------------
     @torch.no_grad()
-    def _on_grad(self, p: nn.Parameter):
+    def _on_grad(self, p: nn.Parameter) -> None:
         if not self._callback_queued:     # reduce what is incomplete when this backward ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         b = self._bucket_of[id(p)]
+        assert p.grad is not None     # the hook runs once p.grad is accumulated
         if b.grad_full is None:
             b.grad_full = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
         b.copy_grad_in(p, b.grad_full)
@@ -301,12 +318,12 @@ class ZeroDataParallel(nn.Module):
                 self._next_launch += 1
 
     @torch.no_grad()
-    def _end_of_backward(self):
+    def _end_of_backward(self) -> None:
         """Launch, in order, every bucket not yet reduced in this backward pass (zeros where a
         parameter got no gradient), so that all ranks issue the same reduce-scatters."""
         for b in self.buckets[self._next_launch:]:
             if b.grad_full is None:
-                b.grad_full = torch.zeros(b.padded, dtype=self.compute_dtype, device=b.grad_shard.device)
+                b.grad_full = torch.zeros(b.padded, dtype=self.compute_dtype, device=_held(b.grad_shard).device)
             self._launch(b, "backward" if b.num_ready else "flush")
         self._next_launch = 0
         self._callback_queued = False
@@ -314,17 +331,19 @@ class ZeroDataParallel(nn.Module):
             for i in range(len(self.units)):
                 self._free_unit(i)
 
-    def _launch(self, b: FlatBucket, phase: str):
-        out = torch.empty(b.shard_numel, dtype=b.grad_full.dtype, device=b.grad_full.device)
+    def _launch(self, b: FlatBucket, phase: str) -> None:
+        full = b.grad_full
+        assert full is not None       # filled by _on_grad, or zeros from _end_of_backward
+        out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
         self.log_event("reduce_scatter", b.name, phase)
-        work = comm.reduce_scatter_tensor(out, predivide_(b.grad_full, b.world), group=b.group,
+        work = comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group,
                                           async_op=True)
-        self._pending.append((b, out, work, b.grad_full))
+        self._pending.append((b, out, work, full))
         b.grad_full, b.num_ready = None, 0
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
             self._retire()
 
-    def _retire(self):
+    def _retire(self) -> None:
         b, out, work, _staging = self._pending.pop(0)
         if work is not None:
             work.wait()
@@ -332,20 +351,20 @@ class ZeroDataParallel(nn.Module):
 
     # --- stage 3: parameters ----------------------------------------------------------------
     @torch.no_grad()
-    def _gather(self, i: int, phase: str, wait: bool = True):
+    def _gather(self, i: int, phase: str, wait: bool = True) -> None:
         for j, b in enumerate(self.units[i]):
             key = (i, j)
             if not b.is_full and key not in self._gathering:
                 b.allocate()
                 self.log_event("all_gather", b.name, phase)
-                self._gathering[key] = comm.all_gather_into_tensor(b.alias, b.local_shard.detach(),
+                self._gathering[key] = comm.all_gather_into_tensor(b.alias, _held(b.local_shard).detach(),
                                                                    group=b.group, async_op=True)
             if wait and key in self._gathering:
                 work = self._gathering.pop(key)
                 if work is not None:
                     work.wait()
 
-    def _free_unit(self, i: int):
+    def _free_unit(self, i: int) -> None:
         """Free unit ``i``'s gathered parameters (after any gather of it still in flight)."""
         for j, b in enumerate(self.units[i]):
             work = self._gathering.pop((i, j), None)
@@ -353,12 +372,12 @@ class ZeroDataParallel(nn.Module):
                 work.wait()
             b.free()
 
-    def _pre_forward(self, i, module, args):
+    def _pre_forward(self, i: int, module: Module, args: Any) -> None:
         self._gather(i, "forward")
         if i + 1 < len(self.units):
             self._gather(i + 1, "forward", wait=False)      # prefetch the next layer
 
-    def _post_forward(self, i, module, args, output):
+    def _post_forward(self, i: int, module: Module, args: Any, output: Any) -> Any:
         self._free_unit(i)                # a prefetch of layer i + 1 may still be in flight
         if torch.is_grad_enabled():
             outs = output if isinstance(output, (tuple, list)) else (output,)
@@ -368,7 +387,7 @@ class ZeroDataParallel(nn.Module):
                     break
         return output
 
-    def _pre_backward(self, i, grad):
+    def _pre_backward(self, i: int, grad: Tensor) -> None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -397,12 +416,14 @@ class ZeroDataParallel(nn.Module):
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
-def build_zero(module: nn.Module, mesh, cfg: ZeroConfig, make_optimizer, scaler=None):
-    """The trainer's hook: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage``/``cfg.dtype``.
-
-    ``module`` is this rank's full replica (already on its device, fp32); ``make_optimizer``
-    builds the torch optimizer from a list of tensors (the fp32 shard masters); ``scaler``: the
-    fp16 :class:`~llmlab.training.precision.DynamicLossScaler` whose scale ``unscale`` removes.
+def apply(module: nn.Module, mesh: Mesh, cfg: ZeroConfig,
+          make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+          scaler: LossScaler | None = None) -> tuple[ZeroDataParallel, ZeroOptimizer]:
+    """The strategy's ``apply``: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage`` and
+    ``cfg.dtype`` over ``mesh``'s ``dp`` group. ZeRO shards the optimizer's states too, so unlike
+    the other strategies it builds the optimizer: ``make_optimizer`` builds the torch optimizer
+    from a list of tensors (the fp32 shard masters); ``scaler``: the fp16 loss scaler whose
+    scale ``unscale`` removes. ``module`` is this rank's replica (already on its device, fp32).
     """
     wrapper = ZeroDataParallel(module, mesh, stage=cfg.stage, dtype=cfg.dtype, bucket_mb=cfg.bucket_mb)
     return wrapper, ZeroOptimizer(wrapper, make_optimizer, cpu_offload=cfg.cpu_offload, scaler=scaler)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmlab.runtime.comm import Group
+
 
 class FlatBucket:
     """Parameters ``params`` (list of ``(name, Parameter)``) flattened into one sharded buffer.
@@ -34,7 +36,7 @@ class FlatBucket:
     """
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device) -> None:
         if not params:
             raise ValueError(f"bucket {name!r} has no parameters")
         self.name, self.world, self.rank = name, world, rank
@@ -47,8 +49,8 @@ class FlatBucket:
         self.shard_numel = self.padded // world
         self.dtype, self.device = dtype, device
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)
-        self.alias = torch.empty(0, dtype=dtype, device=device).set_(
-            self.full.untyped_storage(), 0, (self.padded,))
+        self.alias: torch.Tensor = torch.empty(0, dtype=dtype, device=device).set_(
+            self.full.untyped_storage(), 0, (self.padded,))  # type: ignore[call-overload]
         with torch.no_grad():
             for p, o, n in zip(self.params, self.offsets, self.numels):
                 self.full[o:o + n].copy_(p.detach().reshape(-1))
@@ -61,6 +63,7 @@ class FlatBucket:
         self.grad_shard: torch.Tensor | None = None    # this rank's reduced gradient (stages 2, 3)
         self.local_shard: torch.Tensor | None = None   # owned copy of the shard (stage 3)
         self.num_ready = 0
+        self.group: Group = None   # the process group that reduces it (set by its wrapper)
 
     # --- layout ---------------------------------------------------------------------------
     @property
@@ -85,13 +88,14 @@ class FlatBucket:
     def copy_grad_in(self, p: nn.Parameter, flat: torch.Tensor) -> None:
         """Copy ``p.grad`` into its place in ``flat``."""
         i = self.index[id(p)]
+        assert p.grad is not None
         flat[self.offsets[i]:self.offsets[i] + self.numels[i]].copy_(p.grad.reshape(-1))
 
     # --- ZeRO-3: keep only the shard --------------------------------------------------------
     def make_local_shard(self) -> torch.Tensor:
         """Copy this rank's shard out of ``full`` into its own tensor and return it."""
-        self.local_shard = self.shard_view().clone()
-        return self.local_shard
+        shard = self.local_shard = self.shard_view().clone()
+        return shard
 
     def free(self) -> None:
         """Release the gathered parameters (storage resized to 0 bytes; views stay valid)."""

@@ -5,8 +5,8 @@ One idea per file: :mod:`~llmlab.planner.specs` (the model and the workload),
 space searched), :mod:`~llmlab.planner.memory` and :mod:`~llmlab.planner.step_time` (the cost model,
 built on :mod:`llmlab.formulas`), :mod:`~llmlab.planner.search` (evaluate and rank),
 :mod:`~llmlab.planner.api` (:func:`plan`), :mod:`~llmlab.planner.calibrate` and
-:mod:`~llmlab.planner.validate` (this machine), :mod:`~llmlab.planner.report` and
-:mod:`~llmlab.planner.cli`. The cost model and where it is wrong: docs/planner.md.
+:mod:`~llmlab.planner.validate` (this machine), :mod:`~llmlab.planner.report`,
+:mod:`~llmlab.planner.inputs` (the command line's flags checked) and :mod:`~llmlab.planner.cli`. The cost model and where it is wrong: docs/planner.md.
 """
 from llmlab.planner.api import plan
 from llmlab.planner.cluster import NODE_PRESETS, ClusterSpec, cluster_preset

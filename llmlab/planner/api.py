@@ -15,12 +15,12 @@ def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
     if sum(given) != 1:
         raise ValueError("give exactly one of --model PRESET, --params N or --config config.json")
     if isinstance(model, ModelSpec):
-        return model
+        return model.validate()
     if model is not None:
-        return from_preset(model)
+        return from_preset(model).validate()
     if config is not None:
-        return from_hf_config(config)
-    return from_params(params, **{k: v for k, v in shape.items() if v is not None})
+        return from_hf_config(config).validate()
+    return from_params(params, **{k: v for k, v in shape.items() if v is not None}).validate()
 
 
 def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "a800",

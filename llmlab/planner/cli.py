@@ -73,6 +73,8 @@ def _cluster(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    from llmlab.planner.inputs import check_args
+    check_args(args)   # every flag, before any planning (and before torch: calibrate imports it)
     if getattr(args, "serve", False) or getattr(args, "articles", False):
         from llmlab.planner.serve_cli import run_serve
         return run_serve(args)
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         workload = Workload(256, 256 * 16, "fp32", "adamw", args.tokens)
         print("--validate plans (and trains) 16 sequences of 256 tokens per step, fp32, AdamW")
     shape = dict(num_layers=args.num_layers, hidden=args.hidden_size, heads=args.num_heads,
-                 kv_heads=args.num_kv_heads, vocab=args.vocab_size or 32000)
+                 kv_heads=args.num_kv_heads, vocab=args.vocab_size)
     if args.calibrate or args.validate:   # refuse a plan with no layout before any rank starts
         from llmlab.planner.cluster import cluster_preset
         n = args.num_gpus
@@ -114,4 +116,4 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"plan written to {args.json}")
-    return 0
+    return 0 if any(r["fits"] for r in result["layouts"]) else 1   # 1: no layout fits (headline)

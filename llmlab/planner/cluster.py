@@ -16,6 +16,7 @@ this machine's numbers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 GB = 1e9
@@ -48,8 +49,16 @@ class ClusterSpec:
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"--gpus-per-node {self.gpus_per_node} must divide --num-gpus "
                              f"{self.num_gpus} (whole nodes)")
-        if self.gpu_memory_bytes <= 0 or min(self.intra_bandwidth, self.inter_bandwidth) <= 0:
-            raise ValueError("--gpu-memory-gb and the bandwidths must be > 0")
+        positive = {"--gpu-memory-gb": self.gpu_memory_bytes, "--intra-bw-gb-s": self.intra_bandwidth,
+                    "--inter-bw-gb-s": self.inter_bandwidth} | {
+                       f"--peak-tflops (--dtype {k})": v for k, v in self.peak_flops.items()}
+        for name, v in positive.items():   # NaN and inf fail too: not (nan > 0), not finite
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name, v in (("--intra-latency-us", self.intra_latency),
+                        ("--inter-latency-us", self.inter_latency)):
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(f"--achievable-fraction must be in (0, 1], got {self.achievable_fraction}")
         return self

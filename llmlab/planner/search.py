@@ -12,6 +12,15 @@ from llmlab.planner.memory import memory_per_gpu
 from llmlab.planner.step_time import step_time
 
 
+def needs(total: float, memory: float) -> str:
+    """``needs 80.02 GB per GPU > 80 GB``: GB (1e9 bytes) with as many decimals (up to 6) as it
+    takes for the two printed numbers to differ, as the numbers themselves do."""
+    for digits in range(1, 7):
+        if f"{total / 1e9:.{digits}f}" != f"{memory / 1e9:.{digits}f}":
+            break
+    return f"needs {total / 1e9:.{digits}f} GB per GPU > {memory / 1e9:.{digits}f} GB"
+
+
 def evaluate(model, lay, workload, cluster) -> dict:
     """One JSON-ready row: the layout, its memory (bytes), step time (s) and derived rates."""
     mem = memory_per_gpu(model, lay, workload, cluster)
@@ -23,8 +32,7 @@ def evaluate(model, lay, workload, cluster) -> dict:
     peak = cluster.peak(workload.dtype) * lay.num_gpus
     row = lay.to_dict() | {
         "fits": fits,
-        "why_not": None if fits else (f"needs {mem['total'] / 1e9:.1f} GB per GPU > "
-                                      f"{cluster.gpu_memory_bytes / 1e9:.1f} GB"),
+        "why_not": None if fits else needs(mem["total"], cluster.gpu_memory_bytes),
         "memory_bytes_per_gpu": mem["total"], "memory": mem,
         "micro_batch_size": workload.global_batch_size // (lay.dp * lay.num_microbatches),
         "tokens_per_s": tps, "mfu": tps * fpt / peak,

@@ -63,6 +63,28 @@ class ModelSpec:
     def to_dict(self) -> dict:
         return asdict(self) | {"num_params": self.num_params()}
 
+    def validate(self) -> "ModelSpec":
+        """Raise ``ValueError`` naming the broken constraint (and the ``llmlab plan`` flag):
+        every count an integer >= 1 (the MLP width of a dense model, the experts' of a MoE one),
+        heads divide the hidden size, key/value heads divide the heads, top-k <= experts."""
+        counts = {"num_layers (--num-layers)": self.num_layers, "hidden (--hidden-size)": self.hidden,
+                  "heads (--num-heads)": self.heads, "kv_heads (--num-kv-heads)": self.kv_heads,
+                  "vocab (--vocab-size)": self.vocab,
+                  "moe_ffn" if self.num_experts else "ffn": self.moe_ffn if self.num_experts else self.ffn}
+        for name, v in counts.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.name}: {name} must be an integer >= 1, got {v!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"{self.name}: heads {self.heads} (--num-heads) must divide hidden "
+                             f"{self.hidden} (--hidden-size)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: kv_heads {self.kv_heads} (--num-kv-heads) must divide "
+                             f"heads {self.heads} (--num-heads)")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"{self.name}: top_k {self.top_k} must be in 1..{self.num_experts} "
+                             f"(the experts)")
+        return self
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -80,6 +102,10 @@ class Workload:
         return self.global_batch_tokens // self.seq_len
 
     def validate(self) -> "Workload":
+        if not (isinstance(self.token_budget, (int, float)) and math.isfinite(self.token_budget)
+                and self.token_budget > 0):
+            raise ValueError(f"--tokens (the token budget) must be a finite number > 0, got "
+                             f"{self.token_budget!r}")
         if self.seq_len < 1 or self.global_batch_tokens < self.seq_len:
             raise ValueError(f"--global-batch-tokens {self.global_batch_tokens} must be at least "
                              f"one sequence of --seq-len {self.seq_len} (and both >= 1)")
@@ -144,16 +170,21 @@ def from_params(num_params: float, num_layers: int | None = None, hidden: int | 
     is then solved so the parameter count is ``num_params`` (to within one column).
     Raises ``ValueError`` when the count is too small for the shape given.
     """
-    if not num_params or num_params <= 0:
-        raise ValueError(f"--params must be > 0, got {num_params}")
+    if not (isinstance(num_params, (int, float)) and math.isfinite(num_params) and num_params > 0):
+        raise ValueError(f"--params must be a finite number > 0, got {num_params!r}")
+    for name, v in (("--num-layers", num_layers), ("--hidden-size", hidden), ("--num-heads", heads),
+                    ("--num-kv-heads", kv_heads), ("--vocab-size", vocab)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")   # never a default
     if hidden is None:
         h = (128 * num_params / 12) ** (1 / 3)
         step = 1024 if h >= 2048 else 256 if h >= 256 else 64
         hidden = max(step, round(h / step) * step)
-    heads = heads or max(1, hidden // 128)
-    kv_heads = kv_heads or heads
-    num_layers = num_layers or max(1, round(num_params / (12 * hidden * hidden)))
-    base = ModelSpec(num_layers, hidden, heads, kv_heads, 0, vocab)
+    heads = max(1, hidden // 128) if heads is None else heads
+    kv_heads = heads if kv_heads is None else kv_heads
+    num_layers = max(1, round(num_params / (12 * hidden * hidden))) if num_layers is None else num_layers
+    ModelSpec(num_layers, hidden, heads, kv_heads, 1, vocab, name=f"--params {num_params:g}").validate()
+    base = ModelSpec(num_layers, hidden, heads, kv_heads, 0, vocab)   # all but the MLP
     rest = num_params - base.num_params()
     ffn = math.floor(rest / (3 * hidden * num_layers))
     if ffn < 1:

@@ -31,9 +31,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+#: A process group argument: a group, or ``None`` for the default (whole world) group.
+Group = Optional[Any]
+#: What an ``async_op`` collective returns: a ``torch.distributed.Work`` (or ``None``).
+Work = Any
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv", "broadcast")
 
@@ -45,16 +51,16 @@ dist_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
 
 
 class CommCounter:
-    def __init__(self):
+    def __init__(self) -> None:
         self.reset()
 
-    def reset(self, record_events: bool = False):
-        self.bytes = defaultdict(int)
-        self.calls = defaultdict(int)
+    def reset(self, record_events: bool = False) -> None:
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self.calls: defaultdict[str, int] = defaultdict(int)
         self.record_events = record_events
         self.events: list[tuple[str, int, float, float]] = []
 
-    def add(self, kind: str, nbytes: int, t0: float | None = None):
+    def add(self, kind: str, nbytes: int, t0: float | None = None) -> None:
         self.bytes[kind] += int(nbytes)
         self.calls[kind] += 1
         if self.record_events and t0 is not None:
@@ -74,17 +80,18 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def group_size(group) -> int:
+def group_size(group: Group) -> int:
     if not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def _active(group) -> bool:
+def _active(group: Group) -> bool:
     return dist.is_initialized() and group_size(group) > 1
 
 
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None,
+               async_op: bool = False) -> Work:
     """In-place all-reduce of ``t`` over ``group``. Returns a work handle when ``async_op``."""
     if not _active(group):
         return None
@@ -94,7 +101,8 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool
     return work
 
 
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group = None,
+                           async_op: bool = False) -> Work:
     """Concatenate every rank's ``inp`` along dim 0 into ``out`` (``world * inp.shape[0]`` rows)."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
@@ -105,8 +113,8 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, asy
     return work
 
 
-def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                          async_op: bool = False):
+def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                          group: Group = None, async_op: bool = False) -> Work:
     """Sum ``inp`` over ranks and keep this rank's ``1/world`` slice of dim 0 in ``out``."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
@@ -118,8 +126,9 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp
     return work
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None,
-                      group=None, async_op: bool = False, kind: str = "all_to_all"):
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                      in_splits: list[int] | None = None, group: Group = None,
+                      async_op: bool = False, kind: str = "all_to_all") -> Work:
     """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``.
     Counted under ``kind``."""
     if not _active(group):
@@ -132,38 +141,38 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     return work
 
 
-def broadcast(t: torch.Tensor, src: int, group=None):
+def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
     """Broadcast ``t`` from global rank ``src`` over ``group`` (in place)."""
     if not _active(group):
-        return None
+        return
     t0 = time.perf_counter()
     dist.broadcast(t, src=src, group=group)
     COUNTER.add("broadcast", nbytes(t), t0)
 
 
-def send(t: torch.Tensor, dst: int, group=None):
+def send(t: torch.Tensor, dst: int, group: Group = None) -> None:
     t0 = time.perf_counter()
     dist.send(t.contiguous(), dst=dst, group=group)
     COUNTER.add("send", nbytes(t), t0)
 
 
-def recv(t: torch.Tensor, src: int, group=None):
+def recv(t: torch.Tensor, src: int, group: Group = None) -> None:
     t0 = time.perf_counter()
     dist.recv(t, src=src, group=group)
     COUNTER.add("recv", nbytes(t), t0)
 
 
-def isend(t: torch.Tensor, dst: int, group=None):
+def isend(t: torch.Tensor, dst: int, group: Group = None) -> Work:
     COUNTER.add("send", nbytes(t))
     return dist.isend(t.contiguous(), dst=dst, group=group)
 
 
-def irecv(t: torch.Tensor, src: int, group=None):
+def irecv(t: torch.Tensor, src: int, group: Group = None) -> Work:
     COUNTER.add("recv", nbytes(t))
     return dist.irecv(t, src=src, group=group)
 
 
-def batch_isend_irecv(ops: list, kind: str | None = None) -> list:
+def batch_isend_irecv(ops: list[Any], kind: str | None = None) -> list[Any]:
     """Post a batch of ``dist.P2POp`` together (deadlock-free pairing); counts their bytes under
     ``send``/``recv``, or ``{kind}_send``/``{kind}_recv`` when ``kind`` is given."""
     for op in ops:

@@ -6,11 +6,13 @@ bigger model), and shows the chosen size.
 """
 from __future__ import annotations
 
+
 import os
 import platform
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +41,7 @@ class LabSize:
         return (f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
                 f"model '{self.model}', {self.steps} steps")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -53,12 +55,43 @@ def usable_cores() -> int:
 
 
 def gpu_count() -> int:
+    """CUDA GPUs this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str = "auto", ranks: int = 1, *, flag: str = "device",
+                   torchrun: bool = False) -> str:
+    """Where ``ranks`` ranks of this node (or one engine: ``ranks=1``) run: the one "auto" rule.
+
+    ``"auto"``: ``"cuda"`` when this node has a GPU for each rank (under ``torchrun``, any GPU:
+    the launcher gives each rank its own), else ``"cpu"``. ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+    are checked and returned as given. Raises ``ValueError`` naming ``flag`` for another kind,
+    CUDA asked for where there is none, or more ranks than visible GPUs (one GPU per rank).
+    """
+    device = str(device)
+    n = gpu_count()
+    if device == "auto":
+        return "cuda" if n > 0 and (ranks <= n or torchrun) else "cpu"
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return device
+    if kind != "cuda":
+        raise ValueError(f"{flag} {device!r}: expected auto, cpu or cuda")
+    if n == 0:
+        raise ValueError(f"{flag} {device}, but no CUDA GPU is available")
+    if not torchrun and ranks > n:
+        raise ValueError(f"{ranks} ranks need {ranks} GPUs, but only {n} are visible (one GPU "
+                         f"per rank)")
+    return device
 
 
 def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,
              cpu_model: str = "tiny", gpu_model: str | None = None, cpu_steps: int = 20,
-             gpu_steps: int = 200, fits=None) -> LabSize:
+             gpu_steps: int = 200,
+             fits: Callable[[int, str], str | None] | None = None) -> LabSize:
     """Choose a lab's size from the hardware.
 
     ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
@@ -88,12 +121,12 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
 
 
-def hardware() -> dict:
+def hardware() -> dict[str, Any]:
     """The machine's inventory: Python, platform, CPU cores, torch and its build, transformers, and
     per GPU its name, memory (bytes) and peer access; with GPUs the NCCL version and
     ``nvidia-smi topo -m`` (when that program is there). JSON-serialisable."""
     n = gpu_count()
-    info = {"python": platform.python_version(), "platform": platform.platform(),
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
             "cpu_cores": os.cpu_count(), "torch": torch.__version__,
             "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
             "gpus": []}

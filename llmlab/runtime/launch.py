@@ -53,7 +53,6 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from llmlab.runtime.hardware import usable_cores
 from llmlab.runtime import process
 from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
                                         _verified_torchrun, torchrun_secret)
@@ -63,7 +62,7 @@ class RankError(RuntimeError):
     ``log_dir`` the folder holding every rank's ``rank<r>.log`` (kept after a failure for reading;
     the caller may remove it)."""
 
-    def __init__(self, rank: int, message: str, rank_traceback: str = "", log_dir: str | None = None):
+    def __init__(self, rank: int, message: str, rank_traceback: str = "", log_dir: str | None = None) -> None:
         self.rank, self.rank_traceback, self.log_dir = rank, rank_traceback, log_dir
         super().__init__(f"rank {rank} failed: {message}\n{rank_traceback}".rstrip())
 
@@ -74,7 +73,7 @@ class RankError(RuntimeError):
 _channel: dict[str, Any] = {}
 
 
-def report(record: dict) -> None:
+def report(record: dict[str, Any]) -> None:
     """Send a JSON-serialisable record from this rank to the caller's ``on_metric`` callback.
 
     A no-op outside :func:`launch` (e.g. a single process or under torchrun without a callback).
@@ -94,23 +93,18 @@ def report(record: dict) -> None:
     store.add(f"n/{rank}", 1)
 
 
-def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env, secret):
-    process.die_with_parent()
-    # The fork server's environment dates from its start; apply the caller's current one.
-    os.environ.update(env)
+def _entry(rank: int, world_size: int, backend: str, host: str, port: int, payload: bytes, log_dir: Any, threads: int, env: dict[str, Any], secret: bytes) -> None:
     log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    store = None
+    store: Any = None   # the rendezvous TCPStore (bytes values)
     try:
-        torch.set_num_threads(threads)
+        process.setup_child(env, threads, backend, rank)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         store = process.join_store(host, port)
         _channel.update(store=store, rank=rank, secret=secret)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
         process.init_process_group(backend, store, rank, world_size)
         fn, args, kwargs = cloudpickle.loads(payload)  # from the caller, over the fork server's local pipe
         result = fn(*args, **kwargs)
@@ -136,9 +130,8 @@ def _entry(rank, world_size, backend, host, port, payload, log_dir, threads, env
 # --------------------------------------------------------------------------------------------
 # The caller
 # --------------------------------------------------------------------------------------------
-def under_torchrun() -> bool:
-    """True when this process is a rank started by ``torchrun`` (or another env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+under_torchrun = process.under_torchrun
+resolve_torchrun_backend = process.resolve_torchrun_backend
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -150,18 +143,10 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return process.resolve_backend(backend, world_size)
 
 
-def resolve_torchrun_backend(backend: str) -> str:
-    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
-    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
-    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
-    ranks (naming both counts)."""
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return process.resolve_backend(backend, local_ws, what="LOCAL_WORLD_SIZE", where=" on this node")
-
-
-def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
-           timeout: float | None = None, log_dir: str | os.PathLike | None = None,
-           on_metric: Callable[[int, dict], None] | None = None, **kwargs) -> list:
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+           timeout: float | None = None, log_dir: str | os.PathLike[str] | None = None,
+           on_metric: Callable[[int, dict[str, Any]], None] | None = None,
+           **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, by rank.
 
     Args:
@@ -198,7 +183,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
     log_dir.mkdir(parents=True, exist_ok=True)
     store = process.loopback_store()
     secret = secrets.token_bytes(32)  # travels to the ranks with the payload, over local pipes
-    threads = max(1, usable_cores() // world_size) if backend == "gloo" else 1
+    threads = process.child_threads(world_size, backend)
     env = process.local_env(backend)
     procs = []
     try:
@@ -219,7 +204,8 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto",
         del store
 
 
-def _wait(procs, store, secret, on_metric, timeout, log_dir) -> None:
+def _wait(procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout: float | None,
+          log_dir: Any) -> None:
     """Poll until every rank exited cleanly, passing metric records on; raise the first rank's
     error (:class:`RankError`) or ``TimeoutError`` after ``timeout`` s."""
     seen = [0] * len(procs)
@@ -234,21 +220,22 @@ def _wait(procs, store, secret, on_metric, timeout, log_dir) -> None:
             break
         if deadline is not None and time.monotonic() > deadline:
             err = TimeoutError(f"launch: ranks still running after {timeout} s (logs in {log_dir})")
-            err.log_dir = str(log_dir)  # kept for reading, like a RankError's
+            err.log_dir = str(log_dir)  # type: ignore[attr-defined]  # kept for reading, like a RankError's
             raise err
         time.sleep(0.02)
     _drain(store, secret, seen, on_metric)
 
 
-def _get(store, rank: int, key: str) -> bytes:
+def _get(store: Any, rank: int, key: str) -> bytes:
     """``store.get`` of a key a rank must have written; a missing one (deleted by another
     process) is reported at once instead of blocking for the store's timeout."""
     if not store.check([key]):
         raise ForgedValueError(rank, key, "missing: deleted from the store")
-    return store.get(key)
+    value: bytes = store.get(key)
+    return value
 
 
-def _drain(store, secret, seen, on_metric):
+def _drain(store: Any, secret: bytes, seen: list[int], on_metric: Any) -> None:
     """Pass every new record to ``on_metric``: tag checked, then JSON decoded, then checked to
     be a dict. A rank writes ``m/<r>/<i>`` before counting it in ``n/<r>``, so a count ahead of
     its records was raised by someone else."""
@@ -274,7 +261,7 @@ def _drain(store, secret, seen, on_metric):
             on_metric(r, record)
 
 
-def _failure(store, secret, procs, failed, log_dir) -> RankError:
+def _failure(store: Any, secret: bytes, procs: list[Any], failed: list[Any], log_dir: Any) -> RankError:
     """The error of the rank that failed first (``failed``: those seen dead at the first poll).
 
     Peers of a crashed rank fail afterwards with connection errors; those are not the cause: when
@@ -308,18 +295,13 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
+def _launch_torchrun(fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     backend: str, on_metric: Any) -> list[Any]:
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
     secret = torchrun_secret()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    backend = resolve_torchrun_backend(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group(backend, init_method="env://", timeout=process.pg_timeout())
+    _, own = process.join_torchrun(backend)
     _channel.update(rank=dist.get_rank(), local_callback=on_metric)
     try:
         result = fn(*args, **kwargs)
@@ -333,7 +315,7 @@ def _launch_torchrun(fn, world_size, args, kwargs, backend, on_metric):
 # --------------------------------------------------------------------------------------------
 # Under torchrun: results travel between ranks as bytes, pickled only when authenticated
 # --------------------------------------------------------------------------------------------
-def _exchange_results(result, secret: bytes | None) -> list:
+def _exchange_results(result: Any, secret: bytes | None) -> list[Any]:
     """Every rank's ``result``, by rank. Each rank sends one blob, ``mode || body``:
     ``P`` + cloudpickle (only with a secret, then the blob is HMAC-tagged), ``J`` + tagged JSON,
     or ``E`` + the reason its result could not be encoded (then every rank raises ``TypeError``).
@@ -350,7 +332,8 @@ def _exchange_results(result, secret: bytes | None) -> list:
     if secret:
         blob = _sign(secret, key, blob)
     where = dict(where="received from the process group")
-    results, errors = [], []
+    results: list[Any] = []
+    errors: list[str] = []
     for r, got in enumerate(_all_gather_bytes(blob)):
         if secret:  # checked before anything of it is decoded
             got = _verified_torchrun(secret, r, got)
@@ -379,9 +362,9 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
               else torch.device("cpu"))
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes = [int(s.item()) for s in sizes]
+    size_ts = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(size_ts, n)
+    sizes = [int(s.item()) for s in size_ts]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]

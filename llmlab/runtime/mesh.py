@@ -21,11 +21,15 @@ build several layouts in one kernel.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+from llmlab.runtime.process import pg_timeout
 
 
 def check_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -69,9 +73,9 @@ class Mesh:
     ep: int = 1
     cp: int = 1
     rank: int = 0
-    coords: dict = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
-    groups: dict = field(default_factory=dict)
-    ranks: dict = field(default_factory=dict)
+    coords: dict[str, int] = field(default_factory=lambda: {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0})
+    groups: dict[str, Any] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> "Mesh":
@@ -109,7 +113,9 @@ class Mesh:
             for members in lists:
                 # new_group is collective over the whole world, even for groups we are not in.
                 # Groups of one rank are created too: ``None`` would mean the *world* group.
-                g = dist.new_group(members) if dist.is_initialized() else None
+                # Each times out as the world does (LLMLAB_PG_TIMEOUT; new_group's own default
+                # is 30 min): a hung peer fails the job's collectives, not only the world's.
+                g = dist.new_group(members, timeout=pg_timeout()) if dist.is_initialized() else None
                 if rank in members:
                     mesh.groups[name], mesh.ranks[name] = g, members
         return mesh

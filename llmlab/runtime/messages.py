@@ -14,6 +14,8 @@ import json
 
 import torch
 import torch.distributed as dist
+from llmlab.runtime.comm import Group
+from typing import Any
 
 DTYPES = {str(t).removeprefix("torch."): t for t in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -21,7 +23,7 @@ DTYPES = {str(t).removeprefix("torch."): t for t in (
 _TENSOR = "__tensor__"
 
 
-def _flatten(obj, tensors: list):
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {_TENSOR: len(tensors) - 1, "dtype": str(obj.dtype).removeprefix("torch."),
@@ -39,13 +41,13 @@ def _flatten(obj, tensors: list):
     raise TypeError(f"cannot send a {type(obj).__name__} in a message (JSON data and tensors only)")
 
 
-def _dtype(name) -> torch.dtype:
+def _dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"message names dtype {name!r}; allowed: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def _specs(obj, out: list):
+def _specs(obj: Any, out: list[Any]) -> list[Any]:
     if isinstance(obj, dict):
         if _TENSOR in obj:
             out.append(obj)
@@ -58,7 +60,7 @@ def _specs(obj, out: list):
     return out
 
 
-def _rebuild(obj, tensors: list):
+def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if _TENSOR in obj:
             return tensors[obj[_TENSOR]]
@@ -70,7 +72,8 @@ def _rebuild(obj, tensors: list):
     return obj
 
 
-def broadcast_message(msg=None, src: int = 0, group=None, device: torch.device | str = "cpu"):
+def broadcast_message(msg: Any = None, src: int = 0, group: Group = None,
+                      device: torch.device | str = "cpu") -> Any:
     """Collective over ``group``: rank ``src`` passes ``msg`` (JSON-able data whose leaves may be
     tensors or ``torch.dtype`` s; tuples arrive as lists), every rank returns it. Tensors arrive on
     ``device`` (a CUDA device under NCCL). Bytes moved: 8 (header length) + header + tensors.
@@ -80,7 +83,7 @@ def broadcast_message(msg=None, src: int = 0, group=None, device: torch.device |
     """
     device = torch.device(device)
     is_src = dist.get_rank() == src
-    tensors: list = []
+    tensors: list[Any] = []
     if is_src:
         header = json.dumps(_flatten(msg, tensors)).encode()
         n = torch.tensor([len(header)], dtype=torch.int64, device=device)

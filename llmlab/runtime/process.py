@@ -15,7 +15,10 @@ tensor-parallel inference, each self-test check) is started here, the same way:
   process could take in between; children join it (:func:`join_store`) and build the process
   group on it (:func:`init_process_group`), which times out after ``LLMLAB_PG_TIMEOUT`` seconds
   (default 300; :func:`pg_timeout`);
-* **backend**: :func:`resolve_backend` (gloo on CPU, NCCL with one GPU per rank).
+* **backend**: :func:`resolve_backend` (gloo on CPU, NCCL with one GPU per rank);
+* **the child's first lines**: :func:`setup_child` (die with the parent, the caller's current
+  environment, threads from the seat's usable cores by :func:`child_threads`, its GPU under NCCL);
+  a rank ``torchrun`` started instead joins its job with :func:`join_torchrun`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from llmlab.runtime.hardware import usable_cores
+from typing import Any, Callable, Iterator
 
 
 def pg_timeout() -> datetime.timedelta:
@@ -61,10 +67,63 @@ def resolve_backend(backend: str = "auto", ranks: int | None = 1, *, device: str
     return backend
 
 
-_ctx = None
+def under_torchrun() -> bool:
+    """True when this process is a rank started by ``torchrun`` (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def context():
+def resolve_torchrun_backend(backend: str) -> str:
+    """The backend of a ``torchrun`` rank: ``auto`` -> NCCL only when this node has one GPU per
+    local rank (``LOCAL_WORLD_SIZE`` <= visible GPUs), else gloo; NCCL cannot put two ranks on
+    one GPU. Raises ``ValueError`` for an unknown backend, or ``nccl`` with fewer GPUs than local
+    ranks (naming both counts)."""
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return resolve_backend(backend, local_ws, what="LOCAL_WORLD_SIZE", where=" on this node")
+
+
+def child_threads(ranks: int, backend: str) -> int:
+    """Threads of each of ``ranks`` CPU (gloo) ranks started on this node: the seat's usable
+    cores (:func:`~llmlab.runtime.hardware.usable_cores`, its affinity set, not the node's core
+    count) shared out, at least 1; a GPU (NCCL) rank needs 1."""
+    return max(1, usable_cores() // ranks) if backend == "gloo" else 1
+
+
+def bind_device(backend: str, local_rank: int) -> None:
+    """Under NCCL, make GPU ``local_rank`` (mod the visible count) this process's device."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def setup_child(env: dict[str, str], threads: int, backend: str, local_rank: int) -> None:
+    """What every process llmlab starts runs first (before joining the rendezvous store): die
+    with the parent (:func:`die_with_parent`), take the caller's *current* environment (the fork
+    server's dates from its start), ``threads`` intra-op threads (:func:`child_threads`), and,
+    under NCCL, its GPU (:func:`bind_device`)."""
+    die_with_parent()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    bind_device(backend, local_rank)
+
+
+def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
+    """A rank ``torchrun`` started joins its job: the backend (:func:`resolve_torchrun_backend`),
+    its GPU under NCCL (``LOCAL_RANK``), and the default process group from the environment
+    (``env://``, timing out after :func:`pg_timeout`) unless one is initialised already.
+    Returns ``(backend, whether this call created the group)``: its creator destroys it."""
+    backend = resolve_torchrun_backend(backend)
+    bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return backend, False
+    from llmlab.runtime.elastic import check_torchrun_environment
+    check_torchrun_environment(backend)  # interface variables, restarts: refused before joining
+    dist.init_process_group(backend, init_method="env://", timeout=pg_timeout())
+    return backend, True
+
+
+_ctx: Any = None
+
+
+def context() -> Any:
     """The multiprocessing context every llmlab process is started from (forkserver, else spawn)."""
     global _ctx
     if _ctx is None:
@@ -80,7 +139,7 @@ def context():
 
 
 @contextlib.contextmanager
-def main_module_hidden():
+def main_module_hidden() -> Iterator[None]:
     """Stop multiprocessing from re-running the caller's ``__main__`` script in each child.
 
     What a child runs travels by value, so it never needs the caller's main module; re-importing it
@@ -97,7 +156,7 @@ def main_module_hidden():
             setattr(main, k, v)
 
 
-def start(target, args: tuple, name: str):
+def start(target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
     """Start ``target(*args)`` in a new process (see the module docstring) and return it
     (a ``multiprocessing.Process``). ``target`` should call :func:`die_with_parent` first."""
     p = context().Process(target=target, args=args, name=name, daemon=False)
@@ -115,7 +174,7 @@ def die_with_parent() -> None:
         pass
 
 
-def stop(procs, grace: float = 3.0) -> None:
+def stop(procs: list[Any], grace: float = 3.0) -> None:
     """End the processes still running: terminate, wait up to ``grace`` s in all, then kill."""
     for p in procs:
         if p.pid is not None and p.is_alive():
@@ -129,7 +188,7 @@ def stop(procs, grace: float = 3.0) -> None:
                 p.join(2)
 
 
-def kill_group(proc) -> None:
+def kill_group(proc: Any) -> None:
     """Kill the process group led by ``proc`` (a child that called ``os.setsid()``) and reap it."""
     if proc.pid is None:
         return
@@ -140,7 +199,7 @@ def kill_group(proc) -> None:
     proc.join(5)
 
 
-def loopback_store():
+def loopback_store() -> dist.TCPStore:
     """The rendezvous store, hosted by this process on 127.0.0.1 only (given a socket bound before
     the store exists: TCPStore's own listener binds every interface whatever host it is given).
     Falls back to TCPStore's listener where this torch cannot take a socket. Its port: ``.port``."""
@@ -165,12 +224,12 @@ def loopback_store():
                          wait_for_workers=False, timeout=timeout)
 
 
-def join_store(host: str, port: int):
+def join_store(host: str, port: int) -> dist.TCPStore:
     """A child's client of the caller's :func:`loopback_store`."""
     return dist.TCPStore(host, port, is_master=False, timeout=pg_timeout())
 
 
-def init_process_group(backend: str, store, rank: int, world_size: int) -> None:
+def init_process_group(backend: str, store: Any, rank: int, world_size: int) -> None:
     """The default process group, rendezvousing on ``store`` (under the ``pg`` prefix, so the
     store's other keys stay the caller's), timing out after :func:`pg_timeout`."""
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
@@ -186,10 +245,11 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def local_env(backend: str) -> dict:
+def local_env(backend: str) -> dict[str, str]:
     """The caller's environment for local children: with gloo, its sockets on the loopback
     interface (all ranks are on this machine, not on the network) unless the user chose one."""
     env = dict(os.environ)
-    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and loopback_interface():
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    lo = loopback_interface()
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env and lo:
+        env["GLOO_SOCKET_IFNAME"] = lo
     return env

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import os
 from pathlib import Path
+from typing import Any
 
 
 class ForgedValueError(RuntimeError):
@@ -25,7 +26,7 @@ class ForgedValueError(RuntimeError):
     See docs/workshop.md, "Running on a shared node"."""
 
     def __init__(self, rank: int, key: str, why: str = "its HMAC tag does not match",
-                 where: str = "in the rendezvous store"):
+                 where: str = "in the rendezvous store") -> None:
         self.rank, self.key = rank, key
         super().__init__(f"rank {rank}: the value of {key!r} {where} was forged or tampered with "
                          f"({why}); it was rejected without being decoded. Some other process "
@@ -49,7 +50,7 @@ def _sign(secret: bytes, key: str, body: bytes) -> bytes:
     return _tag(secret, key, body) + body
 
 
-def _verified(secret: bytes, rank: int, key: str, blob: bytes, **where) -> bytes:
+def _verified(secret: bytes, rank: int, key: str, blob: bytes, **where: str) -> bytes:
     """The body of a signed value, or :class:`ForgedValueError` before anything is decoded."""
     if len(blob) < _TAG_BYTES:
         raise ForgedValueError(rank, key, f"{len(blob)} bytes, shorter than the tag", **where)
@@ -84,7 +85,7 @@ def _verified_torchrun(secret: bytes, rank: int, blob: bytes) -> bytes:
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def _to_json(v):
+def _to_json(v: Any) -> Any:
     """A JSON value that :func:`_from_json` turns back into exactly ``v`` (lists, tuples and
     dicts are tagged, so a tuple stays a tuple and dict keys keep their type)."""
     if isinstance(v, _SCALARS):
@@ -98,7 +99,7 @@ def _to_json(v):
     raise TypeError(f"{type(v).__name__} is not JSON-encodable")
 
 
-def _from_json(v):
+def _from_json(v: Any) -> Any:
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, dict) and len(v) == 1:

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from llmlab.runtime.comm import Group
 
 _HOST_BYTES = 64  # host names travel as fixed-size UTF-8 byte rows
 
 
-def _device(group) -> torch.device:
+def _device(group: Group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
 
 
-def check_shared_directory(directory: str | os.PathLike, group=None) -> None:
+def check_shared_directory(directory: str | os.PathLike[str], group: Group = None) -> None:
     """Collective: rank 0 writes a probe file with a fresh token into ``directory``, every rank
     reads it, and all learn who saw it. Raises ``RuntimeError`` on every rank, naming the ranks
     and hosts that could not see the file, when the directory is not shared by all ranks. A

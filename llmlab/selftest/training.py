@@ -4,11 +4,11 @@ measurements of the machine (collectives' bus bandwidth, MFU) (see :mod:`llmlab.
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 
+from llmlab.runtime.process import child_threads
 from llmlab.selftest.common import FAIL, PASS, _gpu
 
 
@@ -22,7 +22,7 @@ def check_train_one_device(quick: bool) -> dict:
     if _gpu():
         kw = dict(model="small", global_batch_size=8, seq_len=256, device="cuda")
     else:
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(min(2, child_threads(1, "gloo")))   # the seat's cores, 2 at most
         kw = dict(model="tiny", global_batch_size=4, seq_len=32, device="cpu")
     losses = {}
     for dtype in ("fp32", "bf16"):
@@ -182,7 +182,7 @@ def check_mfu(quick: bool) -> dict:
         cfg = TrainConfig(model="small", steps=4 if quick else 10, global_batch_size=16,
                           seq_len=512, dtype="bf16", device="cuda")
     else:
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        torch.set_num_threads(min(2, child_threads(1, "gloo")))   # the seat's cores, 2 at most
         cfg = TrainConfig(model="tiny", steps=3 if quick else 6, global_batch_size=8,
                           seq_len=64, device="cpu")
     steps = rank_main(cfg)["steps"][1:]  # the first step pays one-time costs

@@ -67,9 +67,9 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
 def _replica_devices(device: str, n: int) -> list[str]:
     """One device per replica: with ``cuda`` (or ``auto`` on a CUDA machine) and several GPUs,
     replica ``r`` gets ``cuda:r % num_gpus``; otherwise every replica gets ``device``."""
-    import torch
-    if str(device) in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        return [f"cuda:{r % torch.cuda.device_count()}" for r in range(n)]
+    from llmlab.runtime.hardware import gpu_count, resolve_device
+    if resolve_device(str(device)) == "cuda" and gpu_count() > 1:
+        return [f"cuda:{r % gpu_count()}" for r in range(n)]
     return [device] * n
 
 
@@ -90,14 +90,13 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
     from llmlab.serve.config import SERVER_FIELDS, ServerConfig
     from llmlab.serve.metrics import ServerMetrics
     from llmlab.serve.server import ServerThread
-    import torch
+    from llmlab.runtime.hardware import resolve_device
     server_args = {k: engine_args.pop(k) for k in list(engine_args) if k in SERVER_FIELDS}
     server_config = dataclasses.replace(server_config or ServerConfig(), **server_args).validate()
     name = served_model_name or default_served_name(model)
     config = engine_args.get("config")
     device = str(engine_args.get("device", "auto" if config is None else config.device))
-    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    metrics = ServerMetrics(name, device_type="cuda" if on_gpu else "cpu")
+    metrics = ServerMetrics(name, device_type=resolve_device(device).split(":")[0])
     engines = build_engines(model, data_parallel_size=data_parallel_size,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,

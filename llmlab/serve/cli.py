@@ -139,7 +139,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _device_type(device: str) -> str:
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    from llmlab.runtime.hardware import resolve_device
+    return resolve_device(device).split(":")[0]

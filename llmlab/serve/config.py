@@ -9,6 +9,8 @@
   KV blocks freed).
 - ``send_buffer_bytes``: each connection's kernel send buffer (``SO_SNDBUF``; Linux doubles it
   for its bookkeeping).
+- ``allowed_local_media_path``: the directory ``file://`` image URLs may name (vLLM's flag;
+  :mod:`llmlab.serve.images`); ``None``: file URLs are refused.
 - ``allowed_hosts``: the ``Host`` header values served (DNS-rebinding defence, as Django's
   ``ALLOWED_HOSTS``); ``None``: the loopback names when bound to a loopback address, else any.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import math
 from dataclasses import dataclass
 
@@ -41,6 +44,7 @@ class ServerConfig:
     stream_timeout_s: float = 60.0
     send_buffer_bytes: int = 256 * 2**10
     allowed_hosts: tuple[str, ...] | None = None
+    allowed_local_media_path: str | None = None
 
     def validate(self) -> "ServerConfig":
         for name in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_streams",
@@ -56,6 +60,9 @@ class ServerConfig:
                                                  for h in self.allowed_hosts):
                 raise ValueError(f"allowed_hosts={self.allowed_hosts!r} must list host names "
                                  "(or '*')")
+        d = self.allowed_local_media_path
+        if d is not None and not os.path.isdir(d):
+            raise ValueError(f"allowed_local_media_path={d!r} is not a directory")
         return self
 
     def hosts_for(self, bind_host: str) -> tuple[str, ...]:
@@ -99,6 +106,9 @@ def add_server_arguments(p) -> None:
                    help="Host header values served, others get 400 (names, with or without a "
                         "port; '*' = any). Default: localhost, 127.0.0.1 and [::1] when bound to "
                         "a loopback address, else any")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="directory chat image_url file:// URLs may read images from (default: "
+                        "none; file URLs are refused)")
 
 
 def server_config(args) -> ServerConfig:

@@ -42,6 +42,7 @@ class Prompt:
     echo: str               # text put before the generated text ("" without echo)
     token_ids: list[int]
     params: SamplingParams
+    mm: object = None       # the images' MultimodalState (llmlab.serve.images), token_ids expanded
 
 
 @dataclass
@@ -114,7 +115,9 @@ async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt]) -> list:
     streams = []                # engine ids "<id>-<prompt>": an x-request-id in use is a 400, as vLLM
     try:
         for i, p in enumerate(prompts):
-            streams.append(await ctx.router.pick().add_request(p.token_ids, p.params, f"{rid}-{i}"))
+            prompt = p.token_ids if p.mm is None else {"prompt_token_ids": p.token_ids,
+                                                       "multi_modal_state": p.mm}
+            streams.append(await ctx.router.pick().add_request(prompt, p.params, f"{rid}-{i}"))
     except BaseException as e:
         for s in streams:
             s.abort()

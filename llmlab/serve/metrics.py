@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 
-import collections
 import threading
 import time
 

@@ -43,13 +43,17 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from llmlab.runtime import comm
+from llmlab.parallel.protocols import TrainerOptimizer
+from llmlab.runtime.mesh import Mesh
+from llmlab.training.config import TrainConfig
+from llmlab.training.precision import DynamicLossScaler
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SHARD = re.compile(r"^rank\d{5}\.safetensors$")
@@ -59,20 +63,63 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint, or one that cannot be mapped onto this model."""
 
 
+class Checkpointable(Protocol):
+    """What a checkpoint reads of the trainer's engine (:class:`~llmlab.training.trainer.Engine`):
+    the run's flags, the mesh, this rank's model, the full-model shape of every parameter (before
+    sharding), the optimizer (whose ``param_state``/``load_param_state`` pair gives and takes
+    whole tensors, whatever strategy shards them), the fp16 loss scaler and the last step's record."""
+
+    @property
+    def cfg(self) -> TrainConfig: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def full_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    @property
+    def optimizer(self) -> TrainerOptimizer: ...
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None: ...
+
+    @property
+    def last(self) -> dict: ...
+
+
 # The flags that set the learning rate of every step (and so the optimizer's trajectory): a resumed
 # run must use the checkpoint's values unless --override-opt-param-scheduler says otherwise.
 SCHEDULE_FLAGS = ("lr_schedule", "lr", "min_lr", "warmup_steps", "steps")
+# The flags that choose the data of every step (BatchLoader: step s reads a batch drawn from
+# (seed, s) of global_batch_size sequences of seq_len tokens): a resumed run must keep them, or it
+# trains on other data than the run it continues, unless --override-data-order says otherwise.
+DATA_FLAGS = ("seed", "global_batch_size", "seq_len")
 
 
-def check_resume_flags(cfg, meta: dict, path) -> None:
-    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) other than those the
-    checkpoint at ``path`` was made with: ``ValueError`` naming the flag and both values, unless
-    ``cfg.override_opt_param_scheduler`` (then this run's values are taken, as Megatron's
-    ``--override-opt_param-scheduler``). ``--steps`` counts only for a decaying schedule (linear,
-    cosine: the decay ends at the last step); extending a constant-rate run is allowed. A
-    checkpoint of an older llmlab without the record is not checked."""
+def check_resume_flags(cfg: TrainConfig, meta: dict, path) -> None:
+    """Refuse to resume with schedule/optimizer flags (:data:`SCHEDULE_FLAGS`) or data flags
+    (:data:`DATA_FLAGS`) other than those the checkpoint at ``path`` was made with:
+    ``ValueError`` naming the flag and both values. ``cfg.override_opt_param_scheduler`` takes
+    this run's schedule values instead (as Megatron's ``--override-opt_param-scheduler``),
+    ``cfg.override_data_order`` this run's data flags. ``--steps`` counts only for a decaying
+    schedule (linear, cosine: the decay ends at the last step); extending a constant-rate run is
+    allowed. A checkpoint of an older llmlab without a record is not checked for it (its
+    ``seed`` is)."""
+    data = meta.get("data_flags") or ({"seed": meta["seed"]} if "seed" in meta else {})
+    if not cfg.override_data_order:
+        for k in DATA_FLAGS:
+            if k in data and data[k] != getattr(cfg, k):
+                flag = "--" + k.replace("_", "-")
+                raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} "
+                                 f"was made with {flag} {data[k]!r} (the data of every step "
+                                 f"depends on it); resume with the same value, or pass "
+                                 f"--override-data-order to take the new one")
     saved = meta.get("schedule_flags")
-    if not saved or getattr(cfg, "override_opt_param_scheduler", False):
+    if not saved or cfg.override_opt_param_scheduler:
         return
     for k in SCHEDULE_FLAGS:
         if k == "steps" and cfg.lr_schedule == saved.get("lr_schedule") == "constant":
@@ -129,80 +176,21 @@ def _cut(full: torch.Tensor, spec) -> torch.Tensor:
     return full.chunk(parts, dim=dim)[index]
 
 
-def _optimizer_views(engine):
-    """``[(param, state_dict_of_param)]`` over the model parameters of this rank, and how to
-    install state (mixed precision keeps the state on fp32 masters)."""
-    opt = engine.optimizer
-    masters = getattr(opt, "master", None)
-    inner = getattr(opt, "optimizer", opt)
-    params = getattr(opt, "params", None) or [p for g in inner.param_groups for p in g["params"]]
-    targets = masters if masters is not None else params
-    return list(zip(params, targets)), inner
-
-
-def _collect(engine) -> tuple[dict, dict]:
+def _collect(engine: Checkpointable) -> tuple[dict, dict]:
+    """This rank's tensors under their full-model names, and the slice of each: the weights, the
+    fp32 masters (``<name>::master``) and the optimizer states (``<name>::exp_avg``, ...), whole
+    tensors from the optimizer's ``param_state()`` (under ZeRO gathered from the shards, so the
+    format is the same). Collective under ZeRO: every rank calls it."""
     names = full_names(engine.model)
     tensors, slices = {}, {}
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
-    pairs, inner = _optimizer_views(engine)
-    for p, target in pairs:
+    for p, state in engine.optimizer.param_state().items():
         n = names[id(p)]
         spec = slice_spec(p.shape, engine.full_shapes[n], tp_i, tp)
-        tensors[n] = p.detach().to("cpu").clone()
-        slices[n] = spec
-        if target is not p:
-            tensors[f"{n}::master"] = target.detach().to("cpu").clone()
-            slices[f"{n}::master"] = spec
-        for k, v in inner.state.get(target, {}).items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"{n}::{k}"] = v.detach().to("cpu").clone()
-                slices[f"{n}::{k}"] = spec if v.dim() else None
-    return tensors, slices
-
-
-def _zero_params(engine):
-    """``[(bucket, master, [(param, offset, numel)])]`` of a ZeRO engine (every flat bucket)."""
-    opt = engine.optimizer
-    return [(b, m, list(zip(b.params, b.offsets, b.numels)))
-            for b, m in zip(engine.wrapper.buckets, opt.masters)]
-
-
-def _gather_flat(b, shard: torch.Tensor) -> torch.Tensor:
-    """The bucket's full padded flat tensor from every rank's ``shard`` (collective over the
-    bucket's group; bookkeeping: not counted in the comm bytes)."""
-    if b.world == 1:
-        return shard.detach().clone()
-    out = shard.new_empty(b.padded)
-    comm.dist_all_gather_single(out, shard.detach().contiguous(), group=b.group)
-    return out
-
-
-def _collect_zero(engine) -> tuple[dict, dict]:
-    """Like :func:`_collect` for a ZeRO engine: the shards of parameters, fp32 masters and Adam
-    moments are all-gathered over each bucket's group and cut into whole (tp-local) tensors, so
-    the checkpoint is the same format as without ZeRO. Collective: every rank calls it."""
-    names = full_names(engine.model)
-    tensors, slices = {}, {}
-    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
-    inner = engine.optimizer.optimizer
-    stage3 = engine.wrapper.stage == 3
-    for b, m, params in _zero_params(engine):
-        flats = {"": _gather_flat(b, b.local_shard if stage3 else b.shard_view())}
-        if m.data_ptr() != (b.local_shard if stage3 else b.shard_view()).data_ptr():
-            flats["::master"] = _gather_flat(b, m.to(b.device))
-        st = inner.state.get(m, {})
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in st:
-                flats[f"::{k}"] = _gather_flat(b, st[k].to(b.device))
-        for p, o, n in params:
-            name = names[id(p)]
-            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
-            for suffix, flat in flats.items():
-                tensors[name + suffix] = flat[o:o + n].view(p.shape).to("cpu").clone()
-                slices[name + suffix] = spec
-            if "step" in st:
-                tensors[f"{name}::step"] = st["step"].detach().to("cpu").clone().float()
-                slices[f"{name}::step"] = None
+        for key, t in state.items():
+            name = n if key == "param" else f"{n}::{key}"
+            tensors[name] = t
+            slices[name] = spec if t.dim() else None
     return tensors, slices
 
 
@@ -215,41 +203,25 @@ def _weights(full: dict, name: str) -> torch.Tensor:
     return full.get(f"{name}::master", full[name])
 
 
-@torch.no_grad()
-def _load_zero(engine, full: dict, path) -> None:
-    """Install full tensors into a ZeRO engine: each rank cuts its tp slice of every parameter,
-    lays the bucket out flat and keeps its own shard of parameters, masters and Adam moments.
-    The parameters (the whole flat buffer under stages 1-2) come from the masters
-    (:func:`_weights`), so every data-parallel replica holds the same weights."""
+def _lookup(engine: Checkpointable, full: dict, path) -> Callable[[torch.nn.Parameter], dict]:
+    """What the optimizer's ``load_param_state`` asks for each parameter: this rank's slice of
+    its weights (:func:`_weights`) and optimizer state. Raises ``CheckpointError`` for a
+    parameter the checkpoint lacks."""
     names = full_names(engine.model)
     tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
-    inner = engine.optimizer.optimizer
-    stage3 = engine.wrapper.stage == 3
-    for b, m, params in _zero_params(engine):
-        lo, hi = b.shard_range
-        flats, step = {}, None
-        for p, o, n in params:
-            name = names[id(p)]
-            if name not in full:
-                raise CheckpointError(f"{path} has no tensor {name!r} (different model?)")
-            spec = slice_spec(p.shape, engine.full_shapes[name], tp_i, tp)
-            for suffix in ("", "::exp_avg", "::exp_avg_sq"):
-                t = _weights(full, name) if suffix == "" else full.get(name + suffix)
-                if t is None:
-                    continue
-                flat = flats.setdefault(suffix, torch.zeros(b.padded, dtype=torch.float32))
-                flat[o:o + n] = _cut(t, spec).reshape(-1).float()
-            if f"{name}::step" in full:
-                step = full[f"{name}::step"]
-        if stage3:
-            b.local_shard.copy_(flats[""][lo:hi].to(b.local_shard.dtype))
-        else:  # stages 1-2 hold the whole parameters: every replica the same, from the masters
-            b.alias.copy_(flats[""].to(b.alias.dtype))
-        m.copy_(flats[""][lo:hi].to(m.device, m.dtype))
-        if step is not None and "::exp_avg" in flats:
-            inner.state[m] = {"step": step.clone().reshape(()),
-                              "exp_avg": flats["::exp_avg"][lo:hi].clone().to(m.device),
-                              "exp_avg_sq": flats["::exp_avg_sq"][lo:hi].clone().to(m.device)}
+
+    def lookup(p: torch.nn.Parameter) -> dict:
+        n = names[id(p)]
+        if n not in full:
+            raise CheckpointError(f"{path} has no tensor {n!r} (different model?)")
+        spec = slice_spec(p.shape, engine.full_shapes[n], tp_i, tp)
+        out = {"param": _cut(_weights(full, n), spec)}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            t = full.get(f"{n}::{key}")
+            if t is not None:
+                out[key] = t if t.dim() == 0 else _cut(t, spec)
+        return out
+    return lookup
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,11 +240,13 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep: int = 3) -> Path | None:
+def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: str | Path, keep: int = 3,
+                    extra: dict | None = None) -> Path | None:
     """Collectively save this step. Ranks holding a distinct part of the model write a file
-    (data-parallel replicas do not repeat it). Returns the finished directory (on rank 0)."""
+    (data-parallel replicas do not repeat it). ``extra`` (JSON) joins ``metadata.json`` (the
+    trainer's wall-clock time, elapsed time, hardware: :mod:`llmlab.training.checkpoint_clock`).
+    Returns the finished directory (on rank 0)."""
     directory = Path(directory)
-    zero = bool(getattr(engine.cfg, "zero", 0))
     mesh = engine.mesh
     final = directory / f"step_{step:08d}"
     tmp = directory / f"step_{step:08d}.tmp"
@@ -281,13 +255,9 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
+    tensors, slices = _collect(engine)   # every rank: under ZeRO gathering the shards is collective
     # one copy per distinct shard (experts differ across ep; context-parallel ranks are replicas)
-    writer = mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0
-    if zero:  # ZeRO: every rank takes part in gathering the shards; the writers write them
-        tensors, slices = _collect_zero(engine)
-    if writer:
-        if not zero:
-            tensors, slices = _collect(engine)
+    if mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0:
         # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
         header = {"rank": rank, "coords": dict(mesh.coords),
                   "slices": {n: None if s is None else list(s) for n, s in slices.items()}}
@@ -299,13 +269,15 @@ def save_checkpoint(engine, step: int, loss: float, directory: str | Path, keep:
                  for f in sorted(tmp.glob("rank*.safetensors"))}
         cfg = engine.cfg
         meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": {k: getattr(cfg, k, 1) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
+                "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
                 "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
                 # the schedule's position (its rate is a function of the step) and the fp16 scaler
-                "lr_schedule": {"step": step, "lr": getattr(engine, "last", {}).get("lr")},
+                "lr_schedule": {"step": step, "lr": engine.last.get("lr")},
                 # the flags the schedule and optimizer were made with (checked on resume)
                 "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
-                "loss_scaler": engine.scaler.state_dict() if getattr(engine, "scaler", None) else None}
+                "data_flags": {k: getattr(cfg, k) for k in DATA_FLAGS},
+                "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
+        meta.update(extra or {})
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -415,7 +387,7 @@ def _assemble(path: Path, meta: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
+def load_checkpoint(engine: Checkpointable, directory: str | Path, log=None) -> dict | None:
     """Load the newest good checkpoint into ``engine`` (any layout). Returns its metadata, or
     ``None`` when there is none. Raises ``CheckpointError`` if the model does not match."""
     found = latest_checkpoint(directory, log)
@@ -423,29 +395,7 @@ def load_checkpoint(engine, directory: str | Path, log=None) -> dict | None:
         return None
     path, meta = found
     full = _assemble(path, meta)
-    if getattr(engine, "scaler", None) is not None and meta.get("loss_scaler"):
+    if engine.scaler is not None and meta.get("loss_scaler"):
         engine.scaler.load_state_dict(meta["loss_scaler"])
-    if getattr(engine.cfg, "zero", 0):
-        _load_zero(engine, full, path)
-        return meta | {"path": str(path)}
-    names = full_names(engine.model)
-    tp_i, tp = engine.mesh.coords["tp"], engine.mesh.tp
-    pairs, inner = _optimizer_views(engine)
-    for p, target in pairs:
-        n = names[id(p)]
-        if n not in full:
-            raise CheckpointError(f"{path} has no tensor {n!r} (different model?)")
-        spec = slice_spec(p.shape, engine.full_shapes[n], tp_i, tp)
-        weights = _cut(_weights(full, n), spec)
-        p.copy_(weights.to(p.dtype))
-        if target is not p:
-            target.copy_(weights.to(target.dtype))
-        state = {}
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            t = full.get(f"{n}::{key}")
-            if t is not None:
-                # Adam keeps its step counter on the CPU unless capturable; moments on the device.
-                state[key] = t.clone() if t.dim() == 0 else _cut(t, spec).clone().to(target.device)
-        if state:
-            inner.state[target] = state
+    engine.optimizer.load_param_state(_lookup(engine, full, path))
     return meta | {"path": str(path)}

@@ -1,6 +1,6 @@
 """``TrainConfig``: every ``llmlab train`` flag, and the checks run before any rank starts.
 
-Each parallel strategy adds its own layout checks in :func:`validate`; a bad layout raises
+Each parallel strategy's own ``validate`` holds its layout rules (:func:`validate` calls them); a bad layout raises
 ``ValueError`` naming the constraint (e.g. ``tp=3 must divide num_attention_heads=4``) in the
 caller, before processes are launched.
 """
@@ -10,13 +10,19 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from llmlab.formulas._checks import check_count
 from llmlab.model.config import PRESETS, ModelConfig, get_preset
 from llmlab.parallel.configs import (ContextParallelConfig, DataParallelConfig, ExpertParallelConfig,
                                      PipelineConfig, TensorParallelConfig, ZeroConfig)
-from llmlab.runtime.mesh import check_degrees
+
+# Every rank seeds torch with --seed and the data order with --seed * 1_000_003 + step (both < 2**64).
+SEED_LIMIT = 2**32
+
+if TYPE_CHECKING:   # torch-free at import: `llmlab train` checks its flags before importing torch
+    from llmlab.parallel.protocols import Strategy
+    from llmlab.runtime.mesh import Mesh
 
 
 def option(default, help: str, choices=None):
@@ -43,9 +49,9 @@ class TrainConfig:
         lr_schedule: str = option("constant", "learning-rate schedule", choices=("constant", "cosine"))
 
     then read ``cfg.grad_clip`` where it acts, add any check beyond ``choices`` (which
-    :func:`validate` enforces) to :func:`validate` or to a strategy's ``validate_layout`` (a
-    strategy reads its own config, :mod:`llmlab.parallel.configs`, which :func:`strategy_configs`
-    fills from this one), and list
+    :func:`validate` enforces) to :func:`validate` or, for a layout rule, to the strategy's
+    ``validate(config, mesh, model_config)`` (a strategy reads its own config,
+    :mod:`llmlab.parallel.configs`, which :func:`strategy_configs` fills from this one), and list
     the flag in docs/CONTRACT.md if labs or tests rely on it. The help text says what the option
     does and its unit; ``tests/test_train.py`` fails for a field without one. A new value the
     run reports (a per-step ``grad_norm``, a mesh coordinate) goes into
@@ -87,7 +93,7 @@ class TrainConfig:
                                             "whose gradient was non-finite (each one skipped, not "
                                             "applied; fp16 counts them once its loss scale is at "
                                             "the minimum); 0 never stops")
-    seed: int = option(0, "seed for weights and data order (same seed, same run)")
+    seed: int = option(0, "seed for weights and data order (same seed, same run), in [0, 2**32)")
     dtype: str = option("fp32", "compute dtype; bf16/fp16 keep fp32 master weights "
                                 "(fp16 adds loss scaling)", choices=("fp32", "bf16", "fp16"))
     activation_checkpointing: bool = option(False, "recompute each layer's activations in the "
@@ -96,11 +102,18 @@ class TrainConfig:
     checkpoint_dir: str | None = option(None, "folder for training checkpoints")
     checkpoint_every: int = option(0, "with --checkpoint-dir, also save every N steps "
                                       "(a checkpoint is always written after the last step)")
+    checkpoint_every_minutes: float = option(0.0, "with --checkpoint-dir, also save when this many "
+                                                  "minutes of training have passed since the last "
+                                                  "save (rank 0's clock decides; 0: never by time)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
     override_opt_param_scheduler: bool = option(
         False, "with --resume, take this run's --lr, --lr-schedule, --min-lr, --warmup-steps and "
                "--steps instead of refusing values that differ from the checkpoint's (Megatron's "
                "--override-opt_param-scheduler)")
+    override_data_order: bool = option(
+        False, "with --resume, take this run's --seed, --global-batch-size and --seq-len instead "
+               "of refusing values that differ from the checkpoint's (the steps left then train on "
+               "other data than the run it continues would have)")
     device: str = option("auto", "where ranks run (auto: one GPU per rank if enough, else CPU)",
                          choices=("auto", "cpu", "cuda"))
     metrics_json: str | None = option(None, "write the run's metrics (docs/CONTRACT.md) to this file")
@@ -175,36 +188,51 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    """``cpu`` or ``cuda``; raises ``ValueError`` if CUDA is asked for but absent or too small."""
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {cfg.device!r}: expected auto, cpu or cuda")
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.device == "cuda":
-        if n == 0:
-            raise ValueError("--device cuda, but no CUDA GPU is available")
-        from llmlab.runtime.launch import under_torchrun
-        if not under_torchrun() and cfg.world_size > n:
-            raise ValueError(f"{cfg.world_size} ranks need {cfg.world_size} GPUs, but only {n} "
-                             f"are visible (one GPU per rank)")
-        return "cuda"
-    if cfg.device == "cpu":
-        return "cpu"
-    from llmlab.runtime.launch import under_torchrun
-    return "cuda" if n > 0 and (cfg.world_size <= n or under_torchrun()) else "cpu"
+    """``cpu`` or ``cuda`` for ``cfg.world_size`` ranks (:func:`llmlab.runtime.hardware.
+    resolve_device`); raises ``ValueError`` if CUDA is asked for but absent or too small."""
+    from llmlab.runtime.hardware import resolve_device as resolve_hw_device
+    from llmlab.runtime.process import under_torchrun
+    return resolve_hw_device(cfg.device, cfg.world_size, flag="--device", torchrun=under_torchrun())
 
 
-def validate(cfg: TrainConfig) -> ModelConfig:
-    """Check a configuration before launching. Returns the resolved model config.
+# Whole-number flags and their least value; real-valued flags and whether 0 is allowed. None (an
+# optional flag not given) is allowed; anything else out of range is refused, never defaulted.
+COUNT_FLAGS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "num_microbatches": 1,
+               "virtual_stages": 1, "steps": 1, "global_batch_size": 1, "seq_len": 1,
+               "num_experts": 1, "top_k": 1, "warmup_steps": 0, "max_consecutive_skips": 0,
+               "checkpoint_every": 0}
+REAL_FLAGS = {"lr": False, "min_lr": True, "grad_clip": False, "capacity_factor": False,
+              "bucket_mb": False, "checkpoint_every_minutes": True}
 
-    Raises ``ValueError`` naming the first violated constraint, or ``NotImplementedError`` for a
-    feature this version does not have yet.
-    """
-    for name in ("steps", "global_batch_size", "seq_len", "num_microbatches", "virtual_stages"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Each numeric flag on its own: an integer (not a bool) at least its :data:`COUNT_FLAGS`
+    value, a finite number > 0 (>= 0 where :data:`REAL_FLAGS` allows 0), ``--seed`` in
+    ``[0, 2**32)``. Raises ``ValueError`` naming the flag (``--lr must be a finite number, got
+    nan``)."""
+    for name, least in COUNT_FLAGS.items():
+        v, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{flag} must be an integer, got {v!r}")
+        if v < least:
+            raise ValueError(f"{flag} must be >= {least}, got {v}")
+    for name, zero_ok in REAL_FLAGS.items():
+        if getattr(cfg, name) is not None:
+            check_count("--" + name.replace("_", "-"), getattr(cfg, name), allow_zero=zero_ok)
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be an integer in [0, 2**32), got {cfg.seed!r}")
+
+
+def check_inputs(cfg: TrainConfig) -> ModelConfig:
+    """The checks that need no torch (so ``llmlab train`` refuses bad flags at once): every flag
+    alone (:func:`check_numbers`, choices) and together (batch and degrees, schedule, model
+    shape, paths). Returns the resolved model config; raises as :func:`validate`."""
+    check_numbers(cfg)
+    if cfg.dp % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide dp={cfg.dp} (--ep divides --dp: expert-parallel "
+                         f"groups are carved out of the data-parallel ranks)")
     for f in dataclasses.fields(cfg):
         choices, value = f.metadata.get("choices"), getattr(cfg, f.name)
         if choices is not None and value not in choices:
@@ -213,33 +241,24 @@ def validate(cfg: TrainConfig) -> ModelConfig:
                              f"{', '.join(rest)} or {last}")
     from llmlab.training.lr_schedule import check_schedule
     check_schedule(cfg.lr_schedule, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
-    if cfg.grad_clip is not None and cfg.grad_clip <= 0:
-        raise ValueError(f"--grad-clip must be > 0, got {cfg.grad_clip}")
+    experts = get_preset(cfg.model).num_experts if cfg.num_experts is None else cfg.num_experts
+    if cfg.top_k is not None and experts and cfg.top_k > experts:
+        raise ValueError(f"--top-k {cfg.top_k} must be <= the number of experts {experts} "
+                         f"(--num-experts, else the preset's)")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "
                          f"{mc.max_position_embeddings}")
-    if cfg.global_batch_size % cfg.dp:
-        raise ValueError(f"dp={cfg.dp} must divide --global-batch-size {cfg.global_batch_size}")
-    local = cfg.global_batch_size // cfg.dp
-    if local % cfg.num_microbatches:
-        raise ValueError(f"--num-microbatches {cfg.num_microbatches} must divide the per-rank batch "
-                         f"{local} (global batch {cfg.global_batch_size} / dp {cfg.dp})")
     if (cfg.num_experts or cfg.top_k or cfg.capacity_factor) and not mc.num_experts:
         raise ValueError("--num-experts/--top-k/--capacity-factor need a MoE model "
                          "(--model tiny-moe or --num-experts E > 0)")
-    if mc.num_experts and mc.num_experts % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide num_experts={mc.num_experts}")
-    if cfg.ep > 1 and not mc.num_experts:
-        raise ValueError(f"ep={cfg.ep} needs a mixture-of-experts model (--model tiny-moe)")
-    if cfg.max_consecutive_skips < 0:
-        raise ValueError(f"--max-consecutive-skips must be >= 0, got {cfg.max_consecutive_skips}")
-    if cfg.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if cfg.checkpoint_every and not cfg.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if cfg.checkpoint_every_minutes < 0:
+        raise ValueError(f"--checkpoint-every-minutes must be >= 0, got {cfg.checkpoint_every_minutes}")
+    for flag in ("checkpoint_every", "checkpoint_every_minutes"):
+        if getattr(cfg, flag) and not cfg.checkpoint_dir:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --checkpoint-dir")
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
@@ -248,14 +267,34 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
         raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
                                   "(the model would have to be gathered from its shards)")
+    if cfg.save_model and mc.num_experts:
+        raise NotImplementedError(f"--save-model writes a Llama checkpoint (config.json + "
+                                  f"model.safetensors), which has no mixture-of-experts layers: "
+                                  f"--model {cfg.model} cannot be saved (use --checkpoint-dir)")
+    return mc
+
+
+def validate(cfg: TrainConfig) -> ModelConfig:
+    """Check a configuration before launching. Returns the resolved model config.
+
+    :func:`check_inputs`, then the mesh's degrees, the device and each strategy's own checks.
+    Raises ``ValueError`` naming the first violated constraint, or ``NotImplementedError`` for a
+    feature this version does not have yet.
+    """
+    mc = check_inputs(cfg)
+    mesh = layout_mesh(cfg)
     resolve_device(cfg)
+    # Every layout rule lives in its strategy: each checks its own config against the mesh's
+    # degrees and the model (ValueError naming the constraint). The batch split and the experts
+    # first, then the model's sharding: the first error reported is the most general one.
     from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
-                                 tensor_parallel, zero)
+                                 tp_plan, zero)
     sc = strategy_configs(cfg)
-    for check, c in ((data_parallel.validate_layout, sc.dp), (tensor_parallel.validate_layout, sc.tp),
-                     (pipeline_parallel.validate_layout, sc.pp), (expert_parallel.validate_layout, sc.ep),
-                     (zero.validate_layout, sc.zero), (context_parallel.validate_layout, sc.cp)):
-        check(c, mc)   # each strategy's own checks, on its own config (ValueError naming the constraint)
+    checks: list[tuple[Strategy, object]] = [
+        (data_parallel, sc.dp), (expert_parallel, sc.ep), (tp_plan, sc.tp),
+        (pipeline_parallel, sc.pp), (zero, sc.zero), (context_parallel, sc.cp)]
+    for strategy, c in checks:
+        strategy.validate(c, mesh, mc)
     return mc
 
 
@@ -272,15 +311,22 @@ class StrategyConfigs:
 
 
 def strategy_configs(cfg: TrainConfig) -> StrategyConfigs:
-    """What each strategy is told of ``cfg`` (the strategies never read ``TrainConfig``). The
-    pipeline's ``seq_len`` is the whole sequence here; under context parallelism each rank's
-    stages exchange ``seq_len / cp`` tokens (the trainer replaces it)."""
+    """What each strategy is told of ``cfg`` (the strategies never read ``TrainConfig``); the
+    degrees are the mesh's (:func:`layout_mesh` before launch). The pipeline's ``seq_len`` is
+    this rank's: under context parallelism its stages exchange ``seq_len / cp`` tokens."""
     return StrategyConfigs(
-        dp=DataParallelConfig(cfg.dp, cfg.dp_mode, cfg.bucket_mb, cfg.global_batch_size),
-        tp=TensorParallelConfig(cfg.tp, cfg.sequence_parallel, cfg.seq_len),
-        pp=PipelineConfig(cfg.pp, cfg.pp_schedule, cfg.virtual_stages, cfg.num_microbatches,
-                          cfg.seq_len, cfg.tp, cfg.sequence_parallel),
-        ep=ExpertParallelConfig(cfg.ep, cfg.dp, cfg.tp, cfg.sequence_parallel),
+        dp=DataParallelConfig(cfg.dp_mode, cfg.bucket_mb, cfg.global_batch_size, cfg.num_microbatches),
+        tp=TensorParallelConfig(cfg.sequence_parallel, cfg.seq_len),
+        pp=PipelineConfig(cfg.pp_schedule, cfg.virtual_stages, cfg.num_microbatches,
+                          cfg.seq_len // cfg.cp, cfg.sequence_parallel),
+        ep=ExpertParallelConfig(),
         zero=ZeroConfig(cfg.zero, cfg.dtype, cfg.bucket_mb, cfg.cpu_offload, bool(cfg.save_model)),
-        cp=ContextParallelConfig(cfg.cp, cfg.cp_mode, cfg.seq_len, cfg.tp, cfg.sequence_parallel, cfg.ep))
+        cp=ContextParallelConfig(cfg.cp_mode, cfg.seq_len, cfg.sequence_parallel))
 
+
+def layout_mesh(cfg: TrainConfig) -> Mesh:
+    """The mesh's shape before any rank starts: ``cfg``'s degrees, no process groups (what the
+    strategies' ``validate`` reads). Raises ``ValueError`` when the degrees cannot form a mesh."""
+    from llmlab.runtime.mesh import Mesh, check_degrees
+    check_degrees(cfg.world_size, cfg.dp, cfg.tp, cfg.pp, cfg.ep, cfg.cp)
+    return Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)

@@ -14,6 +14,9 @@ import math
 
 import torch
 
+from llmlab.parallel.protocols import (ParamStateLookup, load_replica_param_state,
+                                      replica_param_state)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -123,6 +126,16 @@ class MixedPrecisionOptimizer:
         for p in self.params:
             p.grad = None
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def param_state(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's weights, fp32 master and Adam state, whole, on the CPU
+        (:class:`~llmlab.parallel.protocols.TrainerOptimizer`)."""
+        return replica_param_state(list(zip(self.params, self.master)), self.optimizer)
+
+    def load_param_state(self, lookup: ParamStateLookup) -> None:
+        """Install the weights (into the parameters and the masters) and Adam state ``lookup``
+        gives for each parameter."""
+        load_replica_param_state(list(zip(self.params, self.master)), self.optimizer, lookup)
 
 
 def cast_model(model: torch.nn.Module, dtype: str) -> torch.nn.Module:

@@ -4,10 +4,13 @@
 ``dp*cp*tp*pp`` ranks (or joins torchrun's), and each rank runs :func:`rank_main`:
 
 1. build the :class:`~llmlab.runtime.mesh.Mesh`;
-2. build the *full* model from the seed (identical on every rank, whatever the layout), then
-   shard it: tensor parallelism (``apply_tensor_parallel``), expert parallelism
-   (``apply_expert_parallel``), pipeline stages (``build_pipeline``);
-3. wrap what remains for data parallelism (``wrap_data_parallel``) or ZeRO (``build_zero``);
+2. build each strategy's config once (:func:`~llmlab.training.config.strategy_configs`) and the
+   *full* model from the seed (identical on every rank, whatever the layout), then apply the
+   strategies in one fixed order, each through its ``apply(model, mesh, config)``
+   (:class:`~llmlab.parallel.protocols.Strategy`): tensor (+ sequence) parallelism
+   (``tp_plan``), context parallelism, expert parallelism, pipeline stages;
+3. wrap what remains for ZeRO or data parallelism, and build the pipeline's runner with that
+   wrapper;
 4. each step: the global batch of that step (same for every layout), this rank's rows,
    ``num_microbatches`` forward/backward passes (loss divided by M so gradients are the mean over
    the global batch), gradient sync, optimizer step.
@@ -15,18 +18,18 @@
 The loss reported for a step is the mean next-token loss over the whole global batch, so every
 layout reports the same number as one rank (CONTRACT: relative difference < 1e-4, fp32).
 
-Strategy modules plug in through small protocols, documented where they are called below.
+Strategy modules plug in through the small contracts of :mod:`llmlab.parallel.protocols`.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -37,13 +40,18 @@ from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_stat
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
-from llmlab.parallel.protocols import TrainedModule, TrainerOptimizer, replica_grads
+from llmlab.parallel.protocols import (ParamStateLookup, TrainedModule, TrainerOptimizer,
+                                      load_replica_param_state, replica_grads, replica_param_state)
+from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
+                             tp_plan, zero)
 from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.process import resolve_backend
 from llmlab.runtime.shared_fs import check_shared_directory
+from llmlab.training.checkpoint_clock import CheckpointClock
+from llmlab.training.precision import DynamicLossScaler
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
 
 
@@ -119,89 +127,89 @@ class FP32Optimizer:
     def load_state_dict(self, sd: dict) -> None:
         self.optimizer.load_state_dict(sd)
 
+    def _pairs(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, p) for g in self.optimizer.param_groups for p in g["params"]]
+
+    def param_state(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's weights and Adam state, whole, on the CPU (the checkpoint's pair)."""
+        return replica_param_state(self._pairs(), self.optimizer)
+
+    def load_param_state(self, lookup: ParamStateLookup) -> None:
+        load_replica_param_state(self._pairs(), self.optimizer, lookup)
+
 
 class Engine:
-    """One rank's model, optimizer and step: the strategies applied to the model in the order of
-    ``__init__``; :func:`rank_main` builds one per rank."""
+    """One rank's model, optimizer and step: the strategies (:class:`~llmlab.parallel.protocols.
+    Strategy`) applied to the model in the one order of :meth:`_shard` and :meth:`_wrap`, each
+    with its config built once here (:func:`~llmlab.training.config.strategy_configs`);
+    :func:`rank_main` builds one per rank."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_config = model_config(cfg)
+        self.strategies = strategy_configs(cfg)
         model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
         # Full-model shapes, before any sharding: checkpoints store slices of these.
         self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
-        if cfg.tp > 1:
-            # Protocol: apply_tensor_parallel(model, mesh, sequence_parallel) -> model, keeping
-            # only this rank's shards; may append to model_record(model).grad_finalizers.
-            from llmlab.parallel.tp_plan import apply_tensor_parallel
-            model = apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sequence_parallel)
-        if cfg.cp > 1:
-            # Protocol: this rank's token positions and ring/Ulysses attention over the cp group.
-            from llmlab.parallel.context_parallel import apply_context_parallel
-            apply_context_parallel(model, mesh, cfg.cp_mode, cfg.seq_len)
-        # Gradients are reduced over dp x cp (the mesh itself when cp == 1).
-        dp_mesh = mesh.data_parallel_view()
-        if cfg.ep > 1:
-            # Protocol: keeps this rank's experts; records their parameters ``expert_parallel``
-            # so data parallelism reduces them over mesh.groups["edp"] instead of "dp".
-            from llmlab.parallel.expert_parallel import apply_expert_parallel
-            model = apply_expert_parallel(model, mesh)
-        if cfg.activation_checkpointing:
-            from llmlab.training.recompute import apply_activation_checkpointing
-            apply_activation_checkpointing(model)
-        self.model = model
-        self.pipeline = None
-        if cfg.pp > 1:
-            # Protocol: build_pipeline(model, mesh, PipelineConfig) -> runner with .module (this stage's
-            # nn.Module), .run(microbatches) -> float | None (loss on the last stage) and
-            # .stats() -> dict (CONTRACT "pipeline").
-            from llmlab.parallel.pipeline_parallel import build_pipeline
-            # With cp > 1 the stages exchange activations of this rank's seq_len/cp tokens.
-            self.pipeline = build_pipeline(model, mesh, dataclasses.replace(
-                strategy_configs(cfg).pp, seq_len=cfg.seq_len // cfg.cp))
-            local = self.pipeline.module
-        else:
-            local = model
+        self.model, local = self._shard(model)
         local.to(device)
-        self.scaler = None
+        self.scaler: DynamicLossScaler | None = None
         if cfg.dtype == "fp16":
-            from llmlab.training.precision import DynamicLossScaler
             self.scaler = DynamicLossScaler()
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
-        opt_factory = functools.partial(make_optimizer, cfg=cfg)
         self.wrapper: TrainedModule
         self.optimizer: TrainerOptimizer
-        if cfg.zero > 0:
-            # Protocol: build_zero(module, mesh, ZeroConfig, make_optimizer) -> (wrapper, optimizer); the
-            # wrapper follows LocalModule's protocol and may offer grad_tensors().
-            from llmlab.parallel.zero import build_zero
-            self.wrapper, self.optimizer = build_zero(local, dp_mesh, strategy_configs(cfg).zero,
-                                                      opt_factory, self.scaler)
-        else:
-            if cfg.dp * cfg.cp > 1:
-                # Protocol: wrap_data_parallel(module, mesh, mode, bucket_mb) -> LocalModule-like.
-                from llmlab.parallel.data_parallel import wrap_data_parallel
-                self.wrapper = wrap_data_parallel(local, dp_mesh, mode=cfg.dp_mode,
-                                                  bucket_mb=cfg.bucket_mb)
-            else:
-                self.wrapper = LocalModule(local)
-            if cfg.dtype != "fp32":
-                # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
-                from llmlab.training.precision import MixedPrecisionOptimizer
-                self.optimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
-            else:
-                self.optimizer = FP32Optimizer(opt_factory(local.parameters()))
-        if self.pipeline is not None:
-            self.pipeline.attach(self.wrapper)
+        self.wrapper, self.optimizer = self._wrap(local)
+        self.pipeline = None
+        if cfg.pp > 1:  # runs this rank's stages, with the wrapper's no_sync() for accumulation
+            assert isinstance(local, pipeline_parallel.PipelineModule)
+            self.pipeline = pipeline_parallel.build_runner(self.model, local, mesh,
+                                                           self.strategies.pp, self.wrapper)
         self.local = local
         self.force_overflow_at = _force_overflow(mesh.rank)
         self.consecutive_skips = 0
         self.last: dict = {}
         self.grad_bytes = 0
         self.activation_peak = 0
+
+    def _shard(self, model: LlamaForCausalLM) -> tuple[LlamaForCausalLM, torch.nn.Module]:
+        """Strategies 1-4, each ``apply(model, mesh, config)`` (unchanged at degree 1): tensor
+        (+ sequence) parallelism keeps this rank's slices; context parallelism its tokens'
+        positions and ring/Ulysses attention; expert parallelism its experts (recorded for the
+        ``edp`` reduction); the pipeline its stages. Returns the model and what this rank runs."""
+        mesh, sc = self.mesh, self.strategies
+        model = tp_plan.apply(model, mesh, sc.tp)
+        model = context_parallel.apply(model, mesh, sc.cp)
+        model = expert_parallel.apply(model, mesh, sc.ep)
+        if self.cfg.activation_checkpointing:
+            from llmlab.training.recompute import apply_activation_checkpointing
+            apply_activation_checkpointing(model)
+        local = pipeline_parallel.apply(model, mesh, sc.pp) if mesh.pp > 1 else model
+        return model, local
+
+    def _wrap(self, local: torch.nn.Module) -> tuple[TrainedModule, TrainerOptimizer]:
+        """Strategy 5, over the data x context-parallel ranks (:meth:`~llmlab.runtime.mesh.Mesh.
+        data_parallel_view`): ZeRO (wrapper and the optimizer of its shards), else data
+        parallelism (one replica: :class:`LocalModule`) with the fp32 or mixed-precision
+        optimizer."""
+        cfg, sc = self.cfg, self.strategies
+        dp_mesh = self.mesh.data_parallel_view()
+        opt_factory = functools.partial(make_optimizer, cfg=cfg)
+        if sc.zero.stage > 0:
+            return cast(tuple[TrainedModule, TrainerOptimizer],
+                        zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler))
+        wrapper = cast(TrainedModule, data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1
+                       else LocalModule(local))
+        if cfg.dtype != "fp32":
+            # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
+            from llmlab.training.precision import MixedPrecisionOptimizer
+            opt: TrainerOptimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
+        else:
+            opt = FP32Optimizer(opt_factory(local.parameters()))
+        return wrapper, opt
 
     def parameters(self):
         return list(self.local.parameters())
@@ -356,7 +364,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
     peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
     reset_cuda_peak(device)  # peaks of an earlier run in this process must not leak into ours
-    first = 1
+    first, meta = 1, None
     if cfg.checkpoint_dir:  # every rank writes into it: it must be one directory for all nodes
         check_shared_directory(cfg.checkpoint_dir)
     if cfg.resume:
@@ -364,6 +372,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         meta = load_checkpoint(engine, cfg.checkpoint_dir)
         if meta is not None:
             first = meta["next_data_step"]
+    clock = CheckpointClock(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.checkpoint_every_minutes,
+                            cfg.steps, meta, device)  # when to save: steps, minutes, the last
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
@@ -395,10 +405,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-                                   or step == cfg.steps):
+        if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
-            save_checkpoint(engine, step, loss, cfg.checkpoint_dir)
+            save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),

@@ -103,20 +103,22 @@ class LivePlot(LiveFigure):
     ``ncols``: panels per row (more panels wrap onto further rows); ``markers``: draw points too;
     ``xticks``: ``{x value: tick label}`` for every panel (e.g. ``{64: "all at once"}`` for a
     request rate of infinity plotted at 64, or layer names for event numbers), replacing the
-    automatic ticks.
+    automatic ticks; ``legend_outside``: one legend, right of the last panel, instead of one
+    inside each (when every panel has the same lines and a legend would cover them).
     """
 
     def __init__(self, series: list[str], title: str | None = None, interval: float = 0.25,
                  figsize: tuple[float, float] | None = None, logy: tuple[str, ...] = (),
                  ylabels: dict[str, str] | None = None, x: str = "step", xlabel: str | None = None,
                  ncols: int = 3, logx: bool = False, markers: bool = False,
-                 xticks: dict[float, str] | None = None):
+                 xticks: dict[float, str] | None = None, legend_outside: bool = False):
         import math
         plt = pyplot()
         use_style()
         self.series, self.logy = list(series), set(logy)
         self.ylabels, self.x, self.xlabel = UNITS | dict(ylabels or {}), x, xlabel or x
         self.logx, self.markers, self.xticks = logx, markers, dict(xticks or {})
+        self.legend_outside = legend_outside
         self.data: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         ncols = max(1, min(ncols, len(series)))
         nrows = math.ceil(len(series) / ncols)
@@ -162,7 +164,10 @@ class LivePlot(LiveFigure):
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
-                ax.legend(fontsize=8)
+                if not self.legend_outside:
+                    ax.legend(fontsize=8)
+                elif name == self.series[-1]:
+                    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         self._publish()
 
     def _decorate(self, name: str, ax) -> None:
