@@ -101,8 +101,9 @@ class LLMEngine:
     cache (default fp32); ``quantization="int8-weight-only"`` (alias ``"int8"``) stores every
     linear weight but the output head as int8 with per-output-channel scales
     (:mod:`llmlab.model.quantize`), ``"w8a8"`` also quantises their inputs per token and multiplies
-    in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in place); ``seed`` for requests without one; ``check_invariants`` verifies
-    the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in
+    place); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
+    every step (tests); ``on_step(StepMetrics)`` hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
     (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks); the
     request limits ``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
