@@ -23,6 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
+from llmlab.metrics.profiling import TraceRecorder, phase
 from llmlab.runtime.hardware import resolve_device
 
 
@@ -105,7 +107,11 @@ class LLMEngine:
     place); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
     every step (tests); ``on_step(StepMetrics)`` hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
-    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks); the
+    (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks);
+    ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each, all of them workers
+    started by ``distributed_executor_backend`` (``"mp"`` processes or ``"ray"`` actors; either
+    backend with ``pipeline_parallel_size > 1``, and ``"ray"`` always, goes through
+    :mod:`llmlab.inference.pipeline_parallel`, up to one step in flight per stage); the
     request limits ``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
     ``max_tokens_limit``, checked by :meth:`add_request`.
 
@@ -131,7 +137,12 @@ class LLMEngine:
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
         self.generation_defaults = dict(defaults if cfg.generation_defaults is None
                                         else cfg.generation_defaults)
-        if cfg.tensor_parallel_size != 1:
+        distributed = cfg.pipeline_parallel_size > 1 or cfg.distributed_executor_backend == "ray"
+        if distributed:                          # every rank a worker (pipeline_parallel.py)
+            from llmlab.inference import pipeline_parallel
+            pipeline_parallel.validate(model.config, cfg.tensor_parallel_size,
+                                       cfg.pipeline_parallel_size, cfg.quantization)
+        elif cfg.tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
             tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
         if cfg.quantization in ("int8", "int8-weight-only"):
@@ -162,7 +173,14 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           num_host_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        if cfg.tensor_parallel_size == 1:
+        self.runner: Any          # ModelRunner, TensorParallelRunner or PipelineExecutor
+        if distributed:
+            self.runner = pipeline_parallel.launch(
+                model, spec, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, self.device,
+                dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
+                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
+                     cpu_fused=cfg.cpu_fused), cfg.distributed_executor_backend)
+        elif cfg.tensor_parallel_size == 1:
             self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
                                       num_host_blocks, paged_attention=cfg.paged_attention,
                                       packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
@@ -176,6 +194,9 @@ class LLMEngine:
                      num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
                      cpu_fused=cfg.cpu_fused))
         self.tensor_parallel_size = cfg.tensor_parallel_size
+        self.distributed = distributed
+        self._in_flight: list = []     # pipeline: (step plan, handle, t0, cow copies before)
+        self._next_virtual_engine = 0
         self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
         self.on_step = cfg.on_step
@@ -184,9 +205,20 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self._step = 0
+        self.profiler = TraceRecorder(cfg.profile_dir)
+
+    def start_profile(self) -> None:
+        """Start recording a PyTorch profiler trace of the steps that follow (vLLM's
+        ``start_profile``), in the thread that calls :meth:`step`. ``RuntimeError`` without
+        ``profile_dir`` or while recording."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording; returns the trace's path (``profile_dir/engine-N.pt.trace.json.gz``)."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        """Stop the other tensor-parallel ranks or the pipeline's workers, if any (idempotent)."""
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -199,6 +231,11 @@ class LLMEngine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.stopper.eos_token_ids = list(ids)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted whose logits have not come back (pipeline parallelism; else 0)."""
+        return len(self._in_flight)
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -356,29 +393,28 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration (:meth:`_step_once`), named ``llmlab.engine step`` in a profiler trace."""
+        with phase("engine step", n=self._step):
+            return self._step_once()
+
+    def _step_once(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed in it. A forward
         pass that raises fails the requests of this step (``finish_reason="error"``, blocks
         freed); a sampling error fails its request alone. Neither is raised; only
         :class:`~llmlab.inference.errors.EngineDeadError` (the engine cannot step again) is."""
+        if self.distributed:
+            return self._pipelined_step()
         t0 = time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
         cow_before = bm.stats["cow_copies"]
-        out = sched.schedule()
+        with phase("schedule"):
+            out = sched.schedule()
         if out.is_empty:
-            if sched.has_unfinished():
-                raise RuntimeError(f"scheduler made no progress: {len(sched.waiting)} waiting, "
-                                   f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
-                                   f"{bm.num_free_blocks}/{bm.num_blocks} blocks free")
+            self._check_progress()
             return []
-        for seq, _ in out.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = t0
-                m = self.requests[seq.request_id].metrics
-                m.first_scheduled_time = m.first_scheduled_time or t0
+        self._mark_scheduled(out, t0)
         try:
-            self.runner.swap_out(out.swap_out)
-            self.runner.swap_in(out.swap_in)
-            self.runner.copy_blocks(out.copies)
+            self._block_ops(out)
             wanted = self._prompt_logit_seqs(out)
             if wanted:
                 logits, prompt_logits = self.runner.execute_with_prompt_logits(out, wanted)
@@ -389,26 +425,103 @@ class LLMEngine:
         except EngineDeadError:
             raise
         except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
-            changed = self._fail_step(out, f"the forward pass failed: {type(e).__name__}: {e}")
-            self._record(out, t0, cow_before, 0.0)
-            return [self._output(r) for r in changed.values()]
+            return self._forward_failed(out, e, t0, cow_before)
+        return self._complete(out, logits, fast, t0, cow_before)
+
+    def _check_progress(self) -> None:
+        sched, bm = self.scheduler, self.block_manager
+        if sched.has_unfinished():
+            raise RuntimeError(f"scheduler made no progress: {len(sched.waiting)} waiting, "
+                               f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
+                               f"{bm.num_free_blocks}/{bm.num_blocks} blocks free")
+
+    def _mark_scheduled(self, out, t0: float) -> None:
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = t0
+                m = self.requests[seq.request_id].metrics
+                m.first_scheduled_time = m.first_scheduled_time or t0
+
+    def _block_ops(self, out) -> None:
+        self.runner.swap_out(out.swap_out)
+        self.runner.swap_in(out.swap_in)
+        self.runner.copy_blocks(out.copies)
+
+    def _forward_failed(self, out, e: Exception, t0: float, cow_before: int) -> list[RequestOutput]:
+        changed = self._fail_step(out, f"the forward pass failed: {type(e).__name__}: {e}")
+        self._record(out, t0, cow_before, 0.0)
+        return [self._output(r) for r in changed.values()]
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """A step with up to ``runner.depth`` steps in flight (pipeline parallelism,
+        :mod:`llmlab.inference.pipeline_parallel`): schedule and submit one over the sequences not
+        in flight, if there is room; then, when the pipeline is full or nothing new could be
+        submitted, wait for the oldest step's logits and sample its tokens."""
+        flight, submitted = self._in_flight, False
+        if len(flight) < self.runner.depth:
+            t0, cow = time.perf_counter(), self.block_manager.stats["cow_copies"]
+            out = self._schedule_virtual_engine()
+            if out is not None:
+                self._mark_scheduled(out, t0)
+                flight.append((out, self.runner.submit(out), t0, cow))
+                submitted = True
+        if not flight:
+            self._check_progress()
+            return []
+        if submitted and len(flight) < self.runner.depth:
+            return []
+        out, handle, t0, cow = flight.pop(0)
+        try:
+            logits = self.runner.collect(handle)
+        except EngineDeadError:
+            raise
+        except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
+            return self._forward_failed(out, e, t0, cow)
+        # requests aborted (and maybe released) while their step was in flight: nothing to sample
+        out.scheduled = [(s, n) for s, n in out.scheduled
+                         if not s.is_finished and s.request_id in self.requests]
+        return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]),
+                              t0, cow)
+
+    def _schedule_virtual_engine(self):
+        """The next step of a pipeline: the running sequences are split into ``depth`` groups by
+        id (vLLM's virtual engines, one scheduler each there); the next group in turn that has
+        work and is not in flight is scheduled (new requests join whichever step admits them).
+        Returns the step, or None when nothing can run now."""
+        depth = self.runner.depth
+        busy = frozenset(s.seq_id for o, *_ in self._in_flight for s, _ in o.scheduled)
+        for k in range(depth):
+            ve = (self._next_virtual_engine + k) % depth
+            others = frozenset(s.seq_id for s in self.scheduler.running if s.seq_id % depth != ve)
+            out = self.scheduler.schedule(busy | others)
+            self._block_ops(out)                 # queued; they travel with the next step
+            if not out.is_empty:
+                self._next_virtual_engine = ve + 1
+                return out
+        return None
+
+    def _complete(self, out, logits: dict, fast: dict, t0: float,
+                  cow_before: int) -> list[RequestOutput]:
+        """After the forward: the scheduled tokens are computed; sample, stop, record."""
+        sched, bm = self.scheduler, self.block_manager
         sched.update(out)
         now = time.perf_counter()
         changed, sample_s = {}, 0.0
-        for seq, n in out.scheduled:
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                           # mid-prompt chunk: no token
-            req = self.requests[seq.request_id]
-            changed[req.request_id] = req
-            group = self._fork(req, seq)
-            try:
-                sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
-                                               fast.get(seq.seq_id))
-            except Exception as e:              # noqa: BLE001  (this request fails alone)
-                req.error = f"sampling failed: {type(e).__name__}: {e}"
-                for s in group:
-                    if not s.is_finished:
-                        self._finish(s, "error", now)
+        with phase("sampling"):
+            for seq, n in out.scheduled:
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue                                           # mid-prompt chunk: no token
+                req = self.requests[seq.request_id]
+                changed[req.request_id] = req
+                group = self._fork(req, seq)
+                try:
+                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
+                                                   fast.get(seq.seq_id))
+                except Exception as e:              # noqa: BLE001  (this request fails alone)
+                    req.error = f"sampling failed: {type(e).__name__}: {e}"
+                    for s in group:
+                        if not s.is_finished:
+                            self._finish(s, "error", now)
         for req in changed.values():
             if req.finished:
                 req.metrics.finish_time = now

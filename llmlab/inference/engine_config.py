@@ -87,6 +87,11 @@ class EngineConfig:
               "(int8: the same); w8a8: int8 weights and per-token int8 activations, int8 products",
         choices=("int8", "int8-weight-only", "w8a8"))
     tensor_parallel_size: int = option(1, "ranks the model is sharded over")
+    pipeline_parallel_size: int = option(1, "pipeline stages the layers are split into (each stage "
+                                            "tensor-parallel over tensor-parallel-size ranks)")
+    distributed_executor_backend: str = option(
+        "mp", "how the ranks are started: mp (processes on this host) or ray (actors placed on a "
+              "Ray cluster: ray start --head / --address first)", choices=("mp", "ray"))
     seed: int = option(0, "seed for requests that send none")
     generation_defaults: dict | None = option(
         None, "sampling fields a request leaves unset (default: the checkpoint's "
@@ -114,6 +119,9 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
+    profile_dir: str | None = option(None, "folder for the engine's PyTorch profiler traces "
+                                           "(LLMEngine.start_profile/stop_profile; llmlab serve: "
+                                           "POST /start_profile, /stop_profile)")
     # --- images (a vision-language model; llmlab.inference.multimodal) ---------------------------
     min_pixels: int = option(56 * 56, "images smaller than this (pixels) are scaled up to it")
     max_pixels: int = option(28 * 28 * 1280, "images larger than this (pixels) are scaled down "
@@ -129,7 +137,8 @@ class EngineConfig:
         """Raise ``ValueError`` naming the first field out of its range (or a kernel this machine
         cannot build). Called once, when the config is made; call it again after changing a
         field in place."""
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "max_n",
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size",
+                     "pipeline_parallel_size", "max_n",
                      "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -145,12 +154,16 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
-        for name in ("quantization", "preemption_mode", "paged_attention"):   # device: where it is used
+        for name in ("quantization", "preemption_mode", "paged_attention",
+                     "distributed_executor_backend"):   # device: where it is used
             v, choices = getattr(self, name), _FIELDS[name].metadata["choices"]
             if v is not None and v not in choices:
                 raise ValueError(f"{name}={v!r}: supported values are None and "
                                  + ", ".join(repr(c) for c in choices))
         self._check_kernels()
+        if self.profile_dir:
+            from llmlab.metrics.profiling import check_dir
+            check_dir(self.profile_dir, "--profile-dir")
         return self
 
     def _check_kernels(self) -> None:

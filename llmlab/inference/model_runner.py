@@ -27,6 +27,7 @@ from llmlab.inference.attention_context import AttentionBatch, PagedAttentionCon
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
+from llmlab.metrics.profiling import phase
 from llmlab.inference.sequence import Sequence
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
@@ -158,7 +159,9 @@ class ModelRunner:
         prompt_rows = self.prompt_rows(out, seq_ids)
         extra = [r for _, _, rows in prompt_rows for r in rows]
         order, mm_inputs = self._multimodal_inputs(out)
-        logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
+        kinds = sorted({"prefill" if b.is_prefill else "decode" for b in batches})
+        with phase("+".join(kinds), tokens=sum(b.num_tokens for b in batches)):
+            logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
         if mm_inputs:
             from llmlab.inference import multimodal
             multimodal.release_done(order)

@@ -112,7 +112,21 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     # --- the step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset = frozenset()) -> SchedulerOutput:
+        """The next step's plan. ``in_flight``: ids of running sequences whose previous step has
+        not come back yet (a pipeline keeps several steps in flight, vLLM's virtual engines):
+        they are neither scheduled nor preempted, but count towards ``max_num_seqs``."""
+        if not in_flight:
+            return self._schedule(0)
+        held = [s for s in self.running if s.seq_id in in_flight]
+        self.running = [s for s in self.running if s.seq_id not in in_flight]
+        try:
+            return self._schedule(len(held))
+        finally:
+            self.running += held
+            self._sort_running()
+
+    def _schedule(self, num_held: int) -> SchedulerOutput:
         cfg, bm, out = self.config, self.bm, SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         i = 0
@@ -131,7 +145,7 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out
-        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) + num_held < cfg.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_swap_in(seq, num_new):
@@ -144,7 +158,7 @@ class Scheduler:
             budget -= num_new
         while self.waiting and not self.swapped and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + seq.pending_fork > cfg.max_num_seqs:
+            if len(self.running) + num_held + seq.pending_fork > cfg.max_num_seqs:
                 break
             hits = bm.lookup_prefix(seq)
             computed = len(hits) * bm.block_size if hits else seq.num_computed_tokens

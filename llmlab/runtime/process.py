@@ -199,14 +199,16 @@ def kill_group(proc: Any) -> None:
     proc.join(5)
 
 
-def loopback_store() -> dist.TCPStore:
+def loopback_store(host: str = "127.0.0.1") -> dist.TCPStore:
     """The rendezvous store, hosted by this process on 127.0.0.1 only (given a socket bound before
     the store exists: TCPStore's own listener binds every interface whatever host it is given).
-    Falls back to TCPStore's listener where this torch cannot take a socket. Its port: ``.port``."""
+    Falls back to TCPStore's listener where this torch cannot take a socket. Its port: ``.port``.
+    ``host``: another address of this machine to listen on instead (ranks on other nodes: the
+    Ray executor passes the address its nodes reach this one by)."""
     timeout = pg_timeout()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         sock.listen(128)
         port = sock.getsockname()[1]
         fd = sock.detach()  # the store owns (and closes) the descriptor from now on
@@ -215,7 +217,7 @@ def loopback_store() -> dist.TCPStore:
         fd = None
     if fd is not None:
         try:
-            return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+            return dist.TCPStore(host, port, world_size=None, is_master=True,
                                  wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
         except (RuntimeError, TypeError, ValueError):
             with contextlib.suppress(OSError):

@@ -51,16 +51,28 @@ def build_engines(model="shakespeare", *, data_parallel_size: int = 1,
     config = resolve(config, engine_args)           # (checked once, when made)
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
-    if data_parallel_size > 1 and config.tensor_parallel_size > 1:
-        raise NotImplementedError("tensor_parallel_size > 1 with data_parallel_size > 1 is not "
-                                  "supported (one tensor-parallel engine per server process)")
-    engines = []
+    if (data_parallel_size > 1 and config.tensor_parallel_size > 1
+            and config.pipeline_parallel_size == 1 and config.distributed_executor_backend == "mp"):
+        raise NotImplementedError("tensor_parallel_size > 1 with data_parallel_size > 1 needs "
+                                  "distributed_executor_backend='ray' or pipeline_parallel_size > 1 "
+                                  "(one mp tensor-parallel engine per server process)")
+    if config.distributed_executor_backend == "ray":   # the cluster can hold every replica
+        from llmlab.inference import executor_ray
+        executor_ray.check_capacity(config.tensor_parallel_size, config.pipeline_parallel_size,
+                                    data_parallel_size)
+    engines: list = []
     devices = _replica_devices(config.device, data_parallel_size)
-    for r in range(data_parallel_size):
-        replica = config if devices[r] == config.device else dataclasses.replace(config, device=devices[r])
-        eng = LLMEngine(model, config=replica)
-        engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
-                                   metrics=None if metrics is None else metrics.replica(str(r))))
+    try:
+        for r in range(data_parallel_size):
+            replica = (config if devices[r] == config.device
+                       else dataclasses.replace(config, device=devices[r]))
+            eng = LLMEngine(model, config=replica)
+            engines.append(AsyncEngine(eng, max_waiting_requests=max_waiting_requests, name=str(r),
+                                       metrics=None if metrics is None else metrics.replica(str(r))))
+    except BaseException:                      # nothing left behind: the replicas already started
+        for e in engines:
+            e.engine.shutdown()
+        raise
     return engines
 
 

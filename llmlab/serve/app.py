@@ -6,7 +6,8 @@ Routes, as vLLM's OpenAI server offers them (each a handler in :mod:`llmlab.serv
 - ``GET /v1/models`` and ``GET /v1/models/{id}``: the one served model (``--served-model-name``);
 - ``POST /tokenize`` and ``POST /detokenize`` (vLLM's): text or chat messages to token ids, and back;
 - ``GET /health``: 200 while every engine loop runs, else 503;
-- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`).
+- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`);
+- ``POST /start_profile``, ``POST /stop_profile``: profiler traces (:mod:`llmlab.serve.routes.profile`).
 
 A request whose ``Host`` is not allowed is a 400 before anything else (``allowed_hosts``);
 every response carries an ``x-request-id`` (the client's, echoed, or a new one).
@@ -31,7 +32,7 @@ from llmlab.serve.context import ServingContext
 from llmlab.serve.middleware import (APIKeyMiddleware, BodyLimitMiddleware, HostMiddleware,
                                      JSONResponse, RequestIdMiddleware, install_error_handlers)
 from llmlab.serve.router import Router
-from llmlab.serve.routes import chat, completions, info, tokenize
+from llmlab.serve.routes import chat, completions, info, profile, tokenize
 
 
 def build_app(engines: list, *, served_model_name: str, chat_template: str | None = None,
@@ -83,4 +84,6 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    app.add_api_route("/start_profile", profile.start_profile, methods=["POST"])
+    app.add_api_route("/stop_profile", profile.stop_profile, methods=["POST"])
     return app

@@ -194,6 +194,22 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def start_profile(self) -> None:
+        """Start the engine's profiler in the engine thread (the profiler sees its own thread's
+        work); ``RuntimeError`` as :meth:`LLMEngine.start_profile`."""
+        await self._in_loop("start_profile")
+
+    async def stop_profile(self) -> str:
+        """Stop it there; returns the trace's path."""
+        return await self._in_loop("stop_profile")
+
+    async def _in_loop(self, method: str):
+        if not self._thread.is_alive():
+            raise EngineStoppedError("the engine loop is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", method, done))
+        return await asyncio.wrap_future(done)
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -213,7 +229,8 @@ class AsyncEngine:
                 except Exception as e:
                     failures = (MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError)
                                 else failures + 1)
-                    self._step_failed(traceback.format_exc(), failures)
+                    self._step_failed(traceback.format_exc(), failures,
+                                      f"the engine stopped: {e}" if isinstance(e, EngineDeadError) else None)
                     continue
                 t1 = time.perf_counter()
                 self.num_steps += 1
@@ -235,11 +252,12 @@ class AsyncEngine:
         if stop is not None:
             stop()
 
-    def _step_failed(self, tb: str, failures: int) -> None:
-        """Fail and free every request in flight; stop after too many failing steps in a row."""
+    def _step_failed(self, tb: str, failures: int, reason: str | None = None) -> None:
+        """Fail and free every request in flight (with ``reason``, when known); stop after too
+        many failing steps in a row."""
         log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
                   failures, tb)
-        self._abort_all(RuntimeError("the engine step failed; see the server log"))
+        self._abort_all(RuntimeError(reason or "the engine step failed; see the server log"))
         for rid in [r for r, req in self.engine.requests.items() if not req.finished]:
             self.engine.abort_request(rid)
             self.engine.release(rid)
@@ -258,6 +276,12 @@ class AsyncEngine:
                 self._add(*cmd[1:])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
+            elif cmd[0] == "call":               # start_profile / stop_profile
+                _, method, done = cmd
+                try:
+                    done.set_result(getattr(self.engine, method)())
+                except Exception as e:           # noqa: BLE001  (answered to the caller)
+                    done.set_exception(e)
             elif cmd[0] == "stop":
                 return False
 

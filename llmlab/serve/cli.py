@@ -45,12 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-chat", action="store_true",
                    help="parse special tokens written inside chat message content as the "
                         "template's markers (default: off, so a message cannot forge a turn)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write the serving gauges (/metrics) as TensorBoard scalars to DIR, "
+                        "every second")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, let /metrics answer without the key (default: off)")
     add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
     g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
     add_engine_arguments(g, None, {"tensor_parallel_size": {
-        "help": "ranks the model is sharded over (not with --data-parallel-size > 1)"}})
+        "help": "ranks the model is sharded over (with --data-parallel-size > 1: only with "
+                "--distributed-executor-backend ray or --pipeline-parallel-size > 1)"}})
 
 
 def engine_config(args) -> EngineConfig:
@@ -66,15 +70,20 @@ def validate(args) -> None:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} must be >= 1")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
-    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
-        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 is not "
-                                  "supported (one tensor-parallel engine per server process)")
+    if (args.tensor_parallel_size > 1 and args.data_parallel_size > 1
+            and args.pipeline_parallel_size == 1 and args.distributed_executor_backend == "mp"):
+        raise NotImplementedError("--tensor-parallel-size > 1 with --data-parallel-size > 1 needs "
+                                  "--distributed-executor-backend ray or --pipeline-parallel-size "
+                                  "> 1 (one mp tensor-parallel engine per server process)")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests {args.max_waiting_requests} must be >= 1")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if args.tensorboard:
+        from llmlab.metrics.profiling import check_dir
+        check_dir(args.tensorboard, "--tensorboard")
     try:
         engine_config(args)
         server_config(args)
@@ -128,12 +137,18 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"llmlab serve: serving {name} at http://{shown}:{port} "
           f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})", flush=True)
+    tb = None
+    if args.tensorboard:
+        from llmlab.serve.tensorboard import GaugeLogger
+        tb = GaugeLogger(metrics, args.tensorboard).start()
     try:
         server.run(sockets=[sock])
     finally:
         for e in engines:
             e.shutdown()
         sock.close()
+        if tb is not None:
+            tb.close()
     print("llmlab serve: stopped", file=sys.stderr, flush=True)
     return 0
 

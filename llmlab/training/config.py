@@ -122,6 +122,12 @@ class TrainConfig:
     dp_mode: str = option("ddp", "data-parallel gradient sync: naive per-tensor all-reduce, "
                                  "bucketed overlapped ddp, or our own ring", choices=("naive", "ddp", "ring"))
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
+    profile_steps: str | None = option(None, "with --profile-dir, record steps A:B (1-based, "
+                                             "inclusive) with the PyTorch profiler")
+    profile_dir: str | None = option(None, "write one Chrome trace per rank here "
+                                           "(rank{R}.pt.trace.json.gz; Perfetto, TensorBoard, HTA)")
+    tensorboard: str | None = option(None, "write TensorBoard scalars (loss, grad norm, lr, "
+                                           "tokens/s, MFU, memory per rank) to this folder")
 
     @property
     def world_size(self) -> int:
@@ -262,6 +268,7 @@ def check_inputs(cfg: TrainConfig) -> ModelConfig:
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
+    _check_observability(cfg)
     if cfg.metrics_json and Path(cfg.metrics_json).is_dir():
         raise ValueError(f"--metrics-json {cfg.metrics_json!r} is a folder; it must be a file path")
     if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
@@ -296,6 +303,24 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     for strategy, c in checks:
         strategy.validate(c, mesh, mc)
     return mc
+
+
+def _check_observability(cfg: TrainConfig) -> None:
+    """``--profile-steps``/``--profile-dir`` (both or neither, a range inside the run, a writable
+    folder) and ``--tensorboard`` (a writable folder); ``ValueError`` naming the flag."""
+    from llmlab.metrics.profiling import check_dir, parse_steps
+    if bool(cfg.profile_steps) != bool(cfg.profile_dir):
+        raise ValueError("--profile-steps and --profile-dir go together (which steps to record, "
+                         "and where the traces go)")
+    if cfg.profile_steps and cfg.profile_dir:
+        parse_steps(cfg.profile_steps, 1, cfg.steps)
+        check_dir(cfg.profile_dir, "--profile-dir")
+    if cfg.tensorboard:
+        check_dir(cfg.tensorboard, "--tensorboard")
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or llmlab[observe])")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
+from llmlab.metrics.profiling import StepProfiler, phase
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
@@ -244,10 +245,12 @@ class Engine:
         for i, (x, y) in enumerate(micro):
             ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
             with ctx:
-                loss = self.wrapper(x, y)
-                aux = self.model.aux_loss()
-                loss = (loss - aux) * weights[i] + aux / M
-                (loss * self.loss_scale()).backward()
+                with phase("forward", mb=i):
+                    loss = self.wrapper(x, y)
+                    aux = self.model.aux_loss()
+                    loss = (loss - aux) * weights[i] + aux / M
+                with phase("backward", mb=i):
+                    (loss * self.loss_scale()).backward()
             total += loss.item()
         return total
 
@@ -292,7 +295,8 @@ class Engine:
         with SavedActivations(self.parameters()) as act:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
-        self.wrapper.finish_grad_sync()
+        with phase("grad sync"):
+            self.wrapper.finish_grad_sync()
         for f in model_record(self.model).grad_finalizers:
             f(self.wrapper.grad_of)  # ZeRO: the part of p in this rank's shard
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(self.wrapper.grad_tensors()))
@@ -309,9 +313,10 @@ class Engine:
         if not skipped:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            if cfg.grad_clip:
-                clip_([g for g, _ in pieces], cfg.grad_clip, norm)
-            self.optimizer.apply()
+            with phase("optimizer"):
+                if cfg.grad_clip:
+                    clip_([g for g, _ in pieces], cfg.grad_clip, norm)
+                self.optimizer.apply()
         self.optimizer.zero_grad(set_to_none=True)
         self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
@@ -352,6 +357,14 @@ def _force_overflow(rank: int) -> int | None:
     return s if r == rank else None
 
 
+def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``; ``None`` when not profiling."""
+    if not cfg.profile_steps:
+        return None
+    from llmlab.metrics.profiling import parse_steps
+    return parse_steps(cfg.profile_steps, 1, cfg.steps)
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -377,6 +390,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
+    prof = StepProfiler(cfg.profile_dir, mesh.rank, _profile_range(cfg), first)
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
@@ -388,10 +402,12 @@ def rank_main(cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        local_loss = engine.train_step(micro, step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with phase("step", step=step):
+            local_loss = engine.train_step(micro, step)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        prof.step()
         loss = global_loss(local_loss, mesh, device)
         tps = cfg.global_batch_size * cfg.seq_len / dt
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps} | engine.last
@@ -408,6 +424,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
             save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+    prof.close()
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
@@ -434,7 +451,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     """Validate, launch the ranks, train, and return the CONTRACT metrics dict.
 
     ``on_step(record)`` is called in the caller for every step as it finishes (live plots).
-    Writes ``cfg.metrics_json`` when set. Raises ``ValueError``/``NotImplementedError`` before
+    Writes ``cfg.metrics_json`` and the TensorBoard scalars of ``cfg.tensorboard`` when set, and
+    one profiler trace per rank into ``cfg.profile_dir`` (steps ``cfg.profile_steps``). Raises ``ValueError``/``NotImplementedError`` before
     any rank starts for a bad configuration, and :class:`~llmlab.runtime.launch.RankError` if a
     rank fails.
     """
@@ -465,6 +483,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
         write_metrics(metrics, cfg.metrics_json)
+    if cfg.tensorboard and os.environ.get("RANK", "0") == "0":
+        from llmlab.metrics.tensorboard import write_train_metrics
+        write_train_metrics(metrics, cfg.tensorboard)
     return metrics
 
 
