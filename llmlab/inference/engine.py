@@ -100,10 +100,12 @@ class LLMEngine:
     ``max(2048, max_model_len)``), ``enable_prefix_caching``, ``enable_chunked_prefill``,
     ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on CUDA); ``max_model_len``
     (default, and at most: the model's ``max_position_embeddings``); ``dtype`` of weights and
-    cache (default fp32); ``quantization="int8"`` stores every linear weight but the output head
-    as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; a model object passed
-    in is quantised in place); ``seed`` for requests without one; ``check_invariants`` verifies
-    the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    cache (default fp32); ``quantization="int8-weight-only"`` (alias ``"int8"``) stores every
+    linear weight but the output head as int8 with per-output-channel scales
+    (:mod:`llmlab.model.quantize`), ``"w8a8"`` also quantises their inputs per token and multiplies
+    in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in
+    place); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
+    every step (tests); ``on_step(StepMetrics)`` hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
     (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks);
     ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each, all of them workers
@@ -143,7 +145,7 @@ class LLMEngine:
         elif cfg.tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
             tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
-        if cfg.quantization == "int8":
+        if cfg.quantization in ("int8", "int8-weight-only"):
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
         self.quantization = cfg.quantization
@@ -182,6 +184,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
                                       num_host_blocks, paged_attention=cfg.paged_attention,
                                       packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
+            if cfg.quantization == "w8a8":      # after the runner fused q/k/v and gate/up
+                from llmlab.inference.quantize_w8a8 import quantize_w8a8
+                quantize_w8a8(self.runner.model)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
                 model, spec, cfg.tensor_parallel_size, self.device,

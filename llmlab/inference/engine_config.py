@@ -82,8 +82,10 @@ class EngineConfig:
     device: str = option("auto", "where the engine runs (auto: a GPU if there is one, else the CPU)",
                          choices=("auto", "cpu", "cuda"))
     dtype: torch.dtype = option(torch.float32, "weights and cache dtype", cli=False)
-    quantization: str | None = option(None, "store linear weights in int8 with per-channel scales",
-                                      choices=("int8",))
+    quantization: str | None = option(
+        None, "int8-weight-only: linear weights in int8 with per-channel scales, float arithmetic "
+              "(int8: the same); w8a8: int8 weights and per-token int8 activations, int8 products",
+        choices=("int8", "int8-weight-only", "w8a8"))
     tensor_parallel_size: int = option(1, "ranks the model is sharded over")
     pipeline_parallel_size: int = option(1, "pipeline stages the layers are split into (each stage "
                                             "tensor-parallel over tensor-parallel-size ranks)")
