@@ -26,6 +26,10 @@ class W8A8Linear(nn.Module):
     """``[..., in] -> [..., out]``: :func:`~llmlab.kernels.int8_linear.w8a8_linear` with ``qw`` int8
     ``[out, in]``, ``sw`` fp32 ``[out]`` and ``bias`` (the layer's dtype) or ``None``."""
 
+    qw: torch.Tensor
+    sw: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("qw", qw)
