@@ -3,7 +3,9 @@ or typed by hand on real nodes (docs/workshop.md): the source articles' steps 1,
 
 :class:`RayCluster` runs ``ray start --head`` on host 0 and ``ray start --address HEAD:PORT`` on
 every other host (each ``--block``, so the processes stay this object's; ``--num-cpus`` small and a
-temporary directory of its own), and waits until every node has joined. :class:`ClusterServer`
+temporary directory of its own), and waits until every node has joined. A raylet gives its Python
+agents 15 s to report their ports and aborts otherwise (seen on a loaded 2-core machine); such an
+abort is read from the raylet's log at once and that node is started again. :class:`ClusterServer`
 runs ``llmlab serve --distributed-executor-backend ray`` on host 0 (the head: HTTP server,
 scheduler and sampling stay there) with ``RAY_ADDRESS`` set, and waits for its "serving" line.
 The tests use these; lab 13's serving step is to call :func:`serve_across_hosts` and
@@ -42,7 +44,7 @@ from typing import Any, Iterator
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _ray_bin() -> str:
@@ -188,7 +190,7 @@ class RayCluster:
 
     def kill_node(self, i: int) -> int:
         """SIGKILL every process on host ``i`` (its raylet, its workers, ...): the node is lost."""
-        return self.hosts.signal(i, signal.SIGKILL)
+        return int(self.hosts.signal(i, signal.SIGKILL))
 
     def stop(self) -> None:
         """End every Ray process of this cluster (each host's ``ray start`` and what it started:
