@@ -128,7 +128,8 @@ class RayCluster:
             self.procs.pop().wait(10)
             if attempt == attempts:
                 raise TimeoutError(f"Ray's node on host {i} did not start ({attempts} attempts; "
-                                   f"last: {why}). Is the machine overloaded?\n{self.tail()}")
+                                   f"last: {why}). A raylet waits 15 s for its Python agents to report their "
+                                   f"ports: is the machine overloaded?\n{self.tail()}")
 
     def _raylet_aborts(self) -> list[str]:
         """The raylets of this cluster that aborted: one line of each's log (its "Check failed")."""
