@@ -27,25 +27,13 @@ from PIL import Image
 
 from llmlab.inference import LLM, SamplingParams
 from llmlab.inference.image_processor import load_image, process_image
-from llmlab.model.config import ModelConfig
-from llmlab.model.qwen2_5_vl import MultimodalConfig, Qwen2_5_VLForConditionalGeneration
-from llmlab.model.qwen2_5_vl_vision import VisionConfig
+from llmlab.model.qwen2_5_vl import small_qwen2_5_vl
 from llmlab.serve import images as serve_images
 
 PHOTO = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "sample_data",
                      "grace_hopper.jpg")
 SCALES = (1, 2, 4)                       # 512x600, 1024x1200, 2048x2400
 CAPS = (128 * 28 * 28, 256 * 28 * 28, 512 * 28 * 28, 1024 * 28 * 28)
-
-
-def small_model() -> Qwen2_5_VLForConditionalGeneration:
-    cfg = ModelConfig(name="vl-small", vocab_size=256, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=8192, attention_bias=True)
-    vision = VisionConfig(depth=4, hidden_size=64, intermediate_size=128, num_heads=2,
-                          out_hidden_size=128, window_size=112, fullatt_block_indexes=(3,))
-    return Qwen2_5_VLForConditionalGeneration(cfg, MultimodalConfig(vision, 255, 254, 253, [4, 6, 6]),
-                                              seed=0)
 
 
 def photographs(tmp: str) -> list[str]:
@@ -68,7 +56,7 @@ def _best(fn, repeat: int = 5) -> float:
 
 
 def tokens_and_ttft(paths: list[str]) -> list[dict]:
-    llm = LLM(small_model(), max_pixels=max(CAPS), max_model_len=8192,
+    llm = LLM(small_qwen2_5_vl(), max_pixels=max(CAPS), max_model_len=8192,
               max_num_batched_tokens=8192)
     ids = [1, 254, 255, 253, 2]
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

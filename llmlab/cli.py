@@ -92,10 +92,14 @@ def run_train(args: argparse.Namespace) -> int:
     else:  # only a resumed run can have no step left
         print(f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
               f"step {cfg.steps} or later (--steps {cfg.steps})")
+    evals = [s for s in steps if s.get("eval_loss") is not None]
+    if evals:
+        print("held-out loss: " + ", ".join(f"step {s['step']} {s['eval_loss']:.4f}" for s in evals))
     if cfg.metrics_json:
         print(f"metrics written to {cfg.metrics_json}")
     if cfg.save_model:
-        print(f"model written to {cfg.save_model}")
+        what = "PEFT adapter" if cfg.lora_rank is not None else "model"
+        print(f"{what} written to {cfg.save_model}")
     return _rank_done()
 
 

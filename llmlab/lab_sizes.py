@@ -42,6 +42,8 @@ LAB_SIZES: dict[str, dict] = {
     # two hosts on this machine with 2 ranks each (dp2 x tp2); they share its GPUs, so the lab
     # runs them as CPU ranks (LLMLAB_DEVICE=cpu): on real nodes the same commands use NCCL
     "13_cluster": dict(max_ranks=4, min_ranks=4, cpu_steps=6, gpu_steps=6),
+    # one engine process (a small random Qwen2.5-VL) and the HTTP server on a thread
+    "14_images": dict(max_ranks=1, min_ranks=1),
 }
 
 

@@ -6,14 +6,11 @@ import io
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-pytest.importorskip("PIL")
-transformers = pytest.importorskip("transformers")
-from PIL import Image  # noqa: E402
-
-from llmlab.inference import LLM, SamplingParams  # noqa: E402
-from llmlab.inference.image_processor import ImageError, load_image, process_image, smart_resize  # noqa: E402
-from llmlab.model.mrope import mrope_positions  # noqa: E402
+from llmlab.inference import LLM, SamplingParams
+from llmlab.inference.image_processor import ImageError, load_image, process_image, smart_resize
+from llmlab.model.mrope import mrope_positions
 
 IMG, START, END = 255, 254, 253         # token ids of <|image_pad|>, <|vision_start|>, <|vision_end|>
 MAX_PIXELS = 28 * 28 * 20

@@ -9,14 +9,12 @@ import io
 import os
 
 import pytest
+from PIL import Image
 
-pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
-
-from llmlab.inference import LLM, SamplingParams  # noqa: E402
-from llmlab.serve import start_server  # noqa: E402
-from test_openai_server import _post, _wait  # noqa: E402
-from test_qwen2_5_vl import END, IMG, MAX_PIXELS, START, save_tiny_qwen2_5_vl  # noqa: E402
+from llmlab.inference import LLM, SamplingParams
+from llmlab.serve import start_server
+from test_openai_server import _post, _wait
+from test_qwen2_5_vl import END, IMG, MAX_PIXELS, START, save_tiny_qwen2_5_vl
 
 
 def _png(size=(130, 90), color=(200, 30, 90)) -> bytes:

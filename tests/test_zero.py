@@ -226,8 +226,7 @@ def test_layout_refusals():
         check(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw), mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         check(TrainConfig(dp=2, zero=3), mc.replace(tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="--save-model with --zero 3"):
-        validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))
+    validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))   # gathered by training/export.py
     validate(TrainConfig(dp=2, zero=2, dtype="bf16", cpu_offload=True))   # accepted
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab.inference.paged_attention import paged_attention, plan_attention, walks_block_tables, write_kv
+from llmlab.metrics.profiling import phase
 
 
 @dataclass
@@ -75,8 +76,10 @@ class PagedAttentionContext:
             if plan is None:
                 plan = self.plans[key] = plan_attention(b.block_tables, b.context_lens, b.query_lens,
                                                         k_cache.shape[1], sliding_window)
-        return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens, b.query_lens,
-                               sliding_window=sliding_window, plan=plan, impl=self.paged_attention)
+        with phase("attention", kind="prefill" if b.is_prefill else "decode", tokens=q.shape[0]):
+            return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens,
+                                   b.query_lens, sliding_window=sliding_window, plan=plan,
+                                   impl=self.paged_attention)
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sliding_window: int | None = None) -> torch.Tensor:

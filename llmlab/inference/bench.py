@@ -334,6 +334,9 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+    if getattr(args, "tensorboard", None):          # llmlab bench serve --tensorboard DIR
+        from llmlab.metrics.tensorboard import write_bench
+        write_bench(res, args.tensorboard)
     what = {"llmlab": "continuous batching, paged KV cache",
             "hf": (f"HF generate, static batches of {res['hf'].get('batch_size')}" if "hf" in res else ""),
             "hf_continuous": "transformers' continuous batching (generate_batch), same KV blocks"}

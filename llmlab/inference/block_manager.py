@@ -35,6 +35,12 @@ class Block:
     token_ids: tuple[int, ...] | None = None   # the tokens the hash names (checked on a hit)
 
 
+def _salt(seq: Sequence):
+    """The parent of a sequence's first block: ``None``, or its LoRA adapter (K/V computed with an
+    adapter are not the base's, nor another adapter's: vLLM keys its prefix cache the same way)."""
+    return ("lora", seq.lora_id) if seq.lora_id else None
+
+
 def chain_hash(parent_hash: int | None, token_ids) -> int:
     """Hash of a full block given the hash of the block before it (None for the first)."""
     return hash((parent_hash, tuple(token_ids)))
@@ -110,7 +116,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens \
                 or seq.skip_prefix_cache:
             return []
-        hits, parent, bs = [], None, self.block_size
+        hits, parent, bs = [], _salt(seq), self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.block_tokens(i * bs, (i + 1) * bs)
             h = chain_hash(parent, tokens)
@@ -130,7 +136,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             tokens = seq.block_tokens(i * bs, (i + 1) * bs)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _salt(seq)
             h = chain_hash(parent, tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]

@@ -194,12 +194,17 @@ def run(args: argparse.Namespace) -> int:
             outs[i] = error_output(str(i), r if isinstance(r, dict) else None, str(e), time.perf_counter())
             continue
         todo.append((i, {k: r[k] for k in ("prompt", "prompt_token_ids") if k in r}, params))
+    profiling = bool(llm.engine.config.profile_dir) and bool(todo)
     try:
+        if profiling:       # --profile-dir: the whole run as one trace
+            llm.start_profile()
         if todo:
             for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo],
                                                        [sp for _, _, sp in todo])):
                 outs[i] = o
     finally:
+        if profiling:
+            print(f"profiler trace written to {llm.stop_profile()}", file=sys.stderr)
         llm.engine.shutdown()
     failed = [i for i, o in enumerate(outs) if o.error is not None]
     for i in failed:

@@ -40,6 +40,7 @@ from llmlab.inference.sampling import (SamplingParams, make_generator, process_l
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
+from llmlab.metrics.profiling import TraceRecorder, phase
 from llmlab.runtime.hardware import resolve_device
 
 
@@ -99,10 +100,12 @@ class LLMEngine:
     ``max(2048, max_model_len)``), ``enable_prefix_caching``, ``enable_chunked_prefill``,
     ``preemption_mode`` (``"recompute"``, or ``"swap"``, the default on CUDA); ``max_model_len``
     (default, and at most: the model's ``max_position_embeddings``); ``dtype`` of weights and
-    cache (default fp32); ``quantization="int8"`` stores every linear weight but the output head
-    as int8 with per-output-channel scales (:mod:`llmlab.model.quantize`; a model object passed
-    in is quantised in place); ``seed`` for requests without one; ``check_invariants`` verifies
-    the block pool after every step (tests); ``on_step(StepMetrics)`` hook;
+    cache (default fp32); ``quantization="int8-weight-only"`` (alias ``"int8"``) stores every
+    linear weight but the output head as int8 with per-output-channel scales
+    (:mod:`llmlab.model.quantize`), ``"w8a8"`` also quantises their inputs per token and multiplies
+    in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in
+    place); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
+    every step (tests); ``on_step(StepMetrics)`` hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
     (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks);
     ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each, all of them workers
@@ -142,7 +145,7 @@ class LLMEngine:
         elif cfg.tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
             tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
-        if cfg.quantization == "int8":
+        if cfg.quantization in ("int8", "int8-weight-only"):
             from llmlab.model.quantize import quantize_int8
             quantize_int8(model)                 # in place: every linear but lm_head
         self.quantization = cfg.quantization
@@ -181,6 +184,9 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
                                       num_host_blocks, paged_attention=cfg.paged_attention,
                                       packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
+            if cfg.quantization == "w8a8":      # after the runner fused q/k/v and gate/up
+                from llmlab.inference.quantize_w8a8 import quantize_w8a8
+                quantize_w8a8(self.runner.model)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
                 model, spec, cfg.tensor_parallel_size, self.device,
@@ -199,6 +205,17 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self._step = 0
+        self.profiler = TraceRecorder(cfg.profile_dir)
+
+    def start_profile(self) -> None:
+        """Start recording a PyTorch profiler trace of the steps that follow (vLLM's
+        ``start_profile``), in the thread that calls :meth:`step`. ``RuntimeError`` without
+        ``profile_dir`` or while recording."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording; returns the trace's path (``profile_dir/engine-N.pt.trace.json.gz``)."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks or the pipeline's workers, if any (idempotent)."""
@@ -264,12 +281,52 @@ class LLMEngine:
             raise ValueError("prompt_logprobs: not supported by this engine's runner "
                              f"({type(self.runner).__name__})")
 
+    # --- LoRA adapters (llmlab.inference.lora) ---------------------------------------------------
+    def enable_lora(self, max_loras: int, max_lora_rank: int = 16) -> None:
+        """Serve up to ``max_loras`` LoRA adapters beside the base (one engine, one device)."""
+        if type(self.runner) is not ModelRunner:    # tensor/pipeline runners: other ranks' layers
+            raise ValueError("LoRA adapters are served by the one-device runner only (not with "
+                             "tensor or pipeline parallelism)")
+        from llmlab.inference.lora import enable_lora
+        self.runner.lora = enable_lora(self.runner.model, max_loras, max_lora_rank)
+
+    def add_lora(self, name: str, path) -> None:
+        """Load the PEFT adapter in ``path`` as ``name`` (``ValueError``: no slot free, name
+        taken, an adapter for another base; requests name it from the next step on)."""
+        if getattr(self.runner, "lora", None) is None:
+            raise ValueError("LoRA is not enabled: start with --max-loras N (enable_lora)")
+        self.runner.lora.load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter ``name``: ``KeyError`` when none is loaded by that name,
+        ``ValueError`` while unfinished requests use it."""
+        lora = getattr(self.runner, "lora", None)    # only the one-device runner has slots
+        if lora is None or name not in lora.by_name:
+            raise KeyError(name)
+        lid = lora.lora_id(name)
+        if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values()
+               for seq in r.seqs):
+            raise ValueError(f"adapter {name!r} is in use by unfinished requests")
+        lora.unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``{name: folder}`` of the loaded adapters."""
+        lora = getattr(self.runner, "lora", None)    # only the one-device runner has slots
+        return {} if lora is None else {n: p for n, (_, _, p) in lora.by_name.items()}
+
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served.
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    lora: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` if it can never be served,
+        ``KeyError`` when ``lora`` names no loaded adapter.
 
         ``params`` fields left unset take the engine's ``generation_defaults`` (recorded in the
-        request's outputs as ``sampling_defaults``)."""
+        request's outputs as ``sampling_defaults``); ``lora`` runs it with that adapter."""
+        lora_id = 0
+        if lora is not None:
+            if getattr(self.runner, "lora", None) is None or lora not in self.runner.lora.by_name:
+                raise KeyError(lora)
+            lora_id = self.runner.lora.lora_id(lora)
         params, used = (params or SamplingParams()).with_defaults(self.generation_defaults)
         params.validate()
         self.check_limits(params)
@@ -287,7 +344,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm)
+        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm,
+                       lora_id=lora_id)
         if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
             req.prompt_logprobs = [None]
             seq.skip_prefix_cache = True
@@ -376,6 +434,11 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration (:meth:`_step_once`), named ``llmlab.engine step`` in a profiler trace."""
+        with phase("engine step", n=self._step):
+            return self._step_once()
+
+    def _step_once(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the requests that changed in it. A forward
         pass that raises fails the requests of this step (``finish_reason="error"``, blocks
         freed); a sampling error fails its request alone. Neither is raised; only
@@ -385,7 +448,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched, bm = self.scheduler, self.block_manager
         cow_before = bm.stats["cow_copies"]
-        out = sched.schedule()
+        with phase("schedule"):
+            out = sched.schedule()
         if out.is_empty:
             self._check_progress()
             return []
@@ -484,20 +548,21 @@ class LLMEngine:
         sched.update(out)
         now = time.perf_counter()
         changed, sample_s = {}, 0.0
-        for seq, n in out.scheduled:
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                           # mid-prompt chunk: no token
-            req = self.requests[seq.request_id]
-            changed[req.request_id] = req
-            group = self._fork(req, seq)
-            try:
-                sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
-                                               fast.get(seq.seq_id))
-            except Exception as e:              # noqa: BLE001  (this request fails alone)
-                req.error = f"sampling failed: {type(e).__name__}: {e}"
-                for s in group:
-                    if not s.is_finished:
-                        self._finish(s, "error", now)
+        with phase("sampling"):
+            for seq, n in out.scheduled:
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue                                           # mid-prompt chunk: no token
+                req = self.requests[seq.request_id]
+                changed[req.request_id] = req
+                group = self._fork(req, seq)
+                try:
+                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
+                                                   fast.get(seq.seq_id))
+                except Exception as e:              # noqa: BLE001  (this request fails alone)
+                    req.error = f"sampling failed: {type(e).__name__}: {e}"
+                    for s in group:
+                        if not s.is_finished:
+                            self._finish(s, "error", now)
         for req in changed.values():
             if req.finished:
                 req.metrics.finish_time = now

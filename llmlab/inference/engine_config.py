@@ -82,8 +82,10 @@ class EngineConfig:
     device: str = option("auto", "where the engine runs (auto: a GPU if there is one, else the CPU)",
                          choices=("auto", "cpu", "cuda"))
     dtype: torch.dtype = option(torch.float32, "weights and cache dtype", cli=False)
-    quantization: str | None = option(None, "store linear weights in int8 with per-channel scales",
-                                      choices=("int8",))
+    quantization: str | None = option(
+        None, "int8-weight-only: linear weights in int8 with per-channel scales, float arithmetic "
+              "(int8: the same); w8a8: int8 weights and per-token int8 activations, int8 products",
+        choices=("int8", "int8-weight-only", "w8a8"))
     tensor_parallel_size: int = option(1, "ranks the model is sharded over")
     pipeline_parallel_size: int = option(1, "pipeline stages the layers are split into (each stage "
                                             "tensor-parallel over tensor-parallel-size ranks)")
@@ -117,6 +119,9 @@ class EngineConfig:
     max_stop_string_chars: int = option(256, "longest stop string, characters")
     max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask for "
                                                 "(default: what the context leaves)")
+    profile_dir: str | None = option(None, "folder for the engine's PyTorch profiler traces "
+                                           "(LLMEngine.start_profile/stop_profile; llmlab serve: "
+                                           "POST /start_profile, /stop_profile)")
     # --- images (a vision-language model; llmlab.inference.multimodal) ---------------------------
     min_pixels: int = option(56 * 56, "images smaller than this (pixels) are scaled up to it")
     max_pixels: int = option(28 * 28 * 1280, "images larger than this (pixels) are scaled down "
@@ -156,6 +161,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r}: supported values are None and "
                                  + ", ".join(repr(c) for c in choices))
         self._check_kernels()
+        if self.profile_dir:
+            from llmlab.metrics.profiling import check_dir
+            check_dir(self.profile_dir, "--profile-dir")
         return self
 
     def _check_kernels(self) -> None:

@@ -29,6 +29,14 @@ class LLM:
         self.engine = LLMEngine(model, tokenizer, config, **engine_args)
         self._error_ids = itertools.count()
 
+    def start_profile(self) -> None:
+        """Record a PyTorch profiler trace of what follows (needs ``profile_dir``; vLLM's)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> str:
+        """Stop recording; returns the trace's path."""
+        return self.engine.stop_profile()
+
     def _add(self, prompts, sampling_params) -> list:
         """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
         long, bad ids or parameters) becomes a finished error output in its place, so one bad

@@ -21,12 +21,15 @@ the same layout serves swap preemption.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
+from llmlab.metrics.profiling import phase
 from llmlab.inference.sequence import Sequence
 from llmlab.model.context import forward_context
 from llmlab.model.llama import LlamaForCausalLM
@@ -49,6 +52,8 @@ class ModelRunner:
     ``paged_attention`` (:func:`~llmlab.inference.paged_attention.kernel_for`), ``packed_linear``
     (on a CPU device the linear weights are packed once, :mod:`llmlab.kernels.cpu_linear`) and
     ``cpu_fused`` (the step's forward context tells the model to use the C++ operators)."""
+
+    lora: Any = None    # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora); subclasses too
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
@@ -158,7 +163,9 @@ class ModelRunner:
         prompt_rows = self.prompt_rows(out, seq_ids)
         extra = [r for _, _, rows in prompt_rows for r in rows]
         order, mm_inputs = self._multimodal_inputs(out)
-        logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
+        kinds = sorted({"prefill" if b.is_prefill else "decode" for b in batches})
+        with phase("+".join(kinds), tokens=sum(b.num_tokens for b in batches)):
+            logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
         if mm_inputs:
             from llmlab.inference import multimodal
             multimodal.release_done(order)
@@ -188,6 +195,8 @@ class ModelRunner:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
         (each sequence's last token, when it is its last to compute) and their sequence ids."""
         groups = self.attention_groups(out.scheduled)
+        if self.lora is not None:    # each token's adapter slot (llmlab.inference.lora)
+            self.lora.set_tokens([(seq.lora_id, n) for g in groups for seq, n in g], self.device)
         batches = [self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g)
                    for g in groups]
         sample_rows, sample_seqs, row = [], [], 0

@@ -51,6 +51,7 @@ class Sequence:
     num_preemptions: int = 0
     num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
     skip_prefix_cache: bool = False      # compute every prompt token (its prompt logprobs)
+    lora_id: int = 0                     # the LoRA adapter it runs with (0: the base; inference/lora.py)
     # Timestamps (seconds, time.perf_counter): first_scheduled/first_token/finish.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -101,7 +102,7 @@ class Sequence:
         """What names tokens ``[start, end)`` in the prefix cache: their ids, and for a prompt
         with images each overlapping image's content hash (``mm.block_key``)."""
         toks = tuple(self.token_ids[start:end])
-        return toks if self.mm is None else toks + self.mm.block_key(start, end)
+        return toks if self.mm is None else toks + self.mm.block_key(start, end)  # type: ignore[attr-defined]
 
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:
@@ -122,5 +123,6 @@ class Sequence:
                          num_computed_tokens=self.num_computed_tokens,
                          block_table=list(self.block_table), status=self.status,
                          pending_fork=1, num_prefix_cached_tokens=self.num_prefix_cached_tokens,
-                         first_scheduled_time=self.first_scheduled_time, mm=self.mm)
+                         first_scheduled_time=self.first_scheduled_time, mm=self.mm,
+                         lora_id=self.lora_id)
         return child

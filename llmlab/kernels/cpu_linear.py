@@ -86,10 +86,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x [..., in]`` -> ``[..., out]``), through the packed copy
-    when :func:`pack` attached one to ``weight``."""
+    when :func:`pack` attached one to ``weight`` (or through the module attached in its place:
+    :mod:`llmlab.inference.quantize_w8a8`)."""
     packed = getattr(weight, "_packed", None)
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):     # a layer standing in for the weight (W8A8, int8)
+        return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

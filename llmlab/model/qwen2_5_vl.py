@@ -85,6 +85,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 image_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids)
         if image_embeds is not None and image_embeds.shape[0]:
+            assert image_mask is not None, "image_embeds need their image_mask"
             flat = h.view(-1, h.shape[-1])
             flat[image_mask.view(-1)] = image_embeds.to(h.dtype)
         if positions is None:
@@ -96,6 +97,20 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         if labels is None:
             return logits
         return self.compute_loss(logits, labels) + self.aux_loss()
+
+
+def small_qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+    """A small random Qwen2.5-VL for benchmarks and lab 14 (no checkpoint needed): byte vocabulary
+    (256; image / vision-start / vision-end ids 255 / 254 / 253, bytes UTF-8 never produces), a
+    2-layer language model of width 128 and a 4-block vision tower (window 112 pixels, block 3 full
+    attention), M-RoPE sections [4, 6, 6]. Same weights for the same ``seed``."""
+    cfg = ModelConfig(name="vl-small", vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=8192, attention_bias=True)
+    vision = VisionConfig(depth=4, hidden_size=64, intermediate_size=128, num_heads=2,
+                          out_hidden_size=128, window_size=112, fullatt_block_indexes=(3,))
+    return Qwen2_5_VLForConditionalGeneration(cfg, MultimodalConfig(vision, 255, 254, 253, [4, 6, 6]),
+                                              seed=seed)
 
 
 def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:

@@ -51,7 +51,7 @@ class VisionConfig:
         """From a ``transformers`` vision config (object or dict) of ``model_type``
         (``qwen2_5_vl`` or ``qwen2_vl``). Raises ``ValueError`` for an activation other than
         silu (Qwen2.5-VL) or quick_gelu/gelu (Qwen2-VL)."""
-        get = vc.get if isinstance(vc, dict) else (lambda k, d=None: getattr(vc, k, d))
+        get: Any = vc.get if isinstance(vc, dict) else (lambda k, d=None: getattr(vc, k, d))
         rope = get("rope_parameters") or {}
         if model_type == "qwen2_vl":
             width, depth = get("embed_dim"), get("depth")
@@ -241,6 +241,8 @@ class PatchMerger(nn.Module):
 class VisionTransformer(nn.Module):
     """``forward(pixel_values [P, patch_dim], grid_thw [I, 3]) -> [P / merge^2, out_hidden_size]``:
     the image tokens of all images, in order (image ``i`` gives ``t*h*w / merge^2`` rows)."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()

@@ -55,6 +55,7 @@ from llmlab.parallel.configs import DataParallelConfig
 from llmlab.parallel.protocols import replica_grads
 from llmlab.parallel.records import param_record
 from llmlab.runtime import comm
+from llmlab.metrics.profiling import phase
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
 
@@ -329,7 +330,8 @@ class DistributedDataParallel(_DataParallelBase):
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         self._event("launch", b.index)
-        b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
+        with phase("ddp bucket all_reduce", bucket=b.index, bytes=b.nbytes):
+            b.work = comm.all_reduce(b.buffer, group=b.group, async_op=True)
         if self.record_timeline:  # when the all-reduce has run (not when NCCL queued it)
             self._clock.mark_done("done", b.index, b.work)
 
@@ -352,7 +354,8 @@ class DistributedDataParallel(_DataParallelBase):
                     b.copy_in(j)
             self._launch(b)
         for b in self.buckets:
-            b.work.wait()
+            with phase("ddp bucket wait", bucket=b.index):
+                b.work.wait()
             b.copy_out()
             b.reset()
         self._clock.resolve()

@@ -44,6 +44,7 @@ from llmlab.model.moe import MoE, moe_layers
 from llmlab.parallel.grad_reduce import predivide_
 from llmlab.parallel.configs import ExpertParallelConfig
 from llmlab.parallel.records import param_record
+from llmlab.metrics.profiling import phase
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
@@ -60,14 +61,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> Any:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with phase("ep all_to_all forward"):
+            comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         out_splits, in_splits = ctx.splits
         g = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        with phase("ep all_to_all backward"):
+            comm.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return g, None, None, None
 
 

@@ -41,6 +41,7 @@ from llmlab.parallel.pipeline_schedules import (
     build_schedule, check_schedule_args, message_key)
 from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
+from llmlab.metrics.profiling import phase
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
 from typing import Any
@@ -227,14 +228,16 @@ class PipelineRunner:
                 j = i
                 while j < len(acts) and acts[j].op in COMM:
                     j += 1
-                self._communicate(f, acts[i:j])
+                with phase("pp p2p", actions=",".join(map(str, acts[i:j]))):
+                    self._communicate(f, acts[i:j])
                 i = j
                 continue
             t0 = f.now()
-            if a.op == F:
-                self._forward(f, a)
-            else:
-                self._backward(f, a, is_last_backward=i == f.last_b)
+            with phase("forward" if a.op == F else "backward", action=a, chunk=a.chunk, mb=a.mb):
+                if a.op == F:
+                    self._forward(f, a)
+                else:
+                    self._backward(f, a, is_last_backward=i == f.last_b)
             f.events.append([a.op, a.chunk, a.mb, t0 - f.t_start, f.now() - f.t_start])
             i += 1
         return self._finish(f)
@@ -317,9 +320,10 @@ class PipelineRunner:
         """Wait for the sends still in flight, record the timeline and bubble, add every stage's
         auxiliary loss; the loss on the last rank, ``None`` elsewhere."""
         t0 = f.now()
-        for works, _ in f.pending_sends:
-            for w in works:
-                w.wait()
+        with phase("pp wait sends"):
+            for works, _ in f.pending_sends:
+                for w in works:
+                    w.wait()
         if f.pending_sends:
             f.events.append(["send", 0, -1, t0 - f.t_start, f.now() - f.t_start])
         self._record(f.events, f.now() - f.t_start, f.device)

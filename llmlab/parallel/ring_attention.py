@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from llmlab.kernels.online_softmax import merge_softmax_partials, softmax_partial
+from llmlab.metrics.profiling import phase
 from llmlab.runtime import comm
 from llmlab.runtime.comm import Group
 from typing import Any
@@ -188,8 +189,9 @@ class RingAttention(torch.autograd.Function):
                     _record("forward", s, "comm", t0)
             t1 = time.perf_counter()
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
-            o_b, l_b = block_attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                               scale, causal)
+            with phase("ring_attention forward", step=s):
+                o_b, l_b = block_attention_forward(q[:, :, rows], kv[0][:, :, cols],
+                                                   kv[1][:, :, cols], scale, causal)
             out[:, :, rows], lse[:, :, rows] = merge_softmax_partials(out[:, :, rows], lse[:, :, rows],
                                                                       o_b, l_b)
             _record("forward", s, "attention", t1)
@@ -227,9 +229,10 @@ class RingAttention(torch.autograd.Function):
                 _record("backward", s, "comm", t0)
             t1 = time.perf_counter()
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
-            dq_b, dk_b, dv_b = block_attention_backward(
-                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                lse[:, :, rows], delta[:, :, rows], scale, causal)
+            with phase("ring_attention backward", step=s):
+                dq_b, dk_b, dv_b = block_attention_backward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
+                    lse[:, :, rows], delta[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_b
             contrib = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
             contrib[0][:, :, cols], contrib[1][:, :, cols] = dk_b, dv_b

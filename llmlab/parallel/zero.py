@@ -66,6 +66,7 @@ from llmlab.parallel.records import param_record
 from llmlab.parallel.zero_buffers import FlatBucket
 from llmlab.parallel.zero_optimizer import LossScaler, ZeroOptimizer
 from llmlab.runtime import comm
+from llmlab.metrics.profiling import phase as profile_phase
 from llmlab.runtime.mesh import Mesh
 from torch.nn import Module
 
@@ -85,9 +86,6 @@ def validate(cfg: ZeroConfig, mesh: Mesh, model_config: ModelConfig) -> None:
         raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
                          "belong to two units, the embedding's and the LM head's, and be gathered "
                          "and reduced twice); untie the embeddings or use --zero 1 or 2")
-    if cfg.stage == 3 and cfg.full_model_saved:
-        raise ValueError("--save-model with --zero 3 is not supported yet (each rank holds only "
-                         "a shard of the parameters; use ZeroDataParallel.full_state_dict())")
 
 
 def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float,
@@ -336,8 +334,10 @@ class ZeroDataParallel(nn.Module):
         assert full is not None       # filled by _on_grad, or zeros from _end_of_backward
         out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
         self.log_event("reduce_scatter", b.name, phase)
-        work = comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group,
-                                          async_op=True)
+        with profile_phase("zero reduce_scatter", bucket=b.name,
+                           bytes=full.numel() * full.element_size()):
+            work = comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group,
+                                              async_op=True)
         self._pending.append((b, out, work, full))
         b.grad_full, b.num_ready = None, 0
         while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
@@ -346,7 +346,8 @@ class ZeroDataParallel(nn.Module):
     def _retire(self) -> None:
         b, out, work, _staging = self._pending.pop(0)
         if work is not None:
-            work.wait()
+            with profile_phase("zero reduce_scatter wait", bucket=b.name):
+                work.wait()
         b.grad_shard.add_(out)
 
     # --- stage 3: parameters ----------------------------------------------------------------
@@ -357,12 +358,14 @@ class ZeroDataParallel(nn.Module):
             if not b.is_full and key not in self._gathering:
                 b.allocate()
                 self.log_event("all_gather", b.name, phase)
-                self._gathering[key] = comm.all_gather_into_tensor(b.alias, _held(b.local_shard).detach(),
-                                                                   group=b.group, async_op=True)
+                with profile_phase("zero all_gather", unit=b.name, during=phase):
+                    self._gathering[key] = comm.all_gather_into_tensor(
+                        b.alias, _held(b.local_shard).detach(), group=b.group, async_op=True)
             if wait and key in self._gathering:
                 work = self._gathering.pop(key)
                 if work is not None:
-                    work.wait()
+                    with profile_phase("zero all_gather wait", unit=b.name):
+                        work.wait()
 
     def _free_unit(self, i: int) -> None:
         """Free unit ``i``'s gathered parameters (after any gather of it still in flight)."""

@@ -46,8 +46,9 @@ def format_table(result: dict, top: int = 15) -> str:
                      f"{seconds(r['exposed_comm_s'], r['step_time_s']):>8} "
                      f"{seconds(r['bubble_s'], r['step_time_s']):>8} {r['mfu']:>5.2f} {r['tokens_per_s']:>10.4g} "
                      f"{r['days_to_train']:>7.3g}")
-    if headline(result):
-        lines.insert(0, headline(result))
+    head = headline(result)
+    if head:
+        lines.insert(0, head)
     notfit = [r for r in result["layouts"] if not r["fits"]]
     if notfit and not headline(result):
         lines.append(f"{len(notfit)} layouts do not fit, e.g. {notfit[0]['name']} "

@@ -26,6 +26,8 @@ Wire traffic differs by algorithm (a ring all-reduce moves 2(N-1)/N of the tenso
 The counter is per process (each rank is a process); ``COUNTER.reset()`` starts a new tally and
 ``COUNTER.events`` (when ``record_events`` is on) keeps ``(name, bytes, t_start, t_end)`` for
 timelines.
+Under a profiler each collective is named ``llmlab.<kind> bytes=N`` in the trace
+(:func:`llmlab.metrics.profiling.phase`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from llmlab.metrics.profiling import phase
 
 #: A process group argument: a group, or ``None`` for the default (whole world) group.
 Group = Optional[Any]
@@ -96,7 +100,8 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None
     if not _active(group):
         return None
     t0 = time.perf_counter()
-    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    with phase("all_reduce", bytes=nbytes(t)):
+        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     COUNTER.add("all_reduce", nbytes(t), t0)
     return work
 
@@ -108,7 +113,8 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group = 
         out.copy_(inp.reshape(out.shape))
         return None
     t0 = time.perf_counter()
-    work = dist_all_gather_single(out, inp.contiguous(), group=group, async_op=async_op)
+    with phase("all_gather", bytes=nbytes(out)):
+        work = dist_all_gather_single(out, inp.contiguous(), group=group, async_op=async_op)
     COUNTER.add("all_gather", nbytes(out), t0)
     return work
 
@@ -120,8 +126,9 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = dist.R
         out.copy_(inp.reshape(out.shape))
         return None
     t0 = time.perf_counter()
-    work = dist_reduce_scatter_single(out, inp.contiguous(), op=op, group=group,
-                                      async_op=async_op)
+    with phase("reduce_scatter", bytes=nbytes(inp)):
+        work = dist_reduce_scatter_single(out, inp.contiguous(), op=op, group=group,
+                                          async_op=async_op)
     COUNTER.add("reduce_scatter", nbytes(inp), t0)
     return work
 
@@ -135,8 +142,9 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int
         out.copy_(inp)
         return None
     t0 = time.perf_counter()
-    work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group,
-                                  async_op=async_op)
+    with phase(kind, bytes=nbytes(inp)):
+        work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group,
+                                      async_op=async_op)
     COUNTER.add(kind, nbytes(inp), t0)
     return work
 
@@ -146,19 +154,22 @@ def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
     if not _active(group):
         return
     t0 = time.perf_counter()
-    dist.broadcast(t, src=src, group=group)
+    with phase("broadcast", bytes=nbytes(t)):
+        dist.broadcast(t, src=src, group=group)
     COUNTER.add("broadcast", nbytes(t), t0)
 
 
 def send(t: torch.Tensor, dst: int, group: Group = None) -> None:
     t0 = time.perf_counter()
-    dist.send(t.contiguous(), dst=dst, group=group)
+    with phase("send", bytes=nbytes(t)):
+        dist.send(t.contiguous(), dst=dst, group=group)
     COUNTER.add("send", nbytes(t), t0)
 
 
 def recv(t: torch.Tensor, src: int, group: Group = None) -> None:
     t0 = time.perf_counter()
-    dist.recv(t, src=src, group=group)
+    with phase("recv", bytes=nbytes(t)):
+        dist.recv(t, src=src, group=group)
     COUNTER.add("recv", nbytes(t), t0)
 
 
@@ -178,4 +189,8 @@ def batch_isend_irecv(ops: list[Any], kind: str | None = None) -> list[Any]:
     for op in ops:
         name = "send" if op.op in (dist.isend, getattr(dist, "send", None)) else "recv"
         COUNTER.add(f"{kind}_{name}" if kind else name, nbytes(op.tensor))
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    with phase(f"{kind + '_' if kind else ''}p2p", ops=len(ops),
+               bytes=sum(nbytes(op.tensor) for op in ops)):
+        return dist.batch_isend_irecv(ops)

@@ -90,12 +90,15 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
                  chat_template: str | None = None, data_parallel_size: int = 1,
                  max_waiting_requests: int | None = None, shutdown_timeout: float = 5.0,
                  public_metrics: bool = False, allow_special_tokens_in_chat: bool = False,
-                 routing_policy=None, server_config=None, **engine_args):
+                 routing_policy=None, server_config=None, lora_modules: dict | None = None,
+                 max_loras: int = 0, max_lora_rank: int = 16, **engine_args):
     """Build the engines and the app and run them on a background thread; returns the started
     :class:`~llmlab.serve.server.ServerThread` (a context manager: ``stop()`` on exit).
     ``engine_args``: :class:`~llmlab.inference.EngineConfig` fields (or ``config=``), and
     :class:`~llmlab.serve.config.ServerConfig` fields (or ``server_config=``).
-    ``routing_policy``: which replica takes a request (:class:`~llmlab.serve.router.Router`)."""
+    ``routing_policy``: which replica takes a request (:class:`~llmlab.serve.router.Router`).
+    ``lora_modules`` ``{name: adapter dir}``, ``max_loras``, ``max_lora_rank``: LoRA adapters
+    served beside the base (:mod:`llmlab.serve.lora`)."""
     import dataclasses
 
     from llmlab.serve.app import build_app
@@ -111,6 +114,9 @@ def start_server(model="shakespeare", *, served_model_name: str | None = None,
     metrics = ServerMetrics(name, device_type=resolve_device(device).split(":")[0])
     engines = build_engines(model, data_parallel_size=data_parallel_size,
                             max_waiting_requests=max_waiting_requests, metrics=metrics, **engine_args)
+    if lora_modules or max_loras:
+        from llmlab.serve.lora import enable
+        enable(engines, lora_modules or {}, max_loras or len(lora_modules or {}), max_lora_rank)
     app = build_app(engines, served_model_name=name, chat_template=chat_template, api_key=api_key,
                     metrics=metrics, public_metrics=public_metrics,
                     allow_special_tokens_in_chat=allow_special_tokens_in_chat,

@@ -6,7 +6,8 @@ Routes, as vLLM's OpenAI server offers them (each a handler in :mod:`llmlab.serv
 - ``GET /v1/models`` and ``GET /v1/models/{id}``: the one served model (``--served-model-name``);
 - ``POST /tokenize`` and ``POST /detokenize`` (vLLM's): text or chat messages to token ids, and back;
 - ``GET /health``: 200 while every engine loop runs, else 503;
-- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`).
+- ``GET /metrics``: Prometheus text (:mod:`llmlab.serve.metrics`);
+- ``POST /start_profile``, ``POST /stop_profile``: profiler traces (:mod:`llmlab.serve.routes.profile`).
 
 A request whose ``Host`` is not allowed is a 400 before anything else (``allowed_hosts``);
 every response carries an ``x-request-id`` (the client's, echoed, or a new one).
@@ -31,7 +32,7 @@ from llmlab.serve.context import ServingContext
 from llmlab.serve.middleware import (APIKeyMiddleware, BodyLimitMiddleware, HostMiddleware,
                                      JSONResponse, RequestIdMiddleware, install_error_handlers)
 from llmlab.serve.router import Router
-from llmlab.serve.routes import chat, completions, info, tokenize
+from llmlab.serve.routes import chat, completions, info, profile, tokenize
 
 
 def build_app(engines: list, *, served_model_name: str, chat_template: str | None = None,
@@ -78,9 +79,14 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
     app.add_api_route("/health", info.health, methods=["GET"])
     app.add_api_route("/metrics", info.metrics, methods=["GET"])
     app.add_api_route("/v1/models", info.models, methods=["GET"])
+    from llmlab.serve import lora               # LoRA adapters at run time (vLLM's routes)
+    app.add_api_route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/models/{model_id:path}", info.model, methods=["GET"])
     app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    app.add_api_route("/start_profile", profile.start_profile, methods=["POST"])
+    app.add_api_route("/stop_profile", profile.stop_profile, methods=["POST"])
     return app

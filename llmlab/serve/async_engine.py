@@ -165,7 +165,17 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     # --- requests (called on the event loop) ------------------------------------------------------
-    async def add_request(self, prompt, params, request_id: str) -> "RequestStream":
+    async def call(self, fn):
+        """``fn(engine)`` on the engine thread between two steps (loading a LoRA adapter); returns
+        its result or raises its exception here."""
+        if not self._thread.is_alive():
+            return fn(self.engine)              # not started (or stopped): nothing steps
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("run", fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def add_request(self, prompt, params, request_id: str, lora: str | None = None
+                          ) -> "RequestStream":
         """Admit a request before the next step; returns its :class:`RequestStream`.
 
         ``prompt``: text or token ids. Raises ``ValueError`` (a request the engine can never
@@ -177,7 +187,7 @@ class AsyncEngine:
         added: concurrent.futures.Future = concurrent.futures.Future()
         # The request's arrival is now, not when the engine thread picks the command up between two
         # steps: TTFT and end-to-end latency include that wait (lab 11 compares them with the client's).
-        self._send(("add", request_id, prompt, params, stream, added, time.perf_counter()))
+        self._send(("add", request_id, prompt, params, stream, added, time.perf_counter(), lora))
         await asyncio.wrap_future(added)
         return RequestStream(self, request_id, stream)
 
@@ -193,6 +203,22 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    async def start_profile(self) -> None:
+        """Start the engine's profiler in the engine thread (the profiler sees its own thread's
+        work); ``RuntimeError`` as :meth:`LLMEngine.start_profile`."""
+        await self._in_loop("start_profile")
+
+    async def stop_profile(self) -> str:
+        """Stop it there; returns the trace's path."""
+        return await self._in_loop("stop_profile")
+
+    async def _in_loop(self, method: str):
+        if not self._thread.is_alive():
+            raise EngineStoppedError("the engine loop is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", method, done))
+        return await asyncio.wrap_future(done)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -260,10 +286,23 @@ class AsyncEngine:
                 self._add(*cmd[1:])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
+            elif cmd[0] == "run":
+                _, fn, done = cmd
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:      # answered to the caller, never fatal
+                    done.set_exception(e)
+            elif cmd[0] == "call":               # start_profile / stop_profile
+                _, method, done = cmd
+                try:
+                    done.set_result(getattr(self.engine, method)())
+                except Exception as e:           # noqa: BLE001  (answered to the caller)
+                    done.set_exception(e)
             elif cmd[0] == "stop":
                 return False
 
-    def _add(self, request_id, prompt, params, stream: _Stream, added, arrival: float) -> None:
+    def _add(self, request_id, prompt, params, stream: _Stream, added, arrival: float,
+             lora: str | None = None) -> None:
         engine = self.engine
         try:
             if not self._admitting:
@@ -272,7 +311,8 @@ class AsyncEngine:
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-waiting-requests="
                                      f"{self.max_waiting_requests}); retry later")
-            engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival)
+            engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival,
+                               **({"lora": lora} if lora is not None else {}))
         except Exception as e:          # ValueError for bad requests; answered, never fatal
             added.set_exception(e)
             return

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rate.type = _rates
     rate.help = ("Poisson arrivals, requests/s; with --endpoint a comma list, one run each "
                  "(inf: all at once; default: offline, all at t=0)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the results as TensorBoard scalars to DIR")
     g = p.add_argument_group("over HTTP (--endpoint)")
     g.add_argument("--endpoint", default=None, metavar="URL",
                    help="benchmark the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000)")
@@ -39,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     rates = args.request_rate
+    if args.tensorboard:
+        from llmlab.metrics.profiling import check_dir
+        check_dir(args.tensorboard, "--tensorboard")
     if args.endpoint is None:
         if args.slo_ttft is not None or args.slo_tpot is not None:
             raise ValueError("--slo-ttft/--slo-tpot need --endpoint")
@@ -55,5 +60,8 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+    if args.tensorboard:
+        from llmlab.metrics.tensorboard import write_bench
+        write_bench(res["rates"], args.tensorboard)
     print_table(res)
     return 0

@@ -45,8 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-chat", action="store_true",
                    help="parse special tokens written inside chat message content as the "
                         "template's markers (default: off, so a message cannot forge a turn)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write the serving gauges (/metrics) as TensorBoard scalars to DIR, "
+                        "every second")
     p.add_argument("--public-metrics", action="store_true",
                    help="with --api-key, let /metrics answer without the key (default: off)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
+                   help="PEFT LoRA adapters served beside the base; a request's model NAME picks one")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters loaded at once (default: as many as --lora-modules; with it, "
+                        "POST /v1/load_lora_adapter loads more at run time)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default 16)")
     add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
     g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
     add_engine_arguments(g, None, {"tensor_parallel_size": {
@@ -76,8 +85,20 @@ def validate(args) -> None:
         raise ValueError(f"--max-waiting-requests {args.max_waiting_requests} must be >= 1")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    from llmlab.serve.lora import parse_lora_modules
+    modules = parse_lora_modules(args.lora_modules)
+    if args.max_loras is not None and not 1 <= len(modules) <= args.max_loras and modules:
+        raise ValueError(f"--lora-modules gives {len(modules)} adapters but --max-loras is "
+                         f"{args.max_loras}")
+    if args.max_loras is not None and args.max_loras < 1:
+        raise ValueError(f"--max-loras {args.max_loras} must be >= 1")
+    if args.max_lora_rank < 1:
+        raise ValueError(f"--max-lora-rank {args.max_lora_rank} must be >= 1")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if args.tensorboard:
+        from llmlab.metrics.profiling import check_dir
+        check_dir(args.tensorboard, "--tensorboard")
     try:
         engine_config(args)
         server_config(args)
@@ -96,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         raise NotImplementedError(f"llmlab serve needs the 'serve' extra ({e.name} is missing): "
                                   "pip install -e '.[serve]'") from None
     from llmlab.serve import build_engines, default_served_name
+    from llmlab.serve.lora import parse_lora_modules
     from llmlab.serve.app import build_app
     from llmlab.serve.chat import load_template
     from llmlab.serve.metrics import ServerMetrics
@@ -115,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         engines = build_engines(args.model, data_parallel_size=args.data_parallel_size,
                                 max_waiting_requests=args.max_waiting_requests, metrics=metrics,
                                 config=config)
+        modules = parse_lora_modules(args.lora_modules)
+        if modules or args.max_loras:
+            from llmlab.serve.lora import enable
+            enable(engines, modules, args.max_loras or len(modules), args.max_lora_rank)
     except BaseException:
         sock.close()
         raise
@@ -131,12 +157,18 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"llmlab serve: serving {name} at http://{shown}:{port} "
           f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})", flush=True)
+    tb = None
+    if args.tensorboard:
+        from llmlab.serve.tensorboard import GaugeLogger
+        tb = GaugeLogger(metrics, args.tensorboard).start()
     try:
         server.run(sockets=[sock])
     finally:
         for e in engines:
             e.shutdown()
         sock.close()
+        if tb is not None:
+            tb.close()
     print("llmlab serve: stopped", file=sys.stderr, flush=True)
     return 0
 

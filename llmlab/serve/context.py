@@ -67,8 +67,12 @@ class ServingContext:
         """``fn(*args)`` on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
+    def adapter_for(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (``None``: the base model)."""
+        return name if name is not None and name in self.engine.lora_adapters() else None
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        if name is not None and name != self.served_model_name and self.adapter_for(name) is None:
             raise APIError(f"The model `{name}` does not exist (this server serves "
                            f"`{self.served_model_name}`).", 404, "model")
 

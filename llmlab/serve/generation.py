@@ -87,7 +87,7 @@ async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt]
         except ValueError as e:
             raise APIError(str(e), param=param_of(str(e))) from None
     if not req.stream:
-        streams = await _admit(ctx, rid, prompts)
+        streams = await _admit(ctx, rid, prompts, ctx.adapter_for(req.model))
         job = _Job(ctx, rid, streams, prompts, req.n, chat, prompts[0].params.logprobs, echo_logprobs)
         return await _whole(job, raw)
     limit = ctx.server.max_concurrent_streams
@@ -96,7 +96,7 @@ async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt]
                        "retry later", 503, "max_concurrent_streams")
     ctx.open_streams += 1                       # until the response ends, however it ends
     try:
-        streams = await _admit(ctx, rid, prompts)
+        streams = await _admit(ctx, rid, prompts, ctx.adapter_for(req.model))
     except BaseException:
         ctx.open_streams -= 1
         raise
@@ -111,13 +111,14 @@ def request_id(raw: Request) -> str:
     return raw.scope.get("llmlab.request_id") or R.new_id("req").partition("-")[2]
 
 
-async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt]) -> list:
+async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt], lora: str | None = None) -> list:
     streams = []                # engine ids "<id>-<prompt>": an x-request-id in use is a 400, as vLLM
     try:
         for i, p in enumerate(prompts):
             prompt = p.token_ids if p.mm is None else {"prompt_token_ids": p.token_ids,
                                                        "multi_modal_state": p.mm}
-            streams.append(await ctx.router.pick().add_request(prompt, p.params, f"{rid}-{i}"))
+            streams.append(await ctx.router.pick().add_request(prompt, p.params, f"{rid}-{i}",
+                                                               lora=lora))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -125,6 +126,8 @@ async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt]) -> list:
             raise APIError(str(e), param=param_of(str(e))) from None
         if isinstance(e, (QueueFullError, EngineStoppedError)):
             raise APIError(str(e), 503) from None
+        if isinstance(e, KeyError):         # its LoRA adapter was unloaded meanwhile
+            raise APIError(f"The model `{lora}` does not exist.", 404, "model") from None
         raise
     return streams
 

@@ -46,6 +46,7 @@ def _image_url(part: dict, at: str) -> str:
     if not isinstance(url, str) or not url:
         raise APIError(f"{at}.image_url.url must be a string (a data: or file:// URL)",
                        param=f"{at}.image_url.url")
+    assert isinstance(spec, dict)
     for key in spec:
         if key not in ("url", "detail"):
             raise APIError(f"{at}.image_url.{key} is not supported", param=f"{at}.image_url.{key}")
@@ -71,7 +72,8 @@ def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
     """``[{"role", "content"}]`` with each image part written as ``tag + index + "E"``, and the
     images' URLs in order. Raises :class:`APIError` naming the part for anything but text and
     image_url parts of the OpenAI shape."""
-    out, urls = [], []
+    out: list[dict[str, Any]] = []
+    urls: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
             out.append({"role": m.role, "content": m.text(i)})

@@ -58,6 +58,9 @@ class TrainConfig:
     ``llmlab/metrics/train_metrics.schema.json`` too.
     """
     model: str = option("tiny", "model preset (llmlab.model.config.PRESETS)", choices=sorted(PRESETS))
+    init_from: str | None = option(None, "start from this Hugging Face Llama/Qwen2 checkpoint folder "
+                                         "(config.json + safetensors + tokenizer) instead of --model; "
+                                         "llmlab.training.hf_init")
     dp: int = option(1, "data-parallel degree (model replicas)")
     tp: int = option(1, "tensor-parallel degree (ranks that split each layer's matrices)")
     pp: int = option(1, "pipeline-parallel degree (ranks that split the layers into stages)")
@@ -78,6 +81,22 @@ class TrainConfig:
     top_k: int | None = option(None, "experts each token is routed to (default: the preset's)")
     capacity_factor: float | None = option(None, "expert capacity as a multiple of the even share of "
                                                  "tokens (default: the preset's)")
+    data: str | None = option(None, "train on this JSONL file (or folder of *.jsonl): {\"text\"} or chat "
+                                    "{\"messages\"} lines, one padded example per row "
+                                    "(llmlab.data.jsonl)")
+    loss_tokens: str = option("assistant", "with --data chat examples: the loss counts the assistant "
+                                           "tokens only, or all tokens", choices=("assistant", "all"))
+    eval_fraction: float = option(0.1, "with --data: the fraction of examples held out for the "
+                                       "evaluation loss")
+    eval_every: int = option(0, "with --data: the held-out loss every N steps (and after the last); "
+                                "0 never")
+    lora_rank: int | None = option(None, "train LoRA adapters of this rank on the frozen --init-from "
+                                         "model (llmlab.model.lora); --save-model then writes a PEFT "
+                                         "adapter")
+    lora_alpha: float = option(16.0, "LoRA scale numerator: the adapter's output is multiplied by "
+                                     "alpha / rank")
+    lora_target: str = option("q_proj,v_proj", "comma-separated linear layers that get adapters "
+                                               "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     steps: int = option(100, "optimizer steps")
     global_batch_size: int = option(16, "sequences per step, over all data-parallel ranks")
     seq_len: int = option(64, "tokens per sequence")
@@ -122,6 +141,12 @@ class TrainConfig:
     dp_mode: str = option("ddp", "data-parallel gradient sync: naive per-tensor all-reduce, "
                                  "bucketed overlapped ddp, or our own ring", choices=("naive", "ddp", "ring"))
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
+    profile_steps: str | None = option(None, "with --profile-dir, record steps A:B (1-based, "
+                                             "inclusive) with the PyTorch profiler")
+    profile_dir: str | None = option(None, "write one Chrome trace per rank here "
+                                           "(rank{R}.pt.trace.json.gz; Perfetto, TensorBoard, HTA)")
+    tensorboard: str | None = option(None, "write TensorBoard scalars (loss, grad norm, lr, "
+                                           "tokens/s, MFU, memory per rank) to this folder")
 
     @property
     def world_size(self) -> int:
@@ -173,7 +198,10 @@ class TrainConfig:
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model preset with the MoE flags applied."""
+    """The model preset with the MoE flags applied (or the ``--init-from`` checkpoint's)."""
+    if cfg.init_from:
+        from llmlab.training.hf_init import hf_model_config
+        return hf_model_config(cfg.init_from)   # --seq-len beyond its positions is refused
     overrides = {"max_position_embeddings": max(cfg.seq_len, get_preset(cfg.model).max_position_embeddings)}
     if cfg.num_experts is not None:
         overrides["num_experts"] = cfg.num_experts
@@ -200,9 +228,10 @@ def resolve_device(cfg: TrainConfig) -> str:
 COUNT_FLAGS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "num_microbatches": 1,
                "virtual_stages": 1, "steps": 1, "global_batch_size": 1, "seq_len": 1,
                "num_experts": 1, "top_k": 1, "warmup_steps": 0, "max_consecutive_skips": 0,
-               "checkpoint_every": 0}
+               "checkpoint_every": 0, "eval_every": 0, "lora_rank": 1}
 REAL_FLAGS = {"lr": False, "min_lr": True, "grad_clip": False, "capacity_factor": False,
-              "bucket_mb": False, "checkpoint_every_minutes": True}
+              "bucket_mb": False, "checkpoint_every_minutes": True, "eval_fraction": True,
+              "lora_alpha": False}
 
 
 def check_numbers(cfg: TrainConfig) -> None:
@@ -245,6 +274,9 @@ def check_inputs(cfg: TrainConfig) -> ModelConfig:
     if cfg.top_k is not None and experts and cfg.top_k > experts:
         raise ValueError(f"--top-k {cfg.top_k} must be <= the number of experts {experts} "
                          f"(--num-experts, else the preset's)")
+    if cfg.init_from and (cfg.num_experts or cfg.top_k or cfg.capacity_factor):
+        raise ValueError("--num-experts/--top-k/--capacity-factor do not apply to --init-from "
+                         "(llama/qwen2 checkpoints are dense)")
     mc = model_config(cfg)
     if cfg.seq_len > mc.max_position_embeddings:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds max_position_embeddings "
@@ -252,6 +284,11 @@ def check_inputs(cfg: TrainConfig) -> ModelConfig:
     if (cfg.num_experts or cfg.top_k or cfg.capacity_factor) and not mc.num_experts:
         raise ValueError("--num-experts/--top-k/--capacity-factor need a MoE model "
                          "(--model tiny-moe or --num-experts E > 0)")
+    if cfg.data or cfg.eval_every:
+        from llmlab.training.data_source import check_data
+        check_data(cfg)        # reads and tokenizes every example: errors name file and line
+    if cfg.lora_rank is not None:
+        check_lora(cfg, mc)
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if cfg.checkpoint_every_minutes < 0:
@@ -262,11 +299,9 @@ def check_inputs(cfg: TrainConfig) -> ModelConfig:
     for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--save-model", cfg.save_model)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"{flag} {path!r} is a file; it must be a folder (or not exist yet)")
+    _check_observability(cfg)
     if cfg.metrics_json and Path(cfg.metrics_json).is_dir():
         raise ValueError(f"--metrics-json {cfg.metrics_json!r} is a folder; it must be a file path")
-    if cfg.save_model and (cfg.tp > 1 or cfg.pp > 1 or cfg.ep > 1):
-        raise NotImplementedError("--save-model with tp/pp/ep > 1 is not supported yet "
-                                  "(the model would have to be gathered from its shards)")
     if cfg.save_model and mc.num_experts:
         raise NotImplementedError(f"--save-model writes a Llama checkpoint (config.json + "
                                   f"model.safetensors), which has no mixture-of-experts layers: "
@@ -296,6 +331,35 @@ def validate(cfg: TrainConfig) -> ModelConfig:
     for strategy, c in checks:
         strategy.validate(c, mesh, mc)
     return mc
+
+
+def check_lora(cfg: TrainConfig, mc: ModelConfig) -> None:
+    """The ``--lora-*`` checks (``ValueError``/``NotImplementedError`` naming the flag)."""
+    from llmlab.model.lora import check_rank, parse_targets
+    if not cfg.init_from:
+        raise ValueError("--lora-rank needs --init-from (adapters are trained on a pretrained base)")
+    if cfg.tp > 1:
+        raise NotImplementedError("--lora-rank with --tp > 1 is not supported yet (use dp, zero, "
+                                  "pp or cp)")
+    check_rank(mc, cfg.lora_rank, parse_targets(cfg.lora_target))
+
+
+def _check_observability(cfg: TrainConfig) -> None:
+    """``--profile-steps``/``--profile-dir`` (both or neither, a range inside the run, a writable
+    folder) and ``--tensorboard`` (a writable folder); ``ValueError`` naming the flag."""
+    from llmlab.metrics.profiling import check_dir, parse_steps
+    if bool(cfg.profile_steps) != bool(cfg.profile_dir):
+        raise ValueError("--profile-steps and --profile-dir go together (which steps to record, "
+                         "and where the traces go)")
+    if cfg.profile_steps and cfg.profile_dir:
+        parse_steps(cfg.profile_steps, 1, cfg.steps)
+        check_dir(cfg.profile_dir, "--profile-dir")
+    if cfg.tensorboard:
+        check_dir(cfg.tensorboard, "--tensorboard")
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                             "(or llmlab[observe])")
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from llmlab.data import BatchLoader
 from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
                                    param_bytes, reset_cuda_peak, tensor_bytes)
+from llmlab.metrics.profiling import StepProfiler, phase
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
@@ -53,6 +53,8 @@ from llmlab.runtime.shared_fs import check_shared_directory
 from llmlab.training.checkpoint_clock import CheckpointClock
 from llmlab.training.precision import DynamicLossScaler
 from llmlab.training.config import TrainConfig, model_config, resolve_device, strategy_configs, validate
+from llmlab.training.data_source import make_loader
+from llmlab.training.export import save_model
 
 
 class LocalModule(torch.nn.Module):
@@ -148,7 +150,11 @@ class Engine:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_config = model_config(cfg)
         self.strategies = strategy_configs(cfg)
-        model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
+        if cfg.init_from:   # a Hugging Face checkpoint's weights, sharded below like any model
+            from llmlab.training.hf_init import load_pretrained
+            model = load_pretrained(cfg.init_from)
+        else:
+            model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
         # Full-model shapes, before any sharding: checkpoints store slices of these.
         self.full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         model_record(model)  # strategies append to its grad_finalizers, run after gradient sync
@@ -160,6 +166,11 @@ class Engine:
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import cast_model
             cast_model(local, cfg.dtype)
+        elif cfg.dtype != "fp32" and cfg.lora_rank is not None:   # ZeRO casts the adapters only
+            from llmlab.training.precision import DTYPES
+            for p in local.parameters():
+                if not p.requires_grad:        # the frozen base computes in the run's dtype too
+                    p.data = p.data.to(DTYPES[cfg.dtype])
         self.wrapper: TrainedModule
         self.optimizer: TrainerOptimizer
         self.wrapper, self.optimizer = self._wrap(local)
@@ -184,6 +195,11 @@ class Engine:
         model = tp_plan.apply(model, mesh, sc.tp)
         model = context_parallel.apply(model, mesh, sc.cp)
         model = expert_parallel.apply(model, mesh, sc.ep)
+        if self.cfg.lora_rank is not None:   # adapters on the frozen base (llmlab.model.lora)
+            from llmlab.model.lora import apply_lora, parse_targets
+            apply_lora(model, parse_targets(self.cfg.lora_target), self.cfg.lora_rank,
+                       self.cfg.lora_alpha, self.cfg.seed)
+            self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
         if self.cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
             apply_activation_checkpointing(model)
@@ -203,12 +219,13 @@ class Engine:
                         zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler))
         wrapper = cast(TrainedModule, data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1
                        else LocalModule(local))
+        trainable = [p for p in local.parameters() if p.requires_grad]   # LoRA: adapters only
         if cfg.dtype != "fp32":
             # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
             from llmlab.training.precision import MixedPrecisionOptimizer
-            opt: TrainerOptimizer = MixedPrecisionOptimizer(local.parameters(), opt_factory, self.scaler)
+            opt: TrainerOptimizer = MixedPrecisionOptimizer(trainable, opt_factory, self.scaler)
         else:
-            opt = FP32Optimizer(opt_factory(local.parameters()))
+            opt = FP32Optimizer(opt_factory(trainable))
         return wrapper, opt
 
     def parameters(self):
@@ -244,12 +261,23 @@ class Engine:
         for i, (x, y) in enumerate(micro):
             ctx = self.wrapper.no_sync() if i < M - 1 else contextlib.nullcontext()
             with ctx:
-                loss = self.wrapper(x, y)
-                aux = self.model.aux_loss()
-                loss = (loss - aux) * weights[i] + aux / M
-                (loss * self.loss_scale()).backward()
+                with phase("forward", mb=i):
+                    loss = self.wrapper(x, y)
+                    aux = self.model.aux_loss()
+                    loss = (loss - aux) * weights[i] + aux / M
+                with phase("backward", mb=i):
+                    (loss * self.loss_scale()).backward()
             total += loss.item()
         return total
+
+    @torch.no_grad()
+    def eval_loss(self, micro) -> float:
+        """This rank's share of the mean loss over the trained labels of ``micro`` (forward only;
+        weighted as :meth:`loss_weights`); :func:`global_loss` makes it the job's. Not with
+        pipeline parallelism (its schedule runs forward and backward together)."""
+        weights = self.loss_weights(micro)
+        return sum(float((self.wrapper(x, y) - self.model.aux_loss()) * w)
+                   for (x, y), w in zip(micro, weights))
 
     def loss_scale(self) -> float:
         """The fp16 loss scale (1 for fp32/bf16); pipeline runners multiply their loss by it too."""
@@ -292,7 +320,8 @@ class Engine:
         with SavedActivations(self.parameters()) as act:
             local_loss = self.forward_backward(micro)
         self.activation_peak = max(self.activation_peak, act.peak)
-        self.wrapper.finish_grad_sync()
+        with phase("grad sync"):
+            self.wrapper.finish_grad_sync()
         for f in model_record(self.model).grad_finalizers:
             f(self.wrapper.grad_of)  # ZeRO: the part of p in this rank's shard
         self.grad_bytes = max(self.grad_bytes, tensor_bytes(self.wrapper.grad_tensors()))
@@ -309,9 +338,10 @@ class Engine:
         if not skipped:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            if cfg.grad_clip:
-                clip_([g for g, _ in pieces], cfg.grad_clip, norm)
-            self.optimizer.apply()
+            with phase("optimizer"):
+                if cfg.grad_clip:
+                    clip_([g for g, _ in pieces], cfg.grad_clip, norm)
+                self.optimizer.apply()
         self.optimizer.zero_grad(set_to_none=True)
         self.last = {"grad_norm": None if skipped else norm, "lr": lr, "skipped": skipped}
         return local_loss
@@ -352,6 +382,35 @@ def _force_overflow(rank: int) -> int | None:
     return s if r == rank else None
 
 
+def _evaluate(engine: Engine, loader, cfg: TrainConfig, step: int) -> dict:
+    """``{"eval_loss": held-out loss}`` on ``--eval-every`` steps and the last, else ``{}``."""
+    if not cfg.eval_every or (step % cfg.eval_every and step != cfg.steps):
+        return {}
+    micro = _eval_micro(loader, cfg, engine.mesh, engine.device)
+    return {"eval_loss": global_loss(engine.eval_loss(micro), engine.mesh, engine.device)}
+
+
+def _eval_micro(loader, cfg: TrainConfig, mesh: Mesh, device) -> list:
+    """This rank's micro-batches of the held-out examples (``--data``), as a training step's."""
+    x, y = loader.eval_batch(mesh.dp * cfg.num_microbatches)
+    n = x.shape[0] // mesh.dp
+    r = mesh.coords["dp"]
+    x, y = x[r * n:(r + 1) * n].to(device), y[r * n:(r + 1) * n].to(device)
+    micro = list(zip(x.chunk(cfg.num_microbatches), y.chunk(cfg.num_microbatches)))
+    if cfg.cp > 1:
+        from llmlab.parallel.context_parallel import shard_microbatches
+        micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+    return micro
+
+
+def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``; ``None`` when not profiling."""
+    if not cfg.profile_steps:
+        return None
+    from llmlab.metrics.profiling import parse_steps
+    return parse_steps(cfg.profile_steps, 1, cfg.steps)
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -359,7 +418,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
     engine = Engine(cfg, mesh, device)
-    loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    loader = make_loader(cfg)
     mc = engine.model_config
     fpt = training_flops_per_token(mc.num_parameters(), mc.num_hidden_layers, mc.hidden_size, cfg.seq_len)
     peak = peak_flops(device, cfg.dtype) if device.type == "cuda" else None  # the run's dtype
@@ -377,6 +436,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
+    prof = StepProfiler(cfg.profile_dir, mesh.rank, _profile_range(cfg), first)
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
@@ -388,10 +448,12 @@ def rank_main(cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        local_loss = engine.train_step(micro, step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with phase("step", step=step):
+            local_loss = engine.train_step(micro, step)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        prof.step()
         loss = global_loss(local_loss, mesh, device)
         tps = cfg.global_batch_size * cfg.seq_len / dt
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps} | engine.last
@@ -402,12 +464,14 @@ def rank_main(cfg: TrainConfig) -> dict:
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
+        rec |= _evaluate(engine, loader, cfg, step)
         steps.append(rec)
         if mesh.rank == 0:
             report(rec)
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
             save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+    prof.close()
     out = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
@@ -424,9 +488,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         out["memory_bytes"]["cuda"] = cuda_memory(device)
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
-    if cfg.save_model and mesh.rank == 0:
-        from llmlab.model.hf import save_hf_checkpoint
-        save_hf_checkpoint(engine.model, cfg.save_model)
+    if cfg.save_model:   # collective: gathered from every layout's shards (training/export.py)
+        save_model(engine, cfg.save_model)
     return out
 
 
@@ -434,7 +497,8 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     """Validate, launch the ranks, train, and return the CONTRACT metrics dict.
 
     ``on_step(record)`` is called in the caller for every step as it finishes (live plots).
-    Writes ``cfg.metrics_json`` when set. Raises ``ValueError``/``NotImplementedError`` before
+    Writes ``cfg.metrics_json`` and the TensorBoard scalars of ``cfg.tensorboard`` when set, and
+    one profiler trace per rank into ``cfg.profile_dir`` (steps ``cfg.profile_steps``). Raises ``ValueError``/``NotImplementedError`` before
     any rank starts for a bad configuration, and :class:`~llmlab.runtime.launch.RankError` if a
     rank fails.
     """
@@ -465,6 +529,9 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     metrics = assemble_metrics(cfg, results)
     if cfg.metrics_json and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 writes
         write_metrics(metrics, cfg.metrics_json)
+    if cfg.tensorboard and os.environ.get("RANK", "0") == "0":
+        from llmlab.metrics.tensorboard import write_train_metrics
+        write_train_metrics(metrics, cfg.tensorboard)
     return metrics
 
 

@@ -30,7 +30,11 @@ def _card(ctx) -> dict:
 
 
 async def models(raw: Request):
-    return {"object": "list", "data": [_card(get_context(raw))]}
+    ctx = get_context(raw)
+    adapters = [{"id": n, "object": "model", "created": ctx.created, "owned_by": "llmlab",
+                 "root": path, "parent": ctx.served_model_name, "max_model_len": ctx.max_model_len}
+                for n, path in ctx.engine.lora_adapters().items()]      # LoRA (serve/lora.py)
+    return {"object": "list", "data": [_card(ctx)] + adapters}
 
 
 async def model(model_id: str, raw: Request):

@@ -1,0 +1,139 @@
+"""Compare two commits with the asv suite: exit 1 when a benchmark got slower beyond ``--factor``.
+
+    python benchmarks/asv_compare.py main HEAD                      # the quick subset
+    python benchmarks/asv_compare.py A B --factor 1.25 -b "kernels|TrainStep" --machine mybox
+    python benchmarks/asv_compare.py HEAD HEAD --plant              # must exit 1
+
+Each commit is checked out into a temporary git worktree and measured by ``asv run --python=same``
+with ``ASV_PYTHONPATH`` on that worktree, in interleaved rounds A, B, A, B (``--rounds``, samples
+appended) (the suite itself, benchmarks/asv/, is always this checkout's, so
+old commits are measured with today's workloads), results stored under
+benchmarks/asv/results/<machine>/ by commit hash; then asv's own comparison table
+(``asv compare --factor F``) and exit status 1 if any benchmark worsened by more than ``F``
+(asv's ``continuous`` rule: ratio > F and, for timed benchmarks, outside the measured spread).
+``asv continuous`` itself would build an environment per commit, i.e. reinstall torch.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/asv/ (the suite) would shadow the asv package for a script run from benchmarks/
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+QUICK = r"^(kernels\.|train\.TrainStep)"
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def checkout(sha: str):
+    """A temporary git worktree of ``sha``, removed on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-"))
+    tree = tmp / "tree"
+    git("worktree", "add", "--detach", str(tree), sha)
+    try:
+        yield tree
+    finally:
+        git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_commit(sha: str, tree: Path, bench: str, machine: str, extra: list[str],
+               append: bool) -> None:
+    """``asv run`` of the checkout ``tree`` of ``sha``; ``append``: add its samples to the ones
+    stored for ``sha`` (a later round) instead of replacing them."""
+    # asv drops PYTHONPATH from a benchmark's environment and takes ASV_PYTHONPATH instead;
+    # benchmarks/asv/__init__.py checks that llmlab is imported from ``tree``.
+    env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
+           "--machine", machine, "--bench", bench, "--show-stderr", *extra]
+    if append:
+        cmd.append("--append-samples")
+    print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+
+
+def run_rounds(a: str, b: str, rounds: int, bench: str, machine: str, extra: list[str]) -> None:
+    """A, B, A, B, ...: each commit's samples come from every part of the run, so a change of the
+    machine's load during it weighs on both alike."""
+    with checkout(a) as tree_a, checkout(b) as tree_b:
+        for r in range(rounds):
+            for sha, tree in ((a, tree_a), (b, tree_b)):
+                run_commit(sha, tree, bench, machine, extra, append=r > 0)
+
+
+def plant(rev: str) -> str:
+    """A commit on top of ``rev`` with planted_slowdown.patch applied (one training step takes
+    30% more CPU time); returns its hash. Nothing in this checkout changes."""
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-plant-"))
+    tree = tmp / "tree"
+    git("worktree", "add", "--detach", str(tree), git("rev-parse", rev))
+    try:
+        patch = ROOT / "benchmarks" / "asv" / "planted_slowdown.patch"
+        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        subprocess.run(["git", "-c", "user.name=asv", "-c", "user.email=asv@llmlab.invalid",
+                        "commit", "-qam", "planted 30% slowdown of Engine.train_step"],
+                       cwd=tree, check=True)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, check=True,
+                             capture_output=True, text=True).stdout.strip()
+    finally:
+        git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sha
+
+
+def compare(a: str, b: str, factor: float, machine: str) -> bool:
+    """Print asv's table for ``a`` -> ``b``; True when something worsened beyond ``factor``."""
+    from asv.commands.compare import Compare
+    from asv.config import Config
+    conf = Config.load(str(ROOT / "asv.conf.json"))
+    conf.results_dir = str(ROOT / "benchmarks" / "asv" / "results")
+    worsened, _improved = Compare.print_table(conf, a, b, factor=factor, split=False,
+                                              only_changed=False, sort="ratio", machine=machine,
+                                              commit_names={a: a[:8], b: b[:8]})
+    return bool(worsened)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("a", help="the reference commit (e.g. main)")
+    p.add_argument("b", help="the commit to judge (e.g. HEAD)")
+    p.add_argument("--factor", type=float, default=1.25,
+                   help="flag a benchmark whose time grew by more than this ratio (default 1.25: "
+                        "above the spread measured on a shared 2-core machine, docs/profiling.md)")
+    p.add_argument("-b", "--bench", default=QUICK, help="benchmark regex (default: the quick subset)")
+    p.add_argument("--machine", default="llmlab-ci", help="asv machine name for the results")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved rounds A, B, A, B, ... (samples appended; default 2)")
+    p.add_argument("--skip-run", action="store_true", help="only compare stored results")
+    p.add_argument("--plant", action="store_true",
+                   help="judge B with benchmarks/asv/planted_slowdown.patch applied (+30%% CPU "
+                        "time per training step): shows the check fails as it should")
+    args = p.parse_args(argv)
+    extra: list[str] = []
+    subprocess.run([sys.executable, "-m", "asv", "machine", "--machine", args.machine, "--yes"],
+                   cwd=ROOT, check=True, capture_output=True)
+    if args.skip_run:
+        a, b = git("rev-parse", args.a), git("rev-parse", args.b)
+    else:
+        a = git("rev-parse", args.a)
+        b = plant(args.b) if args.plant else git("rev-parse", args.b)
+        run_rounds(a, b, args.rounds, args.bench, args.machine, extra)
+    worse = compare(a, b, args.factor, args.machine)
+    print(f"{'SLOWER' if worse else 'ok'}: {args.b} vs {args.a} at --factor {args.factor}")
+    return 1 if worse else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
