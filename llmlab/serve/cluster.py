@@ -3,7 +3,9 @@ or typed by hand on real nodes (docs/workshop.md): the source articles' steps 1,
 
 :class:`RayCluster` runs ``ray start --head`` on host 0 and ``ray start --address HEAD:PORT`` on
 every other host (each ``--block``, so the processes stay this object's; ``--num-cpus`` small and a
-temporary directory of its own), and waits until every node has joined. :class:`ClusterServer`
+temporary directory of its own), and waits until every node has joined. A raylet gives its Python
+agents 15 s to report their ports and aborts otherwise (seen on a loaded 2-core machine); such an
+abort is read from the raylet's log at once and that node is started again. :class:`ClusterServer`
 runs ``llmlab serve --distributed-executor-backend ray`` on host 0 (the head: HTTP server,
 scheduler and sampling stay there) with ``RAY_ADDRESS`` set, and waits for its "serving" line.
 The tests use these; lab 13's serving step is to call :func:`serve_across_hosts` and
@@ -22,6 +24,7 @@ Ray's defaults take longer). Then ``/health`` answers 503 and the requests in fl
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -41,7 +44,7 @@ from typing import Any, Iterator
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _ray_bin() -> str:
@@ -91,22 +94,68 @@ class RayCluster:
         role = (["--head", "--port", str(self.port), "--include-dashboard", "false",
                  "--temp-dir", self.temp_dir] if i == 0 else ["--address", self.address])
         log = os.path.join(self.temp_dir, f"ray-start-h{i}.log")
-        with open(log, "w") as f:
+        with open(log, "a") as f:                              # "a": a retry's output follows
             self.procs.append(self.hosts.popen(i, [_ray_bin(), "start", *role, *common],
                                                env=self.env(), stdout=f, stderr=subprocess.STDOUT))
-        self.logs.append(log)
+        if log not in self.logs:
+            self.logs.append(log)
 
     def start(self) -> "RayCluster":
         try:
-            self._start_node(0)
-            self.wait_for_nodes(1, self.start_timeout)        # the head first: a worker node
-            for i in range(1, self.hosts.n):                  # gives up if it is slow to come up
-                self._start_node(i)
+            for i in range(self.hosts.n):                     # the head first: a worker node
+                self._start_node_retrying(i)                  # gives up if it is slow to come up
             self.wait_for_nodes(self.hosts.n, self.start_timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_node_retrying(self, i: int, attempts: int = 3) -> None:
+        """Start host ``i``'s node and wait for its "Ray runtime started" line. Ray's raylet gives
+        its Python agents 15 s to report their ports and aborts when they miss it (on a loaded
+        machine their imports take longer); ``ray start`` would then wait minutes for a raylet
+        that is gone. So a raylet abort is noticed in its log at once and the node started again
+        (``attempts`` times in all)."""
+        for attempt in range(1, attempts + 1):
+            aborts = self._raylet_aborts()
+            self._start_node(i)
+            why = self._wait_started(i, aborts, self.start_timeout)
+            if why is None:
+                return
+            self._stop_host(i)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.procs[-1].pid, signal.SIGKILL)
+            self.procs.pop().wait(10)
+            if attempt == attempts:
+                raise TimeoutError(f"Ray's node on host {i} did not start ({attempts} attempts; "
+                                   f"last: {why}). A raylet waits 15 s for its Python agents to report their "
+                                   f"ports: is the machine overloaded?\n{self.tail()}")
+
+    def _raylet_aborts(self) -> list[str]:
+        """The raylets of this cluster that aborted: one line of each's log (its "Check failed")."""
+        found = []
+        for log in sorted(glob.glob(os.path.join(self.temp_dir, "session_2*", "logs", "raylet*.out"))):
+            with contextlib.suppress(OSError), open(log, errors="replace") as f:
+                line = next((x for x in f if " C " in x[:40] and "Check failed" in x), None)
+                if line is not None:
+                    found.append(line.split("Check failed", 1)[1].strip()[:300])
+        return found
+
+    def _wait_started(self, i: int, aborts_before: list[str], timeout: float) -> str | None:
+        """None once host ``i``'s ``ray start`` says "Ray runtime started"; else why not (its
+        raylet aborted, ``ray start`` exited, or ``timeout`` s passed)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError), open(self.logs[i], errors="replace") as f:
+                if f.read().count("Ray runtime started") > 0:
+                    return None
+            aborts = self._raylet_aborts()
+            if len(aborts) > len(aborts_before):
+                return f"the raylet aborted: {aborts[-1]}"
+            if self.procs[-1].poll() is not None:
+                return f"`ray start` exited with {self.procs[-1].returncode}"
+            time.sleep(0.5)
+        return f"no \"Ray runtime started\" within {timeout:g} s"
 
     def wait_for_nodes(self, n: int, timeout: float) -> None:
         """Wait until ``n`` nodes are alive (a short Ray driver on host 0 asks the head)."""
@@ -142,7 +191,7 @@ class RayCluster:
 
     def kill_node(self, i: int) -> int:
         """SIGKILL every process on host ``i`` (its raylet, its workers, ...): the node is lost."""
-        return self.hosts.signal(i, signal.SIGKILL)
+        return int(self.hosts.signal(i, signal.SIGKILL))
 
     def stop(self) -> None:
         """End every Ray process of this cluster (each host's ``ray start`` and what it started:
