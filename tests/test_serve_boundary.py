@@ -78,7 +78,8 @@ def test_lax_types_are_400_naming_the_field(server, client):
         assert code == 400 and err["error"]["param"] == "messages.0.content.0.text", (text, err)
     for content, param in (('5', "messages.0.content"), ('[5]', "messages.0.content.0"),
                            ('[{"type": "text", "text": "a", "extra": 1}]', "messages.0.content.0.extra"),
-                           ('[{"type": "image_url", "image_url": {}}]', "messages.0.content.0.type")):
+                           ('[{"type": "input_audio", "input_audio": {}}]', "messages.0.content.0.type"),
+                           ('[{"type": "image_url", "image_url": {"url": "data:,"}}]', "messages")):  # text-only model
         body = ('{"model": "shakespeare", "max_tokens": 2, "messages": [{"role": "user", '
                 '"content": %s}]}' % content)
         code, err = _post(chat, body.encode())
