@@ -89,3 +89,25 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
     qr = LLM("shakespeare", device="cpu", num_gpu_blocks=32, quantization="w8a8")
     assert qr.engine.runner.model.model.layers[0].mlp.down_proj.kernel == "reference"
     assert _greedy(qr, prompts) == b
+
+
+def test_default_path_is_exact_where_onednn_int8_saturates():
+    """On an AVX2 CPU without VNNI oneDNN's s8s8 product saturates int16 pair sums; the trial in
+    ``_int_mm_works`` must see it and take the reference path, so results stay right. Shown on
+    any x86 machine by limiting oneDNN to AVX2 in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from llmlab.kernels import int8_linear as L\n"
+            "torch.manual_seed(0)\n"
+            "x = torch.randn(40, 512) * 3\n"
+            "qw, sw = L.quantize_per_channel(torch.randn(96, 512))\n"
+            "y, ref = L.w8a8_linear(x, qw, sw), L.reference_linear(x, qw, sw)\n"
+            "torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)\n"
+            "print(L.path())\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    env.pop("LLMLAB_INT8_LINEAR", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() in ("int_mm", "reference")

@@ -53,12 +53,17 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _int_mm_works() -> bool:
-    """Whether ``torch._int_mm`` exists here and gives the exact int32 product on a small trial."""
+    """Whether ``torch._int_mm`` exists here and gives the exact int32 product on a trial over the
+    whole int8 range. On an AVX2 CPU without VNNI oneDNN's s8s8 product sums pairs in saturating
+    int16 (``vpmaddubsw``), which a small-valued trial would not see: there it is wrong and the
+    reference path is taken (``ONEDNN_MAX_CPU_ISA=AVX2`` shows it on any x86 machine)."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
-        a = torch.arange(-40, 40, dtype=torch.int8).reshape(5, 16)
-        b = torch.arange(-64, 64, dtype=torch.int8).reshape(16, 8)
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(-QMAX, QMAX + 1, (32, 256), dtype=torch.int8, generator=g)
+        b = torch.randint(-QMAX, QMAX + 1, (256, 64), dtype=torch.int8, generator=g)
+        a[0], b[:, 0], a[1] = QMAX, QMAX, -QMAX
         return bool(torch.equal(torch._int_mm(a, b), a.int() @ b.int()))
     except RuntimeError:
         return False
