@@ -23,22 +23,12 @@ from llmlab.inference.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
-from llmlab.kernels import cpu_isa
+from cpu_levels import level_fixture
 from llmlab.kernels import cpu_paged_attention as C
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
-LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
-
-
-@pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
-def level(request, monkeypatch):
-    """Runs a test with the build for this CPU's level, then with LLMLAB_CPU_ISA forcing the
-    level below it (its own build: no AVX-512 code under avx2), and checks which build ran."""
-    if request.param:
-        monkeypatch.setenv(cpu_isa.ENV, request.param)
-    assert C.isa() == (request.param or cpu_isa.cpu_isa())
-    return request.param
+level = level_fixture(C)
 
 
 

@@ -301,7 +301,13 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None):
         """``positions [T]`` (optional) are the tokens' RoPE positions; ``logits_indices [K]``
         (optional) picks the flattened ``B*T`` rows whose logits are wanted (``[K, vocab]``)."""
-        h = self.embed(input_ids)
+        return self.forward_embeds(self.embed(input_ids), labels, positions, logits_indices)
+
+    def forward_embeds(self, h: torch.Tensor, labels: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None,
+                       logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` from the input embeddings ``h [B, T, hidden]`` on (a multimodal model
+        writes its image tokens into them first): logits, or the loss with ``labels``."""
         h = self.run_layers(h) if positions is None else self.run_layers(h, positions=positions)
         if logits_indices is not None:
             h = h.flatten(0, -2)[logits_indices]

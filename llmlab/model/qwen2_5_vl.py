@@ -90,13 +90,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             flat[image_mask.view(-1)] = image_embeds.to(h.dtype)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
-        h = self.run_layers(h, positions=positions)
-        if logits_indices is not None:
-            h = h.flatten(0, -2)[logits_indices]
-        logits = self.head(h)
-        if labels is None:
-            return logits
-        return self.compute_loss(logits, labels) + self.aux_loss()
+        return self.forward_embeds(h, labels, positions, logits_indices)
 
 
 def small_qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
