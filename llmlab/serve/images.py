@@ -28,7 +28,7 @@ from typing import Any
 
 from llmlab.inference import multimodal
 from llmlab.inference.image_processor import ImageError, load_image, process_image
-from llmlab.serve.protocol import APIError
+from llmlab.serve.protocol import APIError, text_part
 
 
 def has_images(messages: list) -> bool:
@@ -53,21 +53,6 @@ def _image_url(part: dict, at: str) -> str:
     return url
 
 
-def _text_part(part: Any, at: str) -> str:
-    """A ``{"type": "text", "text": str}`` part's text, or :class:`APIError` naming the field."""
-    if not isinstance(part, dict):
-        raise APIError(f"{at} must be an object (a text or image_url part)", param=at)
-    if part.get("type") != "text":
-        raise APIError(f"content part of type {part.get('type')!r} is not supported "
-                       "(text, image_url)", param=f"{at}.type")
-    for key in part:
-        if key not in ("type", "text"):
-            raise APIError(f"{at}.{key} is not a field of a text part", param=f"{at}.{key}")
-    if not isinstance(part.get("text"), str):
-        raise APIError(f"{at}.text must be a string", param=f"{at}.text")
-    return part["text"]
-
-
 def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
     """``[{"role", "content"}]`` with each image part written as ``tag + index + "E"``, and the
     images' URLs in order. Raises :class:`APIError` naming the part for anything but text and
@@ -85,7 +70,7 @@ def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
                 text.append(f"{tag}{len(urls)}E")
                 urls.append(_image_url(part, at))
             else:
-                text.append(_text_part(part, at))
+                text.append(text_part(part, at, "text, image_url", "(a text or image_url part)"))
         out.append({"role": m.role, "content": "".join(text)})
     return out, urls
 

@@ -99,6 +99,23 @@ def refuse_lone_surrogates(data):
     return data
 
 
+def text_part(part: Any, at: str, kinds: str = "text only",
+              shape: str = '{"type": "text", "text": ...}') -> str:
+    """A chat content part ``{"type": "text", "text": str}``'s text, or :class:`APIError` naming
+    the field at ``at`` (``kinds``: the part types the caller supports, for the message)."""
+    if not isinstance(part, dict):
+        raise APIError(f"{at} must be an object {shape}", param=at)
+    if part.get("type") != "text":
+        raise APIError(f"content part of type {part.get('type')!r} is not supported ({kinds})",
+                       param=f"{at}.type")
+    for key in part:
+        if key not in ("type", "text"):
+            raise APIError(f"{at}.{key} is not a field of a text part", param=f"{at}.{key}")
+    if not isinstance(part.get("text"), str):
+        raise APIError(f"{at}.text must be a string", param=f"{at}.text")
+    return part["text"]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)      # an unknown key is a 400
 
@@ -250,19 +267,7 @@ class ChatMessage(BaseModel):
             raise APIError(f"{where} must be a string, a list of text parts or null", param=where)
         parts = []
         for j, part in enumerate(self.content):
-            at = f"{where}.{j}"
-            if not isinstance(part, dict):
-                raise APIError(f"{at} must be an object {{\"type\": \"text\", \"text\": ...}}",
-                               param=at)
-            if part.get("type") != "text":
-                raise APIError(f"content part of type {part.get('type')!r} is not supported "
-                               "(text only)", param=f"{at}.type")
-            for key in part:
-                if key not in ("type", "text"):
-                    raise APIError(f"{at}.{key} is not a field of a text part", param=f"{at}.{key}")
-            if not isinstance(part.get("text"), str):
-                raise APIError(f"{at}.text must be a string", param=f"{at}.text")
-            parts.append(part["text"])
+            parts.append(text_part(part, f"{where}.{j}"))
         return "".join(parts)
 
 
