@@ -113,16 +113,21 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
     config = config_from_hf(AutoConfig.from_pretrained(str(path), local_files_only=True))
     model = LlamaForCausalLM(config, seed=None)
-    state = load_state_dict(path)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]}, "
-                         f"unexpected={unexpected[:5]}")
+    load_into(model, load_state_dict(path), config.tie_word_embeddings, path, "the model")
     return model.to(dtype)
+
+
+def load_into(model: torch.nn.Module, state: dict, tied: bool, path: object, what: str) -> None:
+    """Load a checkpoint's ``state`` (llmlab names) into ``model``: the rotary tables dropped, a
+    tied ``lm_head.weight`` left to the embedding; ``ValueError`` naming ``what`` when tensors
+    are missing or unexpected."""
+    state = {k: v for k, v in state.items()
+             if "rotary_emb.inv_freq" not in k and not (tied and k == "lm_head.weight")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match {what}: missing={missing[:5]}, "
+                         f"unexpected={unexpected[:5]}")
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

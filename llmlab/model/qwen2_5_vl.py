@@ -148,16 +148,9 @@ def hf_key(name: str) -> str:
 def load_qwen2_5_vl(path: Any, dtype: torch.dtype = torch.float32) -> Qwen2_5_VLForConditionalGeneration:
     """Build the model from a local Hugging Face Qwen2.5-VL (or Qwen2-VL) checkpoint directory. Raises
     ``ValueError`` when tensors are missing or unexpected."""
-    from llmlab.model.hf import load_state_dict
+    from llmlab.model.hf import load_into, load_state_dict
     cfg, mm = configs_from_hf(path)
     model = Qwen2_5_VLForConditionalGeneration(cfg, mm, seed=None)
-    state = {hf_key(k): v for k, v in load_state_dict(path).items()
-             if "rotary_emb.inv_freq" not in k}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match Qwen2.5-VL: missing={missing[:5]}, "
-                         f"unexpected={unexpected[:5]}")
+    state = {hf_key(k): v for k, v in load_state_dict(path).items()}
+    load_into(model, state, cfg.tie_word_embeddings, path, "Qwen2.5-VL")
     return model.to(dtype)
