@@ -11,6 +11,7 @@ Top-level names::
 
 Strategy wrappers live in :mod:`llmlab.parallel` (one file per strategy).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,17 +22,38 @@ __version__ = "0.1.0"
 # name -> the module it comes from, imported on first use (PEP 562), so that ``import llmlab``,
 # ``llmlab --version`` and ``llmlab --help`` do not import torch (about 2 s).
 _LAZY = {
-    "PRESETS": "llmlab.model.config", "ModelConfig": "llmlab.model.config",
-    "get_preset": "llmlab.model.config", "LlamaForCausalLM": "llmlab.model.llama",
-    "RankError": "llmlab.runtime.launch", "launch": "llmlab.runtime.launch",
-    "report": "llmlab.runtime.launch", "Mesh": "llmlab.runtime.mesh",
-    "ForgedValueError": "llmlab.runtime.result_auth", "TrainConfig": "llmlab.training.config",
-    "train": "llmlab.training.trainer", "plan": "llmlab.planner.api",
+    "PRESETS": "llmlab.model.config",
+    "ModelConfig": "llmlab.model.config",
+    "get_preset": "llmlab.model.config",
+    "LlamaForCausalLM": "llmlab.model.llama",
+    "RankError": "llmlab.runtime.launch",
+    "launch": "llmlab.runtime.launch",
+    "report": "llmlab.runtime.launch",
+    "Mesh": "llmlab.runtime.mesh",
+    "ForgedValueError": "llmlab.runtime.result_auth",
+    "TrainConfig": "llmlab.training.config",
+    "train": "llmlab.training.trainer",
+    "plan": "llmlab.planner.api",
     "plan_serve": "llmlab.planner.serve_api",
 }
 
-__all__ = ["plan", "plan_serve", "launch", "report", "RankError", "ForgedValueError", "Mesh", "ModelConfig", "PRESETS", "get_preset",
-           "LlamaForCausalLM", "TrainConfig", "train", "inference", "__version__"]
+__all__ = [
+    "plan",
+    "plan_serve",
+    "launch",
+    "report",
+    "RankError",
+    "ForgedValueError",
+    "Mesh",
+    "ModelConfig",
+    "PRESETS",
+    "get_preset",
+    "LlamaForCausalLM",
+    "TrainConfig",
+    "train",
+    "inference",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

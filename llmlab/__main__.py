@@ -1,4 +1,5 @@
 """``python -m llmlab`` is the ``llmlab`` command."""
+
 import sys
 
 from llmlab.cli import main

@@ -5,6 +5,7 @@ Thin by design: it parses, validates and calls the package. ``train``'s flags ar
 each such module offers ``add_arguments(parser)`` and ``run(args) -> int`` and is listed in
 :data:`SUBCOMMANDS`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,14 +17,26 @@ SUBCOMMANDS = {
     "estimate": ("llmlab.estimate", "the three walls: memory, compute and communication calculators"),
     "generate": ("llmlab.inference.cli", "offline generation with the paged-KV-cache engine"),
     "serve": ("llmlab.serve.cli", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"),
-    "plan": ("llmlab.planner.cli", "choose a DP x TP x PP x CP (x EP) layout: predicted memory and step time, ranked; --serve: serving layouts"),
+    "plan": (
+        "llmlab.planner.cli",
+        "choose a DP x TP x PP x CP (x EP) layout: predicted memory and step time, ranked; --serve: serving layouts",
+    ),
     "doctor": ("llmlab.doctor", "what this machine offers and how each lab will run here"),
-    "bench serve": ("llmlab.serve.bench_cli", "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP"),
+    "bench serve": (
+        "llmlab.serve.bench_cli",
+        "serving benchmark: offline against Hugging Face generate, or --endpoint URL over HTTP",
+    ),
     "bench comm": ("llmlab.tools.comm_bench", "collective bandwidth (all-reduce, all-gather, ...)"),
-    "classroom results": ("llmlab.classroom.results", "a room's exercise results as a table: who solved which exercise"),
+    "classroom results": (
+        "llmlab.classroom.results",
+        "a room's exercise results as a table: who solved which exercise",
+    ),
 }
 # Commands that only group others ("bench serve", "classroom results").
-GROUPS = {"bench": "benchmarks: serve, comm", "classroom": "for the instructor of a room of learners: results"}
+GROUPS = {
+    "bench": "benchmarks: serve, comm",
+    "classroom": "for the instructor of a room of learners: results",
+}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,9 +52,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     import typing
 
     from llmlab.training.config import TrainConfig
+
     hints = typing.get_type_hints(TrainConfig)
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help="JSON/YAML file of TrainConfig keys (flags on the command line win)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="JSON/YAML file of TrainConfig keys (flags on the command line win)",
+    )
     for f in dataclasses.fields(TrainConfig):
         kind = hints[f.name]
         args = typing.get_args(kind)
@@ -50,17 +68,27 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
         if kind is bool and not f.default:
-            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS,
-                           help=f"{help_} (default: off)")
+            p.add_argument(
+                flag, action="store_true", default=argparse.SUPPRESS, help=f"{help_} (default: off)"
+            )
         elif kind is bool:  # on by default: --no-<flag> turns it off
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=f"{help_} (default: on)")
+            p.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"{help_} (default: on)",
+            )
         else:
             if "default" not in help_:
                 help_ += f" (default: {'none' if f.default is None else f.default})"
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_,
-                           choices=f.metadata.get("choices"),
-                           metavar=None if "choices" in f.metadata else {int: "N", float: "X"}.get(kind))
+            p.add_argument(
+                flag,
+                type=kind,
+                default=argparse.SUPPRESS,
+                help=help_,
+                choices=f.metadata.get("choices"),
+                metavar=None if "choices" in f.metadata else {int: "N", float: "X"}.get(kind),
+            )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -69,29 +97,35 @@ def run_train(args: argparse.Namespace) -> int:
     import os
 
     from llmlab.training.config import TrainConfig, check_inputs
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-             if hasattr(args, f.name)}
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     cfg = TrainConfig.from_file(args.config, **given) if args.config else TrainConfig(**given)
-    check_inputs(cfg)   # bad flags are refused here, before torch is imported (seconds)
+    check_inputs(cfg)  # bad flags are refused here, before torch is imported (seconds)
     from llmlab.training.trainer import train
+
     leader = os.environ.get("RANK", "0") == "0"  # under torchrun every rank runs this
     if cfg.resume and leader:
         from llmlab.training.checkpoint import latest_checkpoint
+
         if latest_checkpoint(cfg.checkpoint_dir) is None:  # as Megatron, say so rather than start silently
             print(f"no valid checkpoint in {cfg.checkpoint_dir}: starting from step 1", file=sys.stderr)
     metrics = train(cfg, progress=not args.no_progress and leader)
     if not leader:
         return _rank_done()
     steps = metrics["steps"]
-    if steps:   # throughput of the whole run: its tokens over the sum of its step times
+    if steps:  # throughput of the whole run: its tokens over the sum of its step times
         tokens = len(steps) * cfg.global_batch_size * cfg.seq_len
         tokens_per_s = tokens / sum(s["step_time_s"] for s in steps)
-        print(f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
-              f"loss {steps[-1]['loss']:.4f}  ({tokens_per_s:.0f} tokens/s over {len(steps)} "
-              f"step{'s' if len(steps) > 1 else ''}, {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})")
+        print(
+            f"step {steps[0]['step']}: loss {steps[0]['loss']:.4f} -> step {steps[-1]['step']}: "
+            f"loss {steps[-1]['loss']:.4f}  ({tokens_per_s:.0f} tokens/s over {len(steps)} "
+            f"step{'s' if len(steps) > 1 else ''}, {cfg.world_size} rank{'s' if cfg.world_size > 1 else ''})"
+        )
     else:  # only a resumed run can have no step left
-        print(f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
-              f"step {cfg.steps} or later (--steps {cfg.steps})")
+        print(
+            f"nothing to train: the latest checkpoint in {cfg.checkpoint_dir} is already at "
+            f"step {cfg.steps} or later (--steps {cfg.steps})"
+        )
     evals = [s for s in steps if s.get("eval_loss") is not None]
     if evals:
         print("held-out loss: " + ", ".join(f"step {s['step']} {s['eval_loss']:.4f}" for s in evals))
@@ -111,6 +145,7 @@ def _rank_done() -> int:
     reports the whole job failed."""
     import os
     from llmlab.runtime.launch import under_torchrun
+
     if under_torchrun() and os.environ.get("TORCHELASTIC_RUN_ID"):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -124,8 +159,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_ = action.help or ""
-        if ("default" in help_ or not action.option_strings
-                or action.default is argparse.SUPPRESS):
+        if "default" in help_ or not action.option_strings or action.default is argparse.SUPPRESS:
             return help_
         if action.nargs == 0 and action.default is False:  # store_true
             return f"{help_} (default: off)"
@@ -146,11 +180,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     others only their one-line help), so ``llmlab --version`` and ``llmlab --help`` import no
     subcommand module, hence not torch; without ``argv``, every subcommand gets its flags."""
     from llmlab import __version__
+
     chosen = _chosen(argv) if argv is not None else None
     full = argv is None
     parser = argparse.ArgumentParser(
-        prog="llmlab", description="llmlab: train and serve large language models at scale on "
-        "torch.distributed, and measure what it costs (llmlab <command> --help for each command)")
+        prog="llmlab",
+        description="llmlab: train and serve large language models at scale on "
+        "torch.distributed, and measure what it costs (llmlab <command> --help for each command)",
+    )
     parser.add_argument("--version", action="version", version=f"llmlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on dp*cp*tp*pp ranks")
@@ -185,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     from llmlab.runtime.result_auth import ForgedValueError
+
     if getattr(args, "what", None):  # errors name the whole command: "llmlab bench comm"
         args.command = f"{args.command} {args.what}"
     try:

@@ -6,6 +6,7 @@ lab's rank range, presets and demo length (:data:`LAB_SIZES`), and the training 
 GPUs gives a layout that divides the model (tp = 2 on 8 heads, not 3). It sits above
 ``training`` (it imports its validation), beside ``doctor`` and the CLI.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,14 +25,16 @@ LAB_SIZES: dict[str, dict] = {
     # pp <= 4 times 2 virtual stages divides the 8 layers of "small"
     "03_pipeline_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=5, gpu_steps=20),
     # an MoE preset; dp = ep ranks divide its 4 experts
-    "04_expert_parallel": dict(max_ranks=4, min_ranks=2, cpu_model="tiny-moe", gpu_model="tiny-moe",
-                               cpu_steps=10, gpu_steps=30),
+    "04_expert_parallel": dict(
+        max_ranks=4, min_ranks=2, cpu_model="tiny-moe", gpu_model="tiny-moe", cpu_steps=10, gpu_steps=30
+    ),
     "05_zero": dict(max_ranks=4, min_ranks=2, cpu_steps=2, gpu_steps=5),
     # one engine process serving the shipped model
     "06_paged_kv_cache": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"),
-    "07_continuous_batching": dict(max_ranks=1, min_ranks=1, cpu_model="shakespeare",
-                                   gpu_model="shakespeare"),
-    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4, cpu_steps=5, gpu_steps=5),   # every run of the lab
+    "07_continuous_batching": dict(
+        max_ranks=1, min_ranks=1, cpu_model="shakespeare", gpu_model="shakespeare"
+    ),
+    "08_3d_parallelism": dict(max_ranks=8, min_ranks=4, cpu_steps=5, gpu_steps=5),  # every run of the lab
     "09_kernels": dict(max_ranks=1, min_ranks=1),
     # cp ranks split the sequence (2 on CPU); ulysses needs cp | the kv heads of "small" (4)
     "10_context_parallel": dict(max_ranks=4, min_ranks=2, gpu_model="small", cpu_steps=2, gpu_steps=10),
@@ -55,28 +58,59 @@ def _ep(n: int) -> int:  # lab 04: the largest expert-parallel degree dividing t
 
 
 LAB_LAYOUTS: dict[str, Callable[[int], list[dict]]] = {
-    "01_data_parallel": lambda n: [
-        dict(dp=n, dp_mode=mode, num_microbatches=m, global_batch_size=8 * n, seq_len=64)
-        for mode, m in (("naive", 1), ("ddp", 1), ("ddp", 2))] + [
-        dict(dp=k, global_batch_size=8 * n, seq_len=64) for k in (1, 2, 4, 8) if k <= n],
-    "02_tensor_parallel": lambda n: [dict(tp=n, sequence_parallel=sp, global_batch_size=4, seq_len=32)
-                                     for sp in (False, True)],
-    "03_pipeline_parallel": lambda n: [
-        dict(pp=n, pp_schedule=s, virtual_stages=v, global_batch_size=16, seq_len=64,
-             num_microbatches=8) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))] + [
-        dict(pp=n, pp_schedule=s, num_microbatches=m, global_batch_size=2 * m, seq_len=64)
-        for s in ("gpipe", "1f1b") for m in (1, 2, 4, 8)] + [
-        dict(pp=n, pp_schedule=s, virtual_stages=v, num_microbatches=n, global_batch_size=2 * n,
-             seq_len=256) for s, v in (("1f1b", 1), ("interleaved", 2))],
+    "01_data_parallel": lambda n: (
+        [
+            dict(dp=n, dp_mode=mode, num_microbatches=m, global_batch_size=8 * n, seq_len=64)
+            for mode, m in (("naive", 1), ("ddp", 1), ("ddp", 2))
+        ]
+        + [dict(dp=k, global_batch_size=8 * n, seq_len=64) for k in (1, 2, 4, 8) if k <= n]
+    ),
+    "02_tensor_parallel": lambda n: [
+        dict(tp=n, sequence_parallel=sp, global_batch_size=4, seq_len=32) for sp in (False, True)
+    ],
+    "03_pipeline_parallel": lambda n: (
+        [
+            dict(pp=n, pp_schedule=s, virtual_stages=v, global_batch_size=16, seq_len=64, num_microbatches=8)
+            for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+        ]
+        + [
+            dict(pp=n, pp_schedule=s, num_microbatches=m, global_batch_size=2 * m, seq_len=64)
+            for s in ("gpipe", "1f1b")
+            for m in (1, 2, 4, 8)
+        ]
+        + [
+            dict(
+                pp=n,
+                pp_schedule=s,
+                virtual_stages=v,
+                num_microbatches=n,
+                global_batch_size=2 * n,
+                seq_len=256,
+            )
+            for s, v in (("1f1b", 1), ("interleaved", 2))
+        ]
+    ),
     "04_expert_parallel": lambda n: [dict(dp=_ep(n), ep=_ep(n))],
-    "05_zero": lambda n: [dict(dp=n, zero=stage, dtype=dt) for stage in (1, 2, 3)
-                          for dt in ("fp32", "bf16")],
-    "08_3d_parallelism": lambda n: [dict(global_batch_size=8, seq_len=32, **lay) for lay in (
-        [dict(dp=4), dict(dp=2, tp=2), dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
-         dict(dp=2, pp=2, num_microbatches=2), dict(dp=2, zero=1), dict(tp=4)]
-        + ([dict(dp=2, tp=2, pp=2, num_microbatches=2)] if n >= 8 else []))],
-    "10_context_parallel": lambda n: [dict(cp=n, cp_mode=mode, seq_len=S, global_batch_size=B)
-                                      for mode in ("ring", "ulysses") for S, B in ((128, 2), (1024, 2), (256, 4))],
+    "05_zero": lambda n: [dict(dp=n, zero=stage, dtype=dt) for stage in (1, 2, 3) for dt in ("fp32", "bf16")],
+    "08_3d_parallelism": lambda n: [
+        dict(global_batch_size=8, seq_len=32, **lay)
+        for lay in (
+            [
+                dict(dp=4),
+                dict(dp=2, tp=2),
+                dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
+                dict(dp=2, pp=2, num_microbatches=2),
+                dict(dp=2, zero=1),
+                dict(tp=4),
+            ]
+            + ([dict(dp=2, tp=2, pp=2, num_microbatches=2)] if n >= 8 else [])
+        )
+    ],
+    "10_context_parallel": lambda n: [
+        dict(cp=n, cp_mode=mode, seq_len=S, global_batch_size=B)
+        for mode in ("ring", "ulysses")
+        for S, B in ((128, 2), (1024, 2), (256, 4))
+    ],
 }
 
 
@@ -99,5 +133,6 @@ def lab_size_for(lab: str, force_cpu: bool | None = None) -> LabSize:
     is not one."""
     if lab not in LAB_SIZES:
         raise KeyError(f"no lab named {lab!r}; labs: {', '.join(LAB_SIZES)}")
-    return lab_size(force_cpu=force_cpu, fits=lambda n, model: lab_layout_error(lab, n, model),
-                    **LAB_SIZES[lab])
+    return lab_size(
+        force_cpu=force_cpu, fits=lambda n, model: lab_layout_error(lab, n, model), **LAB_SIZES[lab]
+    )

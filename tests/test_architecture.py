@@ -1,5 +1,6 @@
 """The layering of docs/ARCHITECTURE.md, checked on every import statement in llmlab/: imports point
 down, and the import graph (of modules, and of packages) has no cycle."""
+
 import ast
 import sys
 from pathlib import Path
@@ -24,8 +25,7 @@ def _imports(path: Path):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = ([f"llmlab.{a.name}" for a in node.names] if node.module == "llmlab"
-                     else [node.module])
+            names = [f"llmlab.{a.name}" for a in node.names] if node.module == "llmlab" else [node.module]
         else:
             continue
         for name in names:
@@ -62,8 +62,12 @@ def test_imports_point_down():
 
 @pytest.mark.parametrize("pkg", ["parallel", "model", "runtime"])
 def test_no_strategy_model_or_runtime_module_imports_training(pkg):
-    offenders = [f"{p}:{line}" for p in (ROOT / pkg).rglob("*.py")
-                 for line, imported in _imports(p) if imported == "training"]
+    offenders = [
+        f"{p}:{line}"
+        for p in (ROOT / pkg).rglob("*.py")
+        for line, imported in _imports(p)
+        if imported == "training"
+    ]
     assert offenders == []
 
 
@@ -75,8 +79,10 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     (fake / "formulas").mkdir()
     (fake / "formulas" / "x.py").write_text("import torch\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
-    assert sorted(_violations()) == ["llmlab/formulas/x.py:1 imports torch",
-                                     "llmlab/parallel/probe.py:2 (parallel) imports llmlab.training"]
+    assert sorted(_violations()) == [
+        "llmlab/formulas/x.py:1 imports torch",
+        "llmlab/parallel/probe.py:2 (parallel) imports llmlab.training",
+    ]
 
 
 def _module_graph(root: Path) -> dict[str, set[str]]:
@@ -94,8 +100,10 @@ def _module_graph(root: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
-                         for a in node.names]
+                names = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                    for a in node.names
+                ]
             else:
                 continue
             for name in names:
@@ -139,8 +147,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """llmlab package (or top-level module) -> the others it imports."""
+
     def pkg(m):
         return m.split(".")[1] if "." in m else m
+
     out = {}
     for m, targets in graph.items():
         out.setdefault(pkg(m), set()).update(pkg(t) for t in targets if pkg(t) != pkg(m))
@@ -167,8 +177,10 @@ def test_the_checker_sees_an_import_cycle(tmp_path):
     (fake / "selftest").mkdir()
     (fake / "selftest" / "runner.py").write_text("from llmlab.doctor import hardware\n")
     graph = _module_graph(fake)
-    assert _cycles(graph) == [["llmlab.doctor", "llmlab.selftest.runner"],
-                              ["llmlab.model.a", "llmlab.model.b"]]
+    assert _cycles(graph) == [
+        ["llmlab.doctor", "llmlab.selftest.runner"],
+        ["llmlab.model.a", "llmlab.model.b"],
+    ]
     assert _cycles(_package_graph(graph)) == [["doctor", "selftest"]]
 
 
@@ -225,15 +237,25 @@ def _private_reads(root: Path) -> list[str]:
         others = set().union(*(o for p, o in owned.items() if p != path)) - owned[path]
         pkg = _package_of(root, path)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
-                    and node.attr in others
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Load)
+                and node.attr in others
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
                 out.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
-            elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                  and node.module.startswith("llmlab.")
-                  and node.module.split(".")[1] != pkg):
-                out += [f"{path.relative_to(root.parent)}:{node.lineno} imports {node.module}.{a.name}"
-                        for a in node.names if _private(a.name)]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and node.module.startswith("llmlab.")
+                and node.module.split(".")[1] != pkg
+            ):
+                out += [
+                    f"{path.relative_to(root.parent)}:{node.lineno} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if _private(a.name)
+                ]
     return out
 
 
@@ -253,12 +275,20 @@ def test_checkpoints_use_the_strategies_only_through_their_contract():
     ``param_state``/``load_param_state`` pair: it imports nothing private from ``parallel/`` and
     reads no underscore attribute of any object but itself."""
     tree = ast.parse((ROOT / "training" / "checkpoint.py").read_text())
-    bad = [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
-           if isinstance(n, ast.Attribute) and _private(n.attr)
-           and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
-    bad += [f"line {n.lineno}: from {n.module} import {a.name}" for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("llmlab.parallel")
-            for a in n.names if _private(a.name)]
+    bad = [
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and _private(n.attr)
+        and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+    ]
+    bad += [
+        f"line {n.lineno}: from {n.module} import {a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("llmlab.parallel")
+        for a in n.names
+        if _private(a.name)
+    ]
     assert bad == []
 
 
@@ -272,11 +302,15 @@ def test_the_readability_checkers_see_a_long_function_and_a_private_read(tmp_pat
     body = "".join(f"    x{i} = {i}\n" for i in range(79))
     (fake / "parallel" / "zero.py").write_text(
         "class Bucket:\n    def __init__(self):\n        self._flat = 0\n\n"
-        "def _gather(b):\n    return b._flat\n\n"      # its own private attribute: fine
-        f"def long():\n{body}    return x0\n")
+        "def _gather(b):\n    return b._flat\n\n"  # its own private attribute: fine
+        f"def long():\n{body}    return x0\n"
+    )
     (fake / "training" / "checkpoint.py").write_text(
         "import os\nfrom llmlab.parallel.zero import _gather\n\n"
-        "def save(bucket):\n    os._exit\n    return bucket._flat\n")
+        "def save(bucket):\n    os._exit\n    return bucket._flat\n"
+    )
     assert _long_functions(fake) == ["llmlab/parallel/zero.py:8 long (81 lines)"]
-    assert _private_reads(fake) == ["llmlab/training/checkpoint.py:2 imports llmlab.parallel.zero._gather",
-                                    "llmlab/training/checkpoint.py:6 bucket._flat"]
+    assert _private_reads(fake) == [
+        "llmlab/training/checkpoint.py:2 imports llmlab.parallel.zero._gather",
+        "llmlab/training/checkpoint.py:6 bucket._flat",
+    ]

@@ -1,5 +1,6 @@
 """--checkpoint-every-minutes beside --checkpoint-every, and what each checkpoint's metadata.json
 records about the run: wall-clock time, elapsed training time (carried over a resume), hardware."""
+
 import datetime
 import json
 
@@ -17,8 +18,10 @@ def _meta(d):
 
 def test_minutes_interval_saves_by_time_and_metadata_records_time_and_hardware(tmp_path):
     # 1e-9 minutes: every step is past the interval; dp=2 so rank 0's decision is broadcast
-    llmlab.train(TrainConfig(steps=3, dp=2, checkpoint_dir=str(tmp_path),
-                             checkpoint_every_minutes=1e-9, **KW), progress=False)
+    llmlab.train(
+        TrainConfig(steps=3, dp=2, checkpoint_dir=str(tmp_path), checkpoint_every_minutes=1e-9, **KW),
+        progress=False,
+    )
     dirs = sorted(tmp_path.iterdir())
     assert [d.name for d in dirs] == ["step_00000001", "step_00000002", "step_00000003"]
     metas = [_meta(d) for d in dirs]
@@ -32,18 +35,25 @@ def test_minutes_interval_saves_by_time_and_metadata_records_time_and_hardware(t
     assert hw["device"] == "cpu" and hw["cpu_cores"] >= 1 and hw["step_time_s"] > 0
     # an hour's interval saves only after the last step; a resume carries the elapsed time on
     other = tmp_path / "hour"
-    llmlab.train(TrainConfig(steps=2, checkpoint_dir=str(other), checkpoint_every_minutes=60, **KW),
-                 progress=False)
+    llmlab.train(
+        TrainConfig(steps=2, checkpoint_dir=str(other), checkpoint_every_minutes=60, **KW), progress=False
+    )
     assert [d.name for d in other.iterdir()] == ["step_00000002"]
     before = _meta(other / "step_00000002")["elapsed_training_s"]
     llmlab.train(TrainConfig(steps=3, checkpoint_dir=str(other), resume=True, **KW), progress=False)
     assert _meta(other / "step_00000003")["elapsed_training_s"] > before
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"checkpoint_every_minutes": -1.0, "checkpoint_dir": "x"}, "--checkpoint-every-minutes must be >= 0"),
-    ({"checkpoint_every_minutes": 30.0}, "--checkpoint-every-minutes needs --checkpoint-dir"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (
+            {"checkpoint_every_minutes": -1.0, "checkpoint_dir": "x"},
+            "--checkpoint-every-minutes must be >= 0",
+        ),
+        ({"checkpoint_every_minutes": 30.0}, "--checkpoint-every-minutes needs --checkpoint-dir"),
+    ],
+)
 def test_bad_minutes_are_refused_before_launch(kw, msg):
     with pytest.raises(ValueError, match=msg):
         llmlab.train(TrainConfig(steps=1, **kw), progress=False)

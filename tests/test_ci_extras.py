@@ -1,4 +1,5 @@
 """`.ci/check_extras.py`: CI stops when a package of a tested extra is missing on this platform."""
+
 import importlib.util
 from pathlib import Path
 
@@ -15,12 +16,14 @@ def check():
 
 
 def test_a_missing_or_wrong_package_of_an_included_extra_is_named(check, monkeypatch):
-    reqs = ['pytest; extra == "dev"',
-            'llmlab[kernels]; extra == "dev"',
-            'surely-not-installed-llmlab-pkg>=1; extra == "kernels"',
-            'pytest<1; extra == "kernels"',
-            'another-missing-pkg; extra == "kernels" and python_version < "3"',  # not this platform
-            'unused-missing-pkg; extra == "lab"']                               # not tested
+    reqs = [
+        'pytest; extra == "dev"',
+        'llmlab[kernels]; extra == "dev"',
+        'surely-not-installed-llmlab-pkg>=1; extra == "kernels"',
+        'pytest<1; extra == "kernels"',
+        'another-missing-pkg; extra == "kernels" and python_version < "3"',  # not this platform
+        'unused-missing-pkg; extra == "lab"',
+    ]  # not tested
     monkeypatch.setattr(check.metadata, "requires", lambda name: reqs)
     problems = check.missing(["dev"])
     assert len(problems) == 2
@@ -37,8 +40,13 @@ def test_no_test_skips_on_an_import():
     skips when an import fails would only hide a broken installation. (The Triton tests skip on
     the platforms the kernels extra does not cover, by platform, not by import.)"""
     import re
+
     tests = Path(__file__).parent
-    offenders = [f"{p.name}:{n}" for p in sorted(tests.glob("*.py")) if p.name != Path(__file__).name
-                 for n, line in enumerate(p.read_text().splitlines(), 1)
-                 if re.search(r"importorskip\(", line)]
+    offenders = [
+        f"{p.name}:{n}"
+        for p in sorted(tests.glob("*.py"))
+        if p.name != Path(__file__).name
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"importorskip\(", line)
+    ]
     assert offenders == []

@@ -23,6 +23,7 @@ accounts (``/root`` is 0700 on most machines), the hub runs in a private mount n
 of two one-core seats wherever the test runs. Every wait has a deadline; the hub and every process
 under it are stopped at the end, killed if they do not stop, and every learner process too.
 """
+
 import http.cookiejar
 import json
 import os
@@ -58,8 +59,10 @@ def _chp_dir() -> str:
     if (local / "configurable-http-proxy").exists():
         return str(local)
     found = shutil.which("configurable-http-proxy")
-    assert found, ("configurable-http-proxy is not installed: .ci/run installs it "
-                   "(npm install --prefix .ci/node configurable-http-proxy@4)")
+    assert found, (
+        "configurable-http-proxy is not installed: .ci/run installs it "
+        "(npm install --prefix .ci/node configurable-http-proxy@4)"
+    )
     return str(Path(found).parent)
 
 
@@ -79,10 +82,12 @@ class Hub:
         self.ctx = ssl.create_default_context(cafile=cafile) if cafile else None
 
     def api(self, method: str, path: str, body=None, token: str = TOKEN, timeout: float = 20):
-        req = urllib.request.Request(f"{self.base}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Authorization": f"token {token}",
-                                              "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.base}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout, context=self.ctx) as r:
                 data = r.read()
@@ -106,13 +111,13 @@ class Hub:
         jar = http.cookiejar.CookieJar()
         handlers = [urllib.request.HTTPSHandler(context=self.ctx)] if self.ctx else []
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar), *handlers)
-        opener.open(f"{self.base}/hub/login", timeout=20).read()           # sets the _xsrf cookie
+        opener.open(f"{self.base}/hub/login", timeout=20).read()  # sets the _xsrf cookie
         xsrf = next(c.value for c in jar if c.name == "_xsrf")
         form = urllib.parse.urlencode({"username": user, "password": password, "_xsrf": xsrf}).encode()
         try:
             opener.open(f"{self.base}/hub/login?next=", data=form, timeout=60).read()
         except urllib.error.HTTPError:
-            pass                                  # the redirect to a server that is not started yet
+            pass  # the redirect to a server that is not started yet
         return any(c.name == "jupyterhub-hub-login" for c in jar)
 
     def run_cells(self, user: str, token: str, cells: list[str], timeout: float) -> list[dict]:
@@ -121,7 +126,10 @@ class Hub:
         assert status == 201, kernel
         ws = websocket.create_connection(
             f"wss://{self.base.split('://')[1]}/user/{user}/api/kernels/{kernel['id']}/channels",
-            header=[f"Authorization: token {token}"], timeout=timeout, sslopt={"ca_certs": self.cafile})
+            header=[f"Authorization: token {token}"],
+            timeout=timeout,
+            sslopt={"ca_certs": self.cafile},
+        )
         try:
             return [_execute(ws, user, code, timeout) for code in cells]
         finally:
@@ -131,11 +139,29 @@ class Hub:
 
 def _execute(ws, user: str, code: str, timeout: float) -> dict:
     msg_id = uuid.uuid4().hex
-    ws.send(json.dumps({"header": {"msg_id": msg_id, "msg_type": "execute_request", "username": user,
-                                   "session": uuid.uuid4().hex, "version": "5.3"},
-                        "parent_header": {}, "metadata": {}, "channel": "shell",
-                        "content": {"code": code, "silent": False, "store_history": True,
-                                    "user_expressions": {}, "allow_stdin": False}}))
+    ws.send(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "msg_type": "execute_request",
+                    "username": user,
+                    "session": uuid.uuid4().hex,
+                    "version": "5.3",
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": True,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                },
+            }
+        )
+    )
     out, err, error, reply, idle = [], [], None, None, False
     end = time.monotonic() + timeout
     while not (reply and idle):
@@ -157,8 +183,11 @@ def _execute(ws, user: str, code: str, timeout: float) -> dict:
 
 def _server_pid(uid: int) -> int:
     """The pid of the Jupyter server that runs as ``uid`` (its kernels are its children)."""
-    found = [p.pid for p in psutil.process_iter(["uids", "cmdline"])
-             if p.info["uids"] and p.info["uids"].real == uid and "jupyterhub.singleuser" in p.info["cmdline"]]
+    found = [
+        p.pid
+        for p in psutil.process_iter(["uids", "cmdline"])
+        if p.info["uids"] and p.info["uids"].real == uid and "jupyterhub.singleuser" in p.info["cmdline"]
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -213,10 +242,19 @@ def _hub_command(args: list[str]) -> list[str]:
     if not unreachable(sys.executable):
         return args
     hidden = f"/tmp/{PREFIX}-root"
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
-            f"mkdir -p {hidden} && mount --bind /root {hidden} && mount -t tmpfs -o mode=0711 tmpfs /root"
-            f" && mkdir /root/.pyenv && mount --bind {hidden}/.pyenv /root/.pyenv && umount {hidden}"
-            f" && rmdir {hidden} && exec \"$@\"", "sh", *args]
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f"mkdir -p {hidden} && mount --bind /root {hidden} && mount -t tmpfs -o mode=0711 tmpfs /root"
+        f" && mkdir /root/.pyenv && mount --bind {hidden}/.pyenv /root/.pyenv && umount {hidden}"
+        f' && rmdir {hidden} && exec "$@"',
+        "sh",
+        *args,
+    ]
 
 
 def _probe_of_a(state: Path, results: Path, b: str, b_port: int) -> str:
@@ -280,22 +318,58 @@ print(json.dumps(seen))
 def _start_isolated_hub(state: Path, certs: Path, port: int, log) -> subprocess.Popen:
     """JupyterHub with the recipe in system mode, as root, serving TLS on 127.0.0.1:``port`` with a
     self-signed certificate made in ``certs``, on two of this machine's cores (two one-core seats)."""
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(certs / "key.pem"), "-out", str(certs / "cert.pem"), "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(certs / "key.pem"),
+            "-out",
+            str(certs / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     hub_port, api_port = _free_ports(2)
     two = set(sorted(os.sched_getaffinity(0))[:2])
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_")}
-    env.update({"PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]), "PYTHONPATH": str(ROOT),
-                "LLMLAB_HUB_MODE": "system", "LLMLAB_HUB_STATE_DIR": str(state),
-                "LLMLAB_HUB_IP": "127.0.0.1", "LLMLAB_HUB_PORT": str(port),
-                "LLMLAB_HUB_API_PORT": str(hub_port), "LLMLAB_HUB_PROXY_API_PORT": str(api_port),
-                "LLMLAB_HUB_SSL_CERT": str(certs / "cert.pem"), "LLMLAB_HUB_SSL_KEY": str(certs / "key.pem"),
-                "LLMLAB_HUB_API_TOKEN": TOKEN, "LLMLAB_HUB_CORES_PER_LEARNER": "1",
-                "CUDA_VISIBLE_DEVICES": "", "LLMLAB_LIVE": "0"})
-    return subprocess.Popen(_hub_command([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)]),
-                            cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, two))
+    env.update(
+        {
+            "PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]),
+            "PYTHONPATH": str(ROOT),
+            "LLMLAB_HUB_MODE": "system",
+            "LLMLAB_HUB_STATE_DIR": str(state),
+            "LLMLAB_HUB_IP": "127.0.0.1",
+            "LLMLAB_HUB_PORT": str(port),
+            "LLMLAB_HUB_API_PORT": str(hub_port),
+            "LLMLAB_HUB_PROXY_API_PORT": str(api_port),
+            "LLMLAB_HUB_SSL_CERT": str(certs / "cert.pem"),
+            "LLMLAB_HUB_SSL_KEY": str(certs / "key.pem"),
+            "LLMLAB_HUB_API_TOKEN": TOKEN,
+            "LLMLAB_HUB_CORES_PER_LEARNER": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "LLMLAB_LIVE": "0",
+        }
+    )
+    return subprocess.Popen(
+        _hub_command([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)]),
+        cwd=state,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, two),
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the isolated room makes learner accounts: needs root")
@@ -313,27 +387,27 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
         hub = Hub(f"https://127.0.0.1:{port}", str(certs / "cert.pem"))
         _wait_up(hub, port, proc, certs / "hub.log")
         _listens_on_loopback(port)
-        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):   # no plain HTTP
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):  # no plain HTTP
             urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api/", timeout=10).read()
         assert not hub.log_in(a, "wrong-password")
-        assert hub.log_in(a, a_pw)                                 # A logs in herself (PAM)...
+        assert hub.log_in(a, a_pw)  # A logs in herself (PAM)...
         for user in (b, c):
-            assert hub.api("POST", f"/hub/api/users/{user}")[0] == 201   # ...B and C added by the instructor
-        for user in (a, b):                                        # their servers start
+            assert hub.api("POST", f"/hub/api/users/{user}")[0] == 201  # ...B and C added by the instructor
+        for user in (a, b):  # their servers start
             status, body = hub.api("POST", f"/hub/api/users/{user}/server")
             assert status in (201, 202), body
         deadline = time.monotonic() + 120
         for u in (a, b):
             hub.wait_ready(u, proc, deadline)
-        pids = {u: _server_pid(uid) for u, uid in zip((a, b), uids)}   # (the instructor cannot see state)
-        assert hub.api("POST", f"/hub/api/users/{c}/server")[0] == 429   # the room is full
+        pids = {u: _server_pid(uid) for u, uid in zip((a, b), uids)}  # (the instructor cannot see state)
+        assert hub.api("POST", f"/hub/api/users/{c}/server")[0] == 429  # the room is full
 
         devices = {u: _server_devices(pid) for u, pid in pids.items()}
         (cores_a, env_a), (cores_b, env_b) = devices[a], devices[b]
         assert len(cores_a) == len(cores_b) == 1 and not cores_a & cores_b, devices
         assert {env_a["LLMLAB_SEAT"], env_b["LLMLAB_SEAT"]} == {"0", "1"}
         for user, uid in zip((a, b), uids):
-            assert psutil.Process(pids[user]).uids().effective == uid      # the learner, never root
+            assert psutil.Process(pids[user]).uids().effective == uid  # the learner, never root
             home = os.stat(f"/home/{user}")
             assert home.st_mode & 0o777 == 0o700 and home.st_uid == uid
             folder = os.stat(state / "results" / user)
@@ -343,29 +417,42 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
             assert st.st_uid == 0 and st.st_mode & 0o077 == 0, (f, oct(st.st_mode))
         assert os.stat(state).st_mode & 0o777 == 0o711 and os.stat(state / "results").st_mode & 0o777 == 0o711
 
-        token_a = env_a["JUPYTERHUB_API_TOKEN"]                    # A's own server token
+        token_a = env_a["JUPYTERHUB_API_TOKEN"]  # A's own server token
         assert hub.api("GET", f"/user/{a}/api/kernels")[0] == 403  # the instructor cannot enter a server
         nb = json.loads((Path(f"/home/{a}") / "labs" / "00_three_walls.ipynb").read_text())
         code = ["".join(cell["source"]) for cell in nb["cells"] if cell["cell_type"] == "code"][:2]
-        b_port = urllib.parse.urlparse(env_b["JUPYTERHUB_SERVICE_URL"]).port   # B's server, not via the proxy
+        b_port = urllib.parse.urlparse(env_b["JUPYTERHUB_SERVICE_URL"]).port  # B's server, not via the proxy
         probe = _probe_of_a(state, state / "results", b, b_port)
         res = hub.run_cells(a, token_a, code + [probe], timeout=180)
         assert [r["status"] for r in res] == ["ok"] * 3, res
         assert "lab size:" in res[0]["stdout"], res[0]
         seen = json.loads(res[2]["stdout"].strip().splitlines()[-1])
         _nothing_secret_reached(seen, state, psutil.Process(proc.pid).children(recursive=True))
-        assert f"could not record the result of training_memory_bytes in {state}/results/{b}/" in res[2]["stderr"]
+        assert (
+            f"could not record the result of training_memory_bytes in {state}/results/{b}/"
+            in res[2]["stderr"]
+        )
 
-        res_b = hub.run_cells(b, env_b["JUPYTERHUB_API_TOKEN"], [
-            "from llmlab import check\nfrom llmlab.solutions import lab00\n"
-            "assert check.training_memory_bytes(lab00.training_memory_bytes)"], timeout=120)
+        res_b = hub.run_cells(
+            b,
+            env_b["JUPYTERHUB_API_TOKEN"],
+            [
+                "from llmlab import check\nfrom llmlab.solutions import lab00\n"
+                "assert check.training_memory_bytes(lab00.training_memory_bytes)"
+            ],
+            timeout=120,
+        )
         assert res_b[0]["status"] == "ok", res_b
-        table = subprocess.run([sys.executable, "-m", "llmlab", "classroom", "results", "--json",
-                                str(state / "results")], capture_output=True, text=True, timeout=60)
+        table = subprocess.run(
+            [sys.executable, "-m", "llmlab", "classroom", "results", "--json", str(state / "results")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         room = json.loads(table.stdout)["learners"]
         assert set(room) == {a, b}, (room, table.stderr)
-        assert room[b]["training_memory_bytes"]["attempts"] == 1     # A's forged failure is not B's
-        assert room[a]["training_memory_bytes"]["attempts"] == 1     # A's own passing run is A's
+        assert room[b]["training_memory_bytes"]["attempts"] == 1  # A's forged failure is not B's
+        assert room[a]["training_memory_bytes"]["attempts"] == 1  # A's own passing run is A's
         assert room[a]["training_memory_bytes"]["solved"] and room[b]["training_memory_bytes"]["solved"]
     except BaseException:
         log.flush()
@@ -381,14 +468,19 @@ def test_isolated_room_two_learners_cannot_reach_each_other_or_the_hubs_secrets(
 
 
 def _listens_on_loopback(port: int) -> None:
-    bound = {c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port}
+    bound = {
+        c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port
+    }
     assert bound == {"127.0.0.1"}, bound
 
 
 def _nothing_secret_reached(seen: dict, state: Path, hub_tree: list) -> None:
     """What learner A's kernel saw holds none of the hub's secrets, and every door was shut."""
-    secrets = {"instructor token": TOKEN, "cookie secret": (state / "jupyterhub_cookie_secret").read_text().strip()}
-    for p in hub_tree:                                      # the proxy's token, from its environment
+    secrets = {
+        "instructor token": TOKEN,
+        "cookie secret": (state / "jupyterhub_cookie_secret").read_text().strip(),
+    }
+    for p in hub_tree:  # the proxy's token, from its environment
         env = p.environ()
         if "CONFIGPROXY_AUTH_TOKEN" in env:
             secrets["proxy token"] = env["CONFIGPROXY_AUTH_TOKEN"]
@@ -398,9 +490,18 @@ def _nothing_secret_reached(seen: dict, state: Path, hub_tree: list) -> None:
         assert value and value not in reached, f"learner A can read the {what}"
     assert not [k for k in seen["env"] if k.startswith(("LLMLAB_HUB_", "CONFIGPROXY"))], seen["env"]
     assert seen["opened"] == [], seen["opened"]
-    assert set(seen["denied"]) >= {"list state", "jupyterhub.sqlite", "jupyterhub_cookie_secret", "list b home",
-                                   "read b notebook", "list results", "squat results", "link in results",
-                                   "write b record", "link in b folder"}, seen["denied"]
+    assert set(seen["denied"]) >= {
+        "list state",
+        "jupyterhub.sqlite",
+        "jupyterhub_cookie_secret",
+        "list b home",
+        "read b notebook",
+        "list results",
+        "squat results",
+        "link in results",
+        "write b record",
+        "link in b folder",
+    }, seen["denied"]
     assert seen["b server"] == 403
     assert seen["uid"] != 0 and seen["home mode"] == "0o700"
     assert seen["kernel channels"] == ["ipc", "0o700"], seen["kernel channels"]
@@ -420,15 +521,31 @@ def test_demo_room_on_loopback_with_its_required_password(tmp_path):
     port, hub_port, api_port = _free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_")}
     password = uuid.uuid4().hex[:12]
-    env.update({"PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]), "PYTHONPATH": str(ROOT),
-                "LLMLAB_HUB_MODE": "demo", "LLMLAB_HUB_PASSWORD": password, "LLMLAB_HUB_STATE_DIR": str(tmp_path),
-                "LLMLAB_HUB_PORT": str(port), "LLMLAB_HUB_API_PORT": str(hub_port),
-                "LLMLAB_HUB_PROXY_API_PORT": str(api_port), "LLMLAB_HUB_API_TOKEN": TOKEN,
-                "LLMLAB_HUB_CORES_PER_LEARNER": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env.update(
+        {
+            "PATH": os.pathsep.join([_chp_dir(), os.environ["PATH"]]),
+            "PYTHONPATH": str(ROOT),
+            "LLMLAB_HUB_MODE": "demo",
+            "LLMLAB_HUB_PASSWORD": password,
+            "LLMLAB_HUB_STATE_DIR": str(tmp_path),
+            "LLMLAB_HUB_PORT": str(port),
+            "LLMLAB_HUB_API_PORT": str(hub_port),
+            "LLMLAB_HUB_PROXY_API_PORT": str(api_port),
+            "LLMLAB_HUB_API_TOKEN": TOKEN,
+            "LLMLAB_HUB_CORES_PER_LEARNER": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
     log_path = tmp_path.parent / f"{tmp_path.name}-hub.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)], cwd=tmp_path, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         hub = Hub(f"http://127.0.0.1:{port}")
         try:
             _wait_up(hub, port, proc, log_path)

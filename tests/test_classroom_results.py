@@ -2,6 +2,7 @@
 LLMLAB_RESULTS_DIR), and ``llmlab classroom results DIR`` aggregating a room into a table that
 survives hostile entries (malformed, FIFO, links to /dev/zero, oversized, foreign, control characters).
 The same room with real learner accounts behind a real hub: tests/test_classroom_jupyterhub.py."""
+
 import json
 import os
 import subprocess
@@ -22,8 +23,12 @@ def _stub(num_params, bytes_per_param=4, optimizer_states=2):
 
 
 def _results(*args):
-    return subprocess.run([sys.executable, "-m", "llmlab", "classroom", "results", *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "llmlab", "classroom", "results", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_checks_write_nothing_without_the_variable(tmp_path, monkeypatch):
@@ -35,10 +40,10 @@ def test_checks_write_nothing_without_the_variable(tmp_path, monkeypatch):
 
 def test_a_room_of_results_becomes_a_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LLMLAB_RESULTS_DIR", str(tmp_path))
-    monkeypatch.setenv("LLMLAB_SOLUTIONS", "0")   # a learner's Run All: a failed check returns False
+    monkeypatch.setenv("LLMLAB_SOLUTIONS", "0")  # a learner's Run All: a failed check returns False
     monkeypatch.setenv("LLMLAB_STRICT", "0")
     monkeypatch.setenv("LLMLAB_LEARNER", "alice")
-    assert check.training_memory_bytes(_stub) is False          # untouched stub: not an attempt
+    assert check.training_memory_bytes(_stub) is False  # untouched stub: not an attempt
     assert not (tmp_path / "alice").exists()
     assert check.training_memory_bytes(_wrong) is False
     assert check.training_memory_bytes(_stub) is False
@@ -49,7 +54,7 @@ def test_a_room_of_results_becomes_a_table(tmp_path, monkeypatch, capsys):
         assert check.training_memory_bytes(_wrong) is False
     capsys.readouterr()
 
-    assert oct((tmp_path / "alice").stat().st_mode & 0o777) == "0o700"   # the learner's own folder
+    assert oct((tmp_path / "alice").stat().st_mode & 0o777) == "0o700"  # the learner's own folder
     alice = json.loads((tmp_path / "alice" / "results.json").read_text())
     row = alice["exercises"]["training_memory_bytes"]
     assert (row["solved"], row["attempts"], row["last_ok"], row["message"]) == (True, 2, True, "")
@@ -81,24 +86,24 @@ def _record(folder, exercises):
 def test_the_table_survives_hostile_entries_and_escapes_names(tmp_path):
     ok = {"ring": {"solved": True, "attempts": 1, "first_solved": 1.0, "last": 1.0, "message": ""}}
     _record(tmp_path / "alice", ok)
-    evil = "\x1b[2J\x1b]52;c;cm0gLXJm\x07eve"                     # clear screen, clipboard write
+    evil = "\x1b[2J\x1b]52;c;cm0gLXJm\x07eve"  # clear screen, clipboard write
     _record(tmp_path / evil, {"\x1b[31mred": ok["ring"]})
     (tmp_path / "mal").mkdir()
-    (tmp_path / "mal" / "results.json").write_text('{"exercises": {"ring": ')   # malformed
-    _record(tmp_path / "lax", {"ring": {"solved": "yes", "attempts": 1}})   # wrong types
-    os.mkfifo(tmp_path / "fifo")                                    # a FIFO as a learner
+    (tmp_path / "mal" / "results.json").write_text('{"exercises": {"ring": ')  # malformed
+    _record(tmp_path / "lax", {"ring": {"solved": "yes", "attempts": 1}})  # wrong types
+    os.mkfifo(tmp_path / "fifo")  # a FIFO as a learner
     (tmp_path / "pipe").mkdir()
-    os.mkfifo(tmp_path / "pipe" / "results.json")                   # a FIFO as a record
-    (tmp_path / "zero").symlink_to("/dev/zero")                     # links, never followed
+    os.mkfifo(tmp_path / "pipe" / "results.json")  # a FIFO as a record
+    (tmp_path / "zero").symlink_to("/dev/zero")  # links, never followed
     (tmp_path / "zlink").mkdir()
     (tmp_path / "zlink" / "results.json").symlink_to("/dev/zero")
     (tmp_path / "alias").symlink_to(tmp_path / "alice")
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "results.json").write_text('{"exercises": {}}' + " " * MAX_BYTES)
     _record(tmp_path / "carol", ok)
-    os.chown(tmp_path / "carol", 4242, 4242)    # a folder named carol that some other account owns
+    os.chown(tmp_path / "carol", 4242, 4242)  # a folder named carol that some other account owns
     _record(tmp_path / "dave", ok)
-    os.chown(tmp_path / "dave" / "results.json", 4242, 4242)      # a record planted by someone else
+    os.chown(tmp_path / "dave" / "results.json", 4242, 4242)  # a record planted by someone else
 
     out = _results(tmp_path)
     assert out.returncode == 0, out.stderr
@@ -120,12 +125,12 @@ def test_a_record_is_never_written_through_a_link(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("LLMLAB_RESULTS_DIR", str(tmp_path))
     notebook = tmp_path.parent / f"{tmp_path.name}-notebook.ipynb"
     notebook.write_text("precious")
-    (tmp_path / "eve").symlink_to(tmp_path.parent)                 # a learner folder that is a link
+    (tmp_path / "eve").symlink_to(tmp_path.parent)  # a learner folder that is a link
     (tmp_path / "bob").mkdir()
-    (tmp_path / "bob" / ".lock").symlink_to(notebook)             # a lock that points at a notebook
+    (tmp_path / "bob" / ".lock").symlink_to(notebook)  # a lock that points at a notebook
     for who in ("eve", "bob"):
         monkeypatch.setenv("LLMLAB_LEARNER", who)
-        assert check.training_memory_bytes(training_memory_bytes) is True   # the check still passes
+        assert check.training_memory_bytes(training_memory_bytes) is True  # the check still passes
         assert "could not record the result of training_memory_bytes" in capsys.readouterr().err
     assert notebook.read_text() == "precious" and not (tmp_path / "bob" / "results.json").exists()
     notebook.unlink()

@@ -1,4 +1,5 @@
 """How a node is shared among learners (llmlab.classroom.seats), on inventories of nodes we do not have."""
+
 import pytest
 
 from llmlab.classroom.seats import SeatAllocator, plan_room, ranks_per_learner
@@ -6,8 +7,12 @@ from llmlab.lab_sizes import LAB_SIZES
 
 
 def _node(gpus: int, cores: int, ram_gib: int = 512) -> dict:
-    return {"cpu_cores": cores, "usable_cores": list(range(cores)), "memory_bytes": ram_gib << 30,
-            "gpus": [{"index": i, "memory_bytes": 80 << 30} for i in range(gpus)]}
+    return {
+        "cpu_cores": cores,
+        "usable_cores": list(range(cores)),
+        "memory_bytes": ram_gib << 30,
+        "gpus": [{"index": i, "memory_bytes": 80 << 30} for i in range(gpus)],
+    }
 
 
 def test_a_learner_gets_as_many_devices_as_the_largest_lab_needs():
@@ -20,7 +25,7 @@ def test_a_learner_gets_as_many_devices_as_the_largest_lab_needs():
 
 def test_an_8_gpu_node_seats_disjoint_gpus_and_cores(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    plan = plan_room(_node(8, 64))              # every lab: lab 08 needs 4 ranks -> 2 learners
+    plan = plan_room(_node(8, 64))  # every lab: lab 08 needs 4 ranks -> 2 learners
     assert (plan.learners, plan.gpus_per_learner, plan.cores_per_learner) == (2, 4, 32)
     assert [s.gpus for s in plan.seats] == [("0", "1", "2", "3"), ("4", "5", "6", "7")]
     assert plan.seats[1].environment(True)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
@@ -43,7 +48,9 @@ def test_a_cpu_node_seats_cores_and_a_small_one_seats_one_learner(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     plan = plan_room(_node(0, 64, ram_gib=256))
     assert (plan.learners, plan.cores_per_learner) == (16, 4)
-    assert plan.seats[3].cores == (12, 13, 14, 15) and "CUDA_VISIBLE_DEVICES" not in plan.seats[3].environment(False)
+    assert plan.seats[3].cores == (12, 13, 14, 15) and "CUDA_VISIBLE_DEVICES" not in plan.seats[
+        3
+    ].environment(False)
     assert plan.seats[3].environment(False)["OMP_NUM_THREADS"] == "4"
     small = plan_room(_node(0, 2))
     assert small.learners == 1 and small.seats[0].cores == (0, 1)
@@ -54,7 +61,7 @@ def test_impossible_plans_are_refused_by_name(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ValueError, match="4 GPUs per learner but this node has 2"):
         plan_room(_node(2, 16), gpus_per_learner=4)
-    one = plan_room(_node(1, 16))                 # fewer GPUs than lab 08 wants: one learner gets them
+    one = plan_room(_node(1, 16))  # fewer GPUs than lab 08 wants: one learner gets them
     assert one.learners == 1 and one.seats[0].gpus == ("0",) and one.seats[0].cores == tuple(range(16))
     with pytest.raises(ValueError, match="cores_per_learner must be >= 1"):
         plan_room(_node(0, 16), cores_per_learner=0)

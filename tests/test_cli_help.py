@@ -1,5 +1,6 @@
 """``llmlab <command> --help``: every flag of every subcommand says what it does and its default,
 once (``train``'s flags are checked against TrainConfig in test_train.py)."""
+
 import argparse
 
 from llmlab.cli import HelpFormatter, build_parser
@@ -47,21 +48,32 @@ def test_engine_flags_are_generated_from_engine_config():
     from llmlab.inference import bench, cli as generate_cli
     from llmlab.inference.engine_config import EngineConfig, field_names
     from llmlab.serve import cli as serve_cli
+
     commands = dict(_subparsers(build_parser()))
-    for name, fields in (("serve", field_names()), ("generate", generate_cli.ENGINE_FLAGS),
-                         ("bench serve", bench.ENGINE_FLAGS)):
+    for name, fields in (
+        ("serve", field_names()),
+        ("generate", generate_cli.ENGINE_FLAGS),
+        ("bench serve", bench.ENGINE_FLAGS),
+    ):
         dests = {a.dest for a in commands[name]._actions}
         assert set(fields) <= dests, (name, set(fields) - dests)
     assert "seed" not in generate_cli.ENGINE_FLAGS
     assert not {"max_request_body_bytes", "max_prompts_per_request"} & set(field_names())
-    serve_dests = {a.dest for a in commands["serve"]._actions}    # the server's own: ServerConfig
+    serve_dests = {a.dest for a in commands["serve"]._actions}  # the server's own: ServerConfig
     assert {"max_request_body_bytes", "max_concurrent_streams", "allowed_hosts"} <= serve_dests
-    args = build_parser().parse_args(["serve", "--max-n", "3", "--block-size", "8",
-                                      "--enable-prefix-caching"])
+    args = build_parser().parse_args(
+        ["serve", "--max-n", "3", "--block-size", "8", "--enable-prefix-caching"]
+    )
     cfg = serve_cli.engine_config(args)
     assert cfg == EngineConfig(max_n=3, block_size=8, enable_prefix_caching=True)
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(field_names()) == {
-        "dtype", "generation_defaults", "check_invariants", "on_step",    # Python-only fields
-        "paged_attention", "packed_linear", "cpu_fused"}                  # (kernels: LLMLAB_KERNELS)
+        "dtype",
+        "generation_defaults",
+        "check_invariants",
+        "on_step",  # Python-only fields
+        "paged_attention",
+        "packed_linear",
+        "cpu_fused",
+    }  # (kernels: LLMLAB_KERNELS)
     with pytest.raises(ValueError, match="--max-n 0 must be >= 1"):
         serve_cli.validate(build_parser().parse_args(["serve", "--max-n", "0"]))

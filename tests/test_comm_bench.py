@@ -1,4 +1,5 @@
 """``llmlab bench comm``: nccl-tests bandwidth definitions on real gloo ranks."""
+
 import json
 
 import pytest
@@ -8,7 +9,9 @@ from llmlab.tools.comm_bench import OPS, bus_factor, default_sizes, parse_size
 
 def test_bus_factors_and_sizes():
     assert bus_factor("all_reduce", 4) == 1.5
-    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == bus_factor("all_to_all", 4) == 0.75
+    assert (
+        bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == bus_factor("all_to_all", 4) == 0.75
+    )
     assert bus_factor("all_reduce", 2) == 1.0
     with pytest.raises(ValueError, match="unknown collective 'bcast'"):
         bus_factor("bcast", 2)
@@ -20,9 +23,31 @@ def test_bus_factors_and_sizes():
 
 def test_bench_comm_cli_json(tmp_path):
     from llmlab.cli import main
+
     out = tmp_path / "comm.json"
-    assert main(["bench", "comm", "--world-size", "2", "--min-bytes", "4K", "--max-bytes", "16K",
-                 "--iters", "2", "--warmup", "1", "--backend", "gloo", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "comm",
+                "--world-size",
+                "2",
+                "--min-bytes",
+                "4K",
+                "--max-bytes",
+                "16K",
+                "--iters",
+                "2",
+                "--warmup",
+                "1",
+                "--backend",
+                "gloo",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["world_size"] == 2 and res["backend"] == "gloo"
     rows = res["results"]

@@ -1,5 +1,6 @@
 """Composed layouts (DP x TP x PP, ZeRO, mixed precision) give the single-rank losses; checkpoints
 move between layouts; a killed rank stops the job, named, and --resume continues."""
+
 import shutil
 
 import pytest
@@ -24,12 +25,16 @@ def one_rank():
     return _losses(llmlab.train(TrainConfig(steps=4, **KW), progress=False))
 
 
-@pytest.mark.parametrize("layout", [
-    dict(dp=2, tp=2),
-    dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
-    dict(dp=2, pp=2, num_microbatches=2, pp_schedule="gpipe"),
-    dict(dp=2, tp=2, pp=2, num_microbatches=2),  # 8 ranks
-], ids=["dp2xtp2", "tp2xpp2+sp", "dp2xpp2", "dp2xtp2xpp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, tp=2),
+        dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2),
+        dict(dp=2, pp=2, num_microbatches=2, pp_schedule="gpipe"),
+        dict(dp=2, tp=2, pp=2, num_microbatches=2),  # 8 ranks
+    ],
+    ids=["dp2xtp2", "tp2xpp2+sp", "dp2xpp2", "dp2xtp2xpp2"],
+)
 def test_composed_layout_equals_one_rank(layout, one_rank):
     m = llmlab.train(TrainConfig(steps=4, **KW, **layout), progress=False)
     assert _gap(_losses(m), one_rank) < 1e-4
@@ -41,10 +46,14 @@ def test_composed_layout_equals_one_rank(layout, one_rank):
         assert largest < 4 * llmlab.get_preset("tiny").num_parameters()
 
 
-@pytest.mark.parametrize("layout", [
-    dict(dp=2, pp=2, zero=1, num_microbatches=2),
-    dict(dp=2, zero=2, dtype="bf16"),
-], ids=["dp2xpp2+zero1", "dp2+zero2+bf16"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, zero=1, num_microbatches=2),
+        dict(dp=2, zero=2, dtype="bf16"),
+    ],
+    ids=["dp2xpp2+zero1", "dp2+zero2+bf16"],
+)
 def test_zero_in_composed_layouts(layout, one_rank):
     m = llmlab.train(TrainConfig(steps=4, **KW, **layout), progress=False)
     tol = 1e-4 if layout.get("dtype", "fp32") == "fp32" else 2e-2
@@ -64,10 +73,12 @@ def test_checkpoint_saved_at_dp2xtp2_resumes_at_tp4_and_on_one_rank(tmp_path, on
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         llmlab.train(TrainConfig(steps=2, dp=2, tp=2, checkpoint_dir=str(d), **KW), progress=False)
-    tp4 = _losses(llmlab.train(TrainConfig(steps=4, tp=4, checkpoint_dir=str(a), resume=True, **KW),
-                               progress=False))
-    single = _losses(llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(b), resume=True, **KW),
-                                  progress=False))
+    tp4 = _losses(
+        llmlab.train(TrainConfig(steps=4, tp=4, checkpoint_dir=str(a), resume=True, **KW), progress=False)
+    )
+    single = _losses(
+        llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(b), resume=True, **KW), progress=False)
+    )
     assert sorted(tp4) == sorted(single) == [3, 4]
     assert _gap(tp4, one_rank) < 1e-4 and _gap(single, one_rank) < 1e-4
 
@@ -75,13 +86,17 @@ def test_checkpoint_saved_at_dp2xtp2_resumes_at_tp4_and_on_one_rank(tmp_path, on
 def test_killed_rank_stops_the_job_and_resume_continues(tmp_path, monkeypatch, one_rank):
     monkeypatch.setenv("LLMLAB_KILL_RANK_AT_STEP", "1:4")
     with pytest.raises(RankError) as info:
-        llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, **KW),
-                     progress=False)
+        llmlab.train(
+            TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, **KW), progress=False
+        )
     assert info.value.rank == 1 and "SIGKILL" in str(info.value)
     shutil.rmtree(info.value.log_dir)  # the failed job's logs, kept for reading
     monkeypatch.delenv("LLMLAB_KILL_RANK_AT_STEP")
-    resumed = _losses(llmlab.train(TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), resume=True,
-                                               **KW), progress=False))
+    resumed = _losses(
+        llmlab.train(
+            TrainConfig(steps=4, dp=2, checkpoint_dir=str(tmp_path), resume=True, **KW), progress=False
+        )
+    )
     assert sorted(resumed) == [4]
     assert _gap(resumed, one_rank) < 1e-4
 
@@ -91,13 +106,41 @@ def test_torchrun_starts_the_ranks_and_llmlab_train_joins_them(tmp_path, one_ran
     import os
     import subprocess
     import sys
+
     out = tmp_path / "m.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "4", "-m", "llmlab", "train", "--dp", "2", "--tp", "2",
-                           "--steps", "4", "--seed", "2", "--global-batch-size", "8", "--seq-len", "32",
-                           "--no-progress", "--metrics-json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "llmlab",
+            "train",
+            "--dp",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "4",
+            "--seed",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--no-progress",
+            "--metrics-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(out.read_text())
     assert m["config"]["world_size"] == 4 and len(m["ranks"]) == 4

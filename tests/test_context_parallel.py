@@ -1,6 +1,7 @@
 """Context parallelism: ring and Ulysses attention against full attention, every layout against
 one device (loss and gradients at every step, fp32), the activation memory it saves, traffic
 against the formulas, and bad layouts refused before any rank starts. Real gloo processes."""
+
 import math
 
 import pytest
@@ -24,6 +25,7 @@ def _attention_vs_full(mode, S, overlap=True):
     from llmlab.parallel.ring_attention import ring_attention
     from llmlab.parallel.ulysses import ulysses_attention
     from llmlab.runtime import comm
+
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, h, S, 8, generator=g) for h in (4, 2, 2, 4))
@@ -36,19 +38,24 @@ def _attention_vs_full(mode, S, overlap=True):
         out = ulysses_attention(ql, kl, vl, dist.group.WORLD)
     out.backward(do[:, :, idx])
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                         is_causal=True)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    )
     ref.backward(do)
-    err = max((a - b[:, :, idx]).abs().max().item()
-              for a, b in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)))
+    err = max(
+        (a - b[:, :, idx]).abs().max().item()
+        for a, b in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+    )
     return err, comm.COUNTER.snapshot()
 
 
-@pytest.mark.parametrize("mode, n, overlap", [("ring", 2, True), ("ring", 4, True),
-                                              ("ring", 3, False), ("ulysses", 2, True)])
+@pytest.mark.parametrize(
+    "mode, n, overlap", [("ring", 2, True), ("ring", 4, True), ("ring", 3, False), ("ulysses", 2, True)]
+)
 def test_attention_and_its_gradients_equal_full_causal_attention(mode, n, overlap):
     from llmlab.parallel.ring_attention import ring_bytes_per_layer
     from llmlab.parallel.ulysses import ulysses_bytes_per_layer
+
     S = 24
     out = llmlab.launch(_attention_vs_full, n, mode, S, overlap, backend="gloo")
     for err, counted in out:
@@ -57,15 +64,16 @@ def test_attention_and_its_gradients_equal_full_causal_attention(mode, n, overla
             f = ring_bytes_per_layer(2, S, 2, 8, n)
             assert counted["cp_ring_send"] == f["forward"] + f["backward"]
             assert counted["cp_ring_recv"] == counted["cp_ring_send"]
-            assert counted["send"] == counted["recv"] == 0     # not mixed with pipeline traffic
+            assert counted["send"] == counted["recv"] == 0  # not mixed with pipeline traffic
         else:
             f = ulysses_bytes_per_layer(2, S, 4, 2, 8, n)
             assert counted["cp_all_to_all"] == f["forward"] + f["backward"]
-            assert counted["all_to_all"] == 0                 # not mixed with expert traffic
+            assert counted["all_to_all"] == 0  # not mixed with expert traffic
 
 
 def test_load_balanced_chunks_cover_the_sequence_and_balance_the_causal_work():
     from llmlab.parallel.context_parallel import token_indices
+
     for n in (1, 2, 4):
         idx = [token_indices(32, n, r, "ring") for r in range(n)]
         assert sorted(torch.cat(idx).tolist()) == list(range(32))
@@ -86,6 +94,7 @@ def _train_and_record(cfg, steps):
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.checkpoint import full_names, slice_spec
     from llmlab.training.trainer import Engine, global_loss
+
     dev = torch.device("cpu")
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
@@ -94,8 +103,9 @@ def _train_and_record(cfg, steps):
     names = full_names(engine.model)
     rec = {"loss": [], "grads": [], "sq": [], "coords": dict(mesh.coords)}
     for step in range(1, steps + 1):
-        micro = shard_microbatches(loader.microbatches(step, mesh.coords["dp"], mesh.dp,
-                                                       cfg.num_microbatches), mesh, cfg.cp_mode)
+        micro = shard_microbatches(
+            loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches), mesh, cfg.cp_mode
+        )
         local = engine.forward_backward(micro)
         engine.wrapper.finish_grad_sync()
         for f in model_record(engine.model).grad_finalizers:
@@ -104,9 +114,15 @@ def _train_and_record(cfg, steps):
         if cfg.zero:
             rec["sq"].append(sum(float(t.double().pow(2).sum()) for t in engine.wrapper.grad_tensors()))
         else:
-            rec["grads"].append({names[id(p)]: (slice_spec(p.shape, engine.full_shapes[names[id(p)]],
-                                                           mesh.coords["tp"], mesh.tp), p.grad.clone())
-                                 for p in engine.parameters()})
+            rec["grads"].append(
+                {
+                    names[id(p)]: (
+                        slice_spec(p.shape, engine.full_shapes[names[id(p)]], mesh.coords["tp"], mesh.tp),
+                        p.grad.clone(),
+                    )
+                    for p in engine.parameters()
+                }
+            )
         engine.optimizer.step()
         engine.optimizer.zero_grad(set_to_none=True)
     return rec
@@ -121,14 +137,34 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("layout", [
-    dict(cp=2), dict(cp=4), dict(cp=2, cp_mode="ulysses"), dict(dp=2, cp=2), dict(tp=2, cp=2),
-    dict(dp=2, cp=2, zero=2), dict(pp=2, cp=2, num_microbatches=2),
-    dict(tp=2, cp=2, sequence_parallel=True), dict(cp=2, activation_checkpointing=True),
-], ids=["cp2", "cp4", "cp2-ulysses", "dp2xcp2", "tp2xcp2", "dp2xcp2+zero2", "pp2xcp2", "tp2xcp2+sp",
-        "cp2+recompute"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(cp=2),
+        dict(cp=4),
+        dict(cp=2, cp_mode="ulysses"),
+        dict(dp=2, cp=2),
+        dict(tp=2, cp=2),
+        dict(dp=2, cp=2, zero=2),
+        dict(pp=2, cp=2, num_microbatches=2),
+        dict(tp=2, cp=2, sequence_parallel=True),
+        dict(cp=2, activation_checkpointing=True),
+    ],
+    ids=[
+        "cp2",
+        "cp4",
+        "cp2-ulysses",
+        "dp2xcp2",
+        "tp2xcp2",
+        "dp2xcp2+zero2",
+        "pp2xcp2",
+        "tp2xcp2+sp",
+        "cp2+recompute",
+    ],
+)
 def test_layout_equals_one_device_loss_and_gradients(layout, one_device):
     from llmlab.training.checkpoint import _cut
+
     cfg = TrainConfig(**KW, **layout)
     validate(cfg)
     ranks = llmlab.launch(_train_and_record, cfg.world_size, cfg, STEPS, backend="gloo")
@@ -138,24 +174,25 @@ def test_layout_equals_one_device_loss_and_gradients(layout, one_device):
         ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for _, g in ref_grads[s].values()))
         for r in ranks:
             assert _rel(r["loss"][s], one_device["loss"][s]) < 1e-4, (s, r["coords"])
-        if cfg.zero:   # grad_norm from the ZeRO shards of the dp x cp ranks
+        if cfg.zero:  # grad_norm from the ZeRO shards of the dp x cp ranks
             norm = math.sqrt(sum(r["sq"][s] for r in ranks))
-        else:          # grad_norm from each distinct (parameter, TP slice) once
+        else:  # grad_norm from each distinct (parameter, TP slice) once
             unique = {(n, spec): g for r in ranks for n, (spec, g) in r["grads"][s].items()}
             norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in unique.values()))
         assert _rel(norm, ref_norm) < 1e-4, f"grad_norm at step {s + 1}"
     # Step 1 (same weights everywhere): every gradient element. Later steps only through the
     # norm: Adam's first updates are ~lr*sign(g), so fp32 rounding in a gradient near zero moves
     # a weight by up to lr and element-wise equality no longer holds for any two layouts.
-    if not cfg.zero:   # together the ranks hold every parameter (pipeline stages: some each)
+    if not cfg.zero:  # together the ranks hold every parameter (pipeline stages: some each)
         assert set().union(*(r["grads"][0].keys() for r in ranks)) == ref_grads[0].keys()
     for r in ranks:
         if cfg.zero:
             break
         for name, (spec, g) in r["grads"][0].items():
             want = _cut(ref_grads[0][name][1], spec)
-            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"{n} step 1: {m}")
+            torch.testing.assert_close(
+                g, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n} step 1: {m}"
+            )
 
 
 def test_train_cp2_reports_context_parallel_traffic_and_coords():
@@ -183,6 +220,7 @@ def _torch_context_parallel():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     q, k, v = (torch.randn(1, 4, 32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     try:
@@ -204,14 +242,20 @@ def test_torch_experimental_context_parallel_does_not_run_on_cpu_gloo():
 # --------------------------------------------------------------------------------------------
 # Refused before any rank starts
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, message", [
-    (dict(cp=3), r"--seq-len 128 must be divisible by 2\*cp = 6"),
-    (dict(cp=2, cp_mode="ulysses", tp=2), r"cp=2 must divide the key/value heads per tensor-parallel "
-                                           r"rank \(2 / tp 2 = 1\)"),
-    (dict(cp=8, cp_mode="ulysses"), r"cp=8 must divide the query heads"),
-    (dict(cp=2, cp_mode="zigzag"), "--cp-mode .zigzag.: expected"),
-    (dict(cp=2, model="tiny-moe"), "mixture-of-experts"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(cp=3), r"--seq-len 128 must be divisible by 2\*cp = 6"),
+        (
+            dict(cp=2, cp_mode="ulysses", tp=2),
+            r"cp=2 must divide the key/value heads per tensor-parallel "
+            r"rank \(2 / tp 2 = 1\)",
+        ),
+        (dict(cp=8, cp_mode="ulysses"), r"cp=8 must divide the query heads"),
+        (dict(cp=2, cp_mode="zigzag"), "--cp-mode .zigzag.: expected"),
+        (dict(cp=2, model="tiny-moe"), "mixture-of-experts"),
+    ],
+)
 def test_bad_context_parallel_layouts_refused(kw, message):
     with pytest.raises((ValueError, NotImplementedError), match=message):
         llmlab.train(TrainConfig(**dict(KW, **kw)), progress=False)
@@ -219,6 +263,7 @@ def test_bad_context_parallel_layouts_refused(kw, message):
 
 def test_unsupported_attention_kind_refused():
     from llmlab import kernels
+
     with kernels.use(attention="eager"):
         with pytest.raises(ValueError, match="attention kind 'eager'"):
             validate(TrainConfig(cp=2, **KW))
@@ -227,6 +272,7 @@ def test_unsupported_attention_kind_refused():
 def test_cli_refuses_cp3_and_estimate_gives_activation_bytes_per_cp_rank(capsys, tmp_path):
     from llmlab import estimate as E
     from llmlab.cli import main
+
     assert main(["train", "--cp", "3", "--seq-len", "128", "--no-progress"]) == 2
     assert "must be divisible by 2*cp = 6" in capsys.readouterr().err
     one = E.activation_bytes_per_layer(1024, 2, 64, 4)
@@ -236,16 +282,26 @@ def test_cli_refuses_cp3_and_estimate_gives_activation_bytes_per_cp_rank(capsys,
     out = tmp_path / "e.json"
     assert main(["estimate", "--model", "tiny", "--seq-len", "1024", "--cp", "2", "--json", str(out)]) == 0
     import json
+
     mem = json.loads(out.read_text())["memory"]
-    assert mem["cp"] == 2 and mem["activations"] == 4 * round(E.activation_bytes_per_layer(1024, 1, 64, 4) / 2)
+    assert mem["cp"] == 2 and mem["activations"] == 4 * round(
+        E.activation_bytes_per_layer(1024, 1, 64, 4) / 2
+    )
     assert "per rank over cp = 2" in capsys.readouterr().out
 
 
 def _mesh_groups():
     from llmlab.runtime.mesh import Mesh
+
     mesh = Mesh.build(dp=2, cp=2)
     view = mesh.data_parallel_view()
-    return dict(mesh.coords), {k: list(v) for k, v in mesh.ranks.items()}, view.dp, view.coords["dp"], list(view.ranks["dp"])
+    return (
+        dict(mesh.coords),
+        {k: list(v) for k, v in mesh.ranks.items()},
+        view.dp,
+        view.coords["dp"],
+        list(view.ranks["dp"]),
+    )
 
 
 def test_mesh_puts_cp_between_tp_and_dp_and_reduces_gradients_over_dp_x_cp():
@@ -261,9 +317,10 @@ def test_checkpoint_saved_at_cp2_resumes_on_one_device(tmp_path):
     whole = llmlab.train(TrainConfig(steps=4, **kw), progress=False)["steps"]
     llmlab.train(TrainConfig(steps=2, cp=2, checkpoint_dir=str(tmp_path), **kw), progress=False)
     files = sorted(p.name for p in (tmp_path / "step_00000002").glob("rank*.safetensors"))
-    assert files == ["rank00000.safetensors"]          # the cp replica does not write a copy
-    resumed = llmlab.train(TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **kw),
-                           progress=False)["steps"]
+    assert files == ["rank00000.safetensors"]  # the cp replica does not write a copy
+    resumed = llmlab.train(
+        TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **kw), progress=False
+    )["steps"]
     assert [s["step"] for s in resumed] == [3, 4]
     for a, b in zip(resumed, whole[2:]):
         assert _rel(a["loss"], b["loss"]) < 1e-4

@@ -4,6 +4,7 @@ place on strided rows; fp32 to its rounding and bf16 to the last bit (the same r
 one-ulp difference where the sum order or the exp's last bit tips a rounding); inside the engine
 the fp32 greedy tokens are unchanged. Built on first use (a C++ compiler and ninja, which the
 `dev` extra brings); a missing one fails these tests rather than skipping them."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def _close(got, want, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:     # bf16: equal but for rare one-ulp roundings
+    else:  # bf16: equal but for rare one-ulp roundings
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
         assert (got != want).float().mean() < 0.01
 
@@ -42,14 +43,14 @@ def test_rms_norm_and_the_residual_add(dtype, level):
     _close(C.rms_norm(x, norm.weight, 1e-5), norm(x), dtype)
     out, s = C.rms_norm(x[None], norm.weight, 1e-5, residual=r[None])
     assert out.shape == s.shape == (1, 37, 576) and out.dtype == dtype
-    assert torch.equal(s[0], x + r)                   # the sum rounds as PyTorch's add does
+    assert torch.equal(s[0], x + r)  # the sum rounds as PyTorch's add does
     _close(out[0], norm(x + r), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype, level):
     gu = (torch.randn(2, 9, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
-    gate, up = gu.split(1536, dim=-1)             # views of the fused projection's output
+    gate, up = gu.split(1536, dim=-1)  # views of the fused projection's output
     got = C.silu_mul(gate, up)
     assert got.shape == (2, 9, 1536) and got.dtype == dtype
     _close(got, F.silu(gate) * up, dtype)
@@ -62,12 +63,12 @@ def test_rotary_in_place_on_the_fused_projection(dtype, level):
     qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=torch.Generator().manual_seed(2)).to(dtype)
     qk = qkv.as_strided((N, H + Hkv, D), (qkv.stride(0), D, 1))
     cos, sin = rotary_cos_sin(torch.arange(100, 100 + N), D, 10000.0, dtype)
-    c, s = cos[:, None], torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], dim=-1)[:, None]
-    want = qk * c + qk.roll(D // 2, dims=-1) * s       # llmlab.model.llama.Attention._serve
-    v = qkv[:, (H + Hkv) * D:].clone()
+    c, s = cos[:, None], torch.cat([-sin[..., : D // 2], sin[..., D // 2 :]], dim=-1)[:, None]
+    want = qk * c + qk.roll(D // 2, dims=-1) * s  # llmlab.model.llama.Attention._serve
+    v = qkv[:, (H + Hkv) * D :].clone()
     assert C.rotary_(qk, cos, sin) is qk and K.rotary(qk, cos, sin) is not qk
     _close(qk, want, dtype)
-    assert torch.equal(qkv[:, (H + Hkv) * D:], v)     # V's columns untouched
+    assert torch.equal(qkv[:, (H + Hkv) * D :], v)  # V's columns untouched
 
 
 def test_bad_inputs_name_the_constraint():
@@ -95,16 +96,25 @@ def test_the_switch_reaches_the_model():
 
 
 def test_engine_tokens_equal_without_the_fused_ops(level):
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(cfg, seed=3)
     prompts = [[1, 5, 9, 2, 7] * k for k in (1, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=12)
 
     def tokens():
-        llm = LLM(model, block_size=8, dtype=torch.float32, max_num_batched_tokens=24,
-                  enable_chunked_prefill=True)
+        llm = LLM(
+            model, block_size=8, dtype=torch.float32, max_num_batched_tokens=24, enable_chunked_prefill=True
+        )
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
     want = tokens()
     with K.use(cpu_fused=True):
         assert tokens() == want

@@ -3,6 +3,7 @@ the flags, ``LLMLAB_CPU_ISA`` lowering it (never raising it), and each chooser r
 on a flag set that cannot run it: the bf16/fp16 oneDNN packed linear on an AVX2-only CPU (AMD EPYC
 7002/7003: PyTorch raises ``bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl
 and avx512dq`` there), fp16 on an AVX-512 CPU without AVX512-FP16, and the C++ build's ``-march``."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,25 +12,38 @@ import torch
 from llmlab.kernels import cpu_build, cpu_isa, cpu_linear
 
 BASE = {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "bmi1", "bmi2"}
-EPYC_ZEN3 = frozenset(BASE | {"avx2", "fma", "f16c", "sha_ni", "vaes"})                   # AVX2 only
-EPYC_ZEN4 = frozenset(EPYC_ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd",
-                                   "avx512_bf16", "avx512_vnni"})                         # no FP16
+EPYC_ZEN3 = frozenset(BASE | {"avx2", "fma", "f16c", "sha_ni", "vaes"})  # AVX2 only
+EPYC_ZEN4 = frozenset(
+    EPYC_ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_vnni"}
+)  # no FP16
 SKYLAKE_X = frozenset(EPYC_ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
 SAPPHIRE = frozenset(EPYC_ZEN4 | {"avx512_fp16", "amx_bf16", "amx_tile"})
 
 
 def test_levels_of_real_flag_sets():
-    assert [cpu_isa.level_of(f) for f in (BASE, EPYC_ZEN3, SKYLAKE_X, EPYC_ZEN4, SAPPHIRE)] == \
-        ["generic", "avx2", "avx512", "avx512_bf16", "avx512_bf16"]
-    assert cpu_isa.level_of(EPYC_ZEN3 - {"fma"}) == "generic"          # AVX2 without FMA: not v3
+    assert [cpu_isa.level_of(f) for f in (BASE, EPYC_ZEN3, SKYLAKE_X, EPYC_ZEN4, SAPPHIRE)] == [
+        "generic",
+        "avx2",
+        "avx512",
+        "avx512_bf16",
+        "avx512_bf16",
+    ]
+    assert cpu_isa.level_of(EPYC_ZEN3 - {"fma"}) == "generic"  # AVX2 without FMA: not v3
     assert cpu_isa.detected() == cpu_isa.level_of(cpu_isa.cpu_flags())
 
 
-@pytest.mark.parametrize("dtype,flags,want", [
-    (torch.bfloat16, EPYC_ZEN3, "aten"), (torch.float16, EPYC_ZEN3, "aten"),
-    (torch.float32, EPYC_ZEN3, "onednn"), (torch.bfloat16, SKYLAKE_X, "onednn"),
-    (torch.float16, EPYC_ZEN4, "aten"), (torch.float16, SAPPHIRE, "onednn"),
-    (torch.bfloat16, EPYC_ZEN3 | {"avx_ne_convert"}, "onednn")])
+@pytest.mark.parametrize(
+    "dtype,flags,want",
+    [
+        (torch.bfloat16, EPYC_ZEN3, "aten"),
+        (torch.float16, EPYC_ZEN3, "aten"),
+        (torch.float32, EPYC_ZEN3, "onednn"),
+        (torch.bfloat16, SKYLAKE_X, "onednn"),
+        (torch.float16, EPYC_ZEN4, "aten"),
+        (torch.float16, SAPPHIRE, "onednn"),
+        (torch.bfloat16, EPYC_ZEN3 | {"avx_ne_convert"}, "onednn"),
+    ],
+)
 def test_packed_linear_refuses_what_the_flags_cannot_run(dtype, flags, want):
     assert cpu_linear.path(dtype, flags=flags) == want
 
@@ -48,7 +62,7 @@ def test_the_override_lowers_and_never_raises(monkeypatch):
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: SAPPHIRE)
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
     assert cpu_isa.cpu_isa() == "avx2" and cpu_isa.lowered()
-    assert cpu_isa.effective_flags() == EPYC_ZEN3                      # AVX-512 and AMX gone
+    assert cpu_isa.effective_flags() == EPYC_ZEN3  # AVX-512 and AMX gone
     assert cpu_linear.path(torch.bfloat16, flags=cpu_isa.effective_flags()) == "aten"
     monkeypatch.setenv(cpu_isa.ENV, "avx512")
     assert cpu_isa.effective_flags() == SKYLAKE_X - {"avx512cd"}
@@ -69,7 +83,7 @@ def test_forcing_the_fallback_here_takes_it(monkeypatch):
     """On this machine, LLMLAB_CPU_ISA at the level below the current one: no packed path that
     level lacks."""
     low = cpu_isa.fallback()
-    if low is None:                                      # nothing below generic
+    if low is None:  # nothing below generic
         assert cpu_isa.cpu_isa() == "generic"
         return
     monkeypatch.setenv(cpu_isa.ENV, low)

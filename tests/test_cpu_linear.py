@@ -4,6 +4,7 @@ weights equal those without. Each case runs at this CPU's level and with LLMLAB_
 the level below it (there bf16 and fp16 take the F.linear fallback: tests/test_cpu_isa.py checks
 the choice on other CPUs' flag sets); under ONEDNN_MAX_CPU_ISA=AVX2, where oneDNN itself refuses
 bf16 as on an AVX2-only CPU, the bf16 engine still serves."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears, 
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
-LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]     # the current level, and the one below
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]  # the current level, and the one below
 
 
 @pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
@@ -40,11 +41,11 @@ def test_packed_weight_equals_f_linear(dtype, tol, rows, level):
     b = torch.randn(96, generator=g).to(dtype)
     x = torch.randn(1, rows, 40, generator=g).to(dtype)
     want = F.linear(x, w, b)
-    assert linear(x, w, b) is not None and not hasattr(w, "_packed")     # unpacked: F.linear
+    assert linear(x, w, b) is not None and not hasattr(w, "_packed")  # unpacked: F.linear
     packed = pack(w)
     assert (packed is not None) == (path(dtype) == "onednn") == hasattr(w, "_packed")
     if dtype != torch.float32 and level in ("avx2", "generic"):
-        assert packed is None                         # the fallback at a level without AVX-512
+        assert packed is None  # the fallback at a level without AVX-512
     got = linear(x, w, b)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -55,9 +56,16 @@ def test_pack_refuses_what_it_cannot_pack():
         pack(torch.zeros(4, 4, dtype=torch.float64))
 
 
-CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=True)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def test_pack_linears_keeps_parameters_and_state_dict():
@@ -84,8 +92,8 @@ def test_engine_tokens_equal_with_packed_weights(level):
     prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     out = {}
-    for packed in (False, True):                 # (False first: packing changes the model)
-        llm = LLM(model, block_size=4, packed_linear=packed)      # the engine's own choice
+    for packed in (False, True):  # (False first: packing changes the model)
+        llm = LLM(model, block_size=4, packed_linear=packed)  # the engine's own choice
         assert (type(llm.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear) == packed
         out[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out[True] == out[False] and all(len(t) == 10 for t in out[True])
@@ -121,6 +129,7 @@ def test_bf16_engine_serves_where_onednn_refuses_bf16():
     CPU (the subprocess checks it does): with packed_linear the bf16 engine takes the F.linear
     fallback and serves the same tokens as without it (before the fallback it raised)."""
     env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV} | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
-    r = subprocess.run([sys.executable, "-c", AVX2_ONEDNN], env=env, capture_output=True, text=True, check=False,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", AVX2_ONEDNN], env=env, capture_output=True, text=True, check=False, timeout=300
+    )
     assert r.returncode == 0 and "served" in r.stdout, r.stderr[-3000:]

@@ -8,6 +8,7 @@ is not compiled for.
 The kernel is compiled on first use (about a minute here, then cached): it needs a C++ compiler and
 ninja, which `pip install -e ".[dev]"` brings (the `cpu-kernels` extra); a missing one fails these
 tests rather than skipping them."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,7 +30,6 @@ from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
 level = level_fixture(C)
-
 
 
 def _case(H, Hkv, D, ctx, qlens, dtype, block_size=8, num_blocks=40, seed=0):
@@ -68,8 +68,15 @@ def test_bf16_paths_within_its_rounding(H, Hkv, D, window, level):
     # bf16 on AVX512-BF16 builds: dot products of bf16 pairs (head dims a multiple of 32; 48 takes
     # the widening path), K and V copied into key pairs for prompt rows (odd and even contexts:
     # a lone last key; windows that start on an odd key), V read in place for decode rows
-    q, k, v, t, c, ql = _case(H, Hkv, D, ctx=[33, 40, 71, 1, 18, 100], qlens=[33, 9, 1, 1, 2, 100],
-                              dtype=torch.bfloat16, num_blocks=60)
+    q, k, v, t, c, ql = _case(
+        H,
+        Hkv,
+        D,
+        ctx=[33, 40, 71, 1, 18, 100],
+        qlens=[33, 9, 1, 1, 2, 100],
+        dtype=torch.bfloat16,
+        num_blocks=60,
+    )
     got = C.paged_attention_cpu(q, k, v, t, c, ql, sliding_window=window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), t, c, ql, sliding_window=window)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
@@ -77,10 +84,11 @@ def test_bf16_paths_within_its_rounding(H, Hkv, D, window, level):
 
 def test_strided_queries_and_a_scale():
     q, k, v, t, c, ql = _case(4, 2, 64, ctx=[10, 20], qlens=[10, 1], dtype=torch.float32)
-    qk = torch.cat([q, torch.randn(11, 2, 64)], dim=1)      # q as the serving path hands it over
+    qk = torch.cat([q, torch.randn(11, 2, 64)], dim=1)  # q as the serving path hands it over
     got = C.paged_attention_cpu(qk[:, :4], k, v, t, c, ql, scale=0.3)
-    torch.testing.assert_close(got, paged_attention_reference(q, k, v, t, c, ql, scale=0.3),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, paged_attention_reference(q, k, v, t, c, ql, scale=0.3), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_bad_inputs_name_the_constraint():
@@ -102,8 +110,9 @@ def test_dispatch_and_the_switch(monkeypatch):
     with K.use(paged_attention="cpu"):
         assert kernel_for(q, k) == "cpu"
         args = _case(4, 2, 64, ctx=[9], qlens=[3], dtype=torch.float32)
-        torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            paged_attention(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5
+        )
         assert kernel_for(torch.zeros(1, 4, 40), torch.zeros(2, 8, 2, 40)) == "reference"
     with pytest.raises(RuntimeError, match="head_dim=40 is not compiled"):
         C.paged_attention_cpu(*_case(4, 2, 40, ctx=[9], qlens=[3], dtype=torch.float32))
@@ -115,8 +124,15 @@ def test_dispatch_and_the_switch(monkeypatch):
         K.enable(paged_attention="cpu")
 
 
-CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def test_engine_tokens_equal_the_reference_engine(level):
@@ -128,8 +144,13 @@ def test_engine_tokens_equal_the_reference_engine(level):
     shared = [(5 * j) % 97 for j in range(12)]
     prompts = [shared + [1, 2], shared + [3], [(7 * i + 3) % 97 for i in range(29)], [4]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    kw = dict(block_size=4, dtype=torch.float32, enable_prefix_caching=True, enable_chunked_prefill=True,
-              max_num_batched_tokens=16)
+    kw = dict(
+        block_size=4,
+        dtype=torch.float32,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
     out = {}
     for impl in ("reference", "cpu"):
         with K.use(paged_attention=impl):
@@ -138,6 +159,6 @@ def test_engine_tokens_equal_the_reference_engine(level):
             runner: ModelRunner = llm.engine.runner
             prompt, decode = SimpleNamespace(num_computed_tokens=0), SimpleNamespace(num_computed_tokens=5)
             one_call = len(runner.attention_groups([(prompt, 3), (decode, 1)])) == 1
-            assert one_call == (impl == "cpu")      # the kernel takes prompts and decodes together
+            assert one_call == (impl == "cpu")  # the kernel takes prompts and decodes together
     assert out["cpu"] == out["reference"]
     assert all(len(t) == 12 for t in out["cpu"])

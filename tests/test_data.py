@@ -1,4 +1,5 @@
 """Bundled corpus, byte tokenizer and the layout-independent loader."""
+
 import pytest
 import torch
 
@@ -42,6 +43,7 @@ def test_indivisible_batches_are_refused():
 
 def test_loader_never_samples_the_heldout_tenth():
     from llmlab.data import corpus_tokens
+
     train, held, full = corpus_tokens("train"), corpus_tokens("heldout"), corpus_tokens("all")
     assert torch.equal(torch.cat([train, held]), full)
     assert held.numel() == full.numel() // 10

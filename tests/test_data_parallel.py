@@ -1,4 +1,5 @@
 """Data parallelism: naive / DDP / ring against one rank, against PyTorch DDP, and measured bytes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ def reference():
     return _train()
 
 
-@pytest.mark.parametrize("dp,mode,m", [(2, "ddp", 1), (2, "ddp", 2), (4, "ddp", 1), (4, "ddp", 2),
-                                       (2, "naive", 2), (2, "ring", 1)])
+@pytest.mark.parametrize(
+    "dp,mode,m", [(2, "ddp", 1), (2, "ddp", 2), (4, "ddp", 1), (4, "ddp", 2), (2, "naive", 2), (2, "ring", 1)]
+)
 def test_loss_equals_one_rank_and_bytes_measured(reference, dp, mode, m):
     # bucket_mb 0.1 gives several buckets on the tiny model (0.92 MB of gradients)
     out = _train(dp=dp, dp_mode=mode, num_microbatches=m, bucket_mb=0.1)
@@ -51,6 +53,7 @@ def test_batch_not_divisible_by_dp_is_refused():
     with pytest.raises(ValueError, match="dp=3 must divide --global-batch-size 8"):
         validate(TrainConfig(dp=3, global_batch_size=8, device="cpu"))
     from llmlab.cli import main
+
     assert main(["train", "--dp", "3", "--global-batch-size", "8", "--device", "cpu", "--no-progress"]) == 2
 
 
@@ -58,6 +61,7 @@ def test_bad_mode_and_bucket_refused():
     with pytest.raises(ValueError, match="bucket-mb must be > 0"):
         validate(TrainConfig(dp=2, bucket_mb=0, device="cpu"))
     from llmlab.parallel.data_parallel import wrap_data_parallel
+
     with pytest.raises(ValueError, match="expected one of naive, ddp, ring"):
         wrap_data_parallel(torch.nn.Linear(2, 2), llmlab.Mesh(), mode="zero")
 
@@ -68,6 +72,7 @@ def _grads_vs_torch_ddp(mode, bucket_mb, accumulate):
 
     from llmlab.data import BatchLoader
     from llmlab.parallel.data_parallel import wrap_data_parallel
+
     mesh = llmlab.Mesh.build(dp=dist.get_world_size())
     cfg = llmlab.get_preset("tiny")
     ours = llmlab.LlamaForCausalLM(cfg, seed=0)
@@ -92,8 +97,11 @@ def _grads_vs_torch_ddp(mode, bucket_mb, accumulate):
         assert torch.equal(a.detach(), b.detach()), n
         worst = max(worst, ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item())
         names.append(n)
-    first_bucket = [n for p in wrapped.buckets[0].params for n, q in ours.named_parameters() if q is p] \
-        if hasattr(wrapped, "buckets") else []
+    first_bucket = (
+        [n for p in wrapped.buckets[0].params for n, q in ours.named_parameters() if q is p]
+        if hasattr(wrapped, "buckets")
+        else []
+    )
     return worst, first_bucket, names
 
 
@@ -118,6 +126,7 @@ def _timeline():
 
     from llmlab.data import BatchLoader
     from llmlab.parallel.data_parallel import DistributedDataParallel
+
     mesh = llmlab.Mesh.build(dp=dist.get_world_size())
     model = llmlab.LlamaForCausalLM(llmlab.get_preset("tiny"), seed=0)
     ddp = DistributedDataParallel(model, mesh, bucket_mb=0.1, record_timeline=True)
@@ -149,6 +158,7 @@ def _ring_one(n_elems):
 
     from llmlab.parallel.data_parallel import ring_all_reduce
     from llmlab.runtime import comm
+
     rank = dist.get_rank()
     t = torch.randn(n_elems, generator=torch.Generator().manual_seed(rank))
     expect = t.clone()
@@ -176,6 +186,7 @@ def _expert_groups():
     import torch.distributed as dist
 
     from llmlab.parallel.data_parallel import wrap_data_parallel
+
     mesh = llmlab.Mesh.build(dp=4, ep=2)
     rank = dist.get_rank()
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))

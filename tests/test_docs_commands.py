@@ -12,6 +12,7 @@ docs/*.md, is checked by running it or a cheap variant of it:
   :data:`ALLOWED`, each with the reason no test runs it; an entry that no longer matches a
   command fails the test, so the list cannot go stale.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("llmlab", "python", "pip", "jupyter", "curl", "torchrun", "PYTHONPATH=", "LLMLAB_")
 # placeholders in prose commands -> a value of the flag's type
-PLACEHOLDERS = {"N": "2", "M": "2", "V": "2", "E": "2", "K": "2", "S": "2", "B": "8", "L": "64",
-                "LR": "0.1", "MB": "1", "F": "1.0", "MAX_NORM": "1.0", "PATH": "out.json",
-                "FILE": "c.json", "D": "ckpt", "DIR": "out", "X": "1"}
+PLACEHOLDERS = {
+    "N": "2",
+    "M": "2",
+    "V": "2",
+    "E": "2",
+    "K": "2",
+    "S": "2",
+    "B": "8",
+    "L": "64",
+    "LR": "0.1",
+    "MB": "1",
+    "F": "1.0",
+    "MAX_NORM": "1.0",
+    "PATH": "out.json",
+    "FILE": "c.json",
+    "D": "ckpt",
+    "DIR": "out",
+    "X": "1",
+}
 # command (after environment variables) -> why no test runs it
 ALLOWED = {
     "python -m pytest": "the test suite itself",
@@ -56,7 +73,7 @@ def _shell_lines(body: str) -> list[str]:
     out: list[str] = []
     for line in body.replace("\\\n", " ").splitlines():
         line = re.sub(r"(^|\s)#.*$", "", line).strip().removesuffix("&").strip()
-        if line.startswith("[") and out:               # a usage synopsis continued
+        if line.startswith("[") and out:  # a usage synopsis continued
             out[-1] += " " + line
             continue
         out += [c.strip() for c in line.split("&&") if c.strip()]
@@ -77,8 +94,12 @@ def readme_commands() -> list[str]:
             cmds += _shell_lines(body)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     for span in re.findall(r"`([^`\n]+)`", prose):
-        if (span.startswith(PROGRAMS) and " " in _strip_env(span) and not span.startswith("llmlab.")
-                and not re.match(r"llmlab [A-Z]", span)):          # (`llmlab CPU fast paths: ...`: output)
+        if (
+            span.startswith(PROGRAMS)
+            and " " in _strip_env(span)
+            and not span.startswith("llmlab.")
+            and not re.match(r"llmlab [A-Z]", span)
+        ):  # (`llmlab CPU fast paths: ...`: output)
             cmds.append(span.strip())
     return cmds
 
@@ -103,13 +124,14 @@ def _argv(cmd: str) -> list[str]:
     if words[:3] == ["python", "-m", "llmlab"]:
         words = ["llmlab"] + words[3:]
     if words[0] == "torchrun":
-        words = ["llmlab"] + words[words.index("llmlab") + 1:]
+        words = ["llmlab"] + words[words.index("llmlab") + 1 :]
     return [w for w in words[1:] if w != "..."]
 
 
 def _parser_of(argv: list[str]):
     """llmlab's parser, the (sub)parser ``argv``'s leading words name, and how many words named it."""
     from llmlab.cli import build_parser
+
     parser = build_parser()
     sub, depth = parser, 0
     for w in argv:
@@ -126,15 +148,15 @@ def check_llmlab(cmd: str) -> None:
         return
     parser, sub, depth = _parser_of(argv)
     assert depth >= 1 or argv[0].startswith("-"), f"`{cmd}`: no such llmlab command"
-    if depth == len(argv):                     # prose naming a command (`llmlab classroom results`)
+    if depth == len(argv):  # prose naming a command (`llmlab classroom results`)
         return
     known = {s for a in sub._actions for s in a.option_strings}
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", " ".join(argv)))
-    assert flags <= known, (cmd, sorted(flags - known))        # (argparse would take a prefix)
-    if re.search(r"[\[|(]", cmd):              # a usage synopsis: the flags exist, nothing to parse
+    assert flags <= known, (cmd, sorted(flags - known))  # (argparse would take a prefix)
+    if re.search(r"[\[|(]", cmd):  # a usage synopsis: the flags exist, nothing to parse
         return
     try:
-        with contextlib.redirect_stdout(io.StringIO()):       # (--help, --version)
+        with contextlib.redirect_stdout(io.StringIO()):  # (--help, --version)
             parser.parse_args(argv)
     except SystemExit as e:
         assert e.code == 0, f"`{cmd}` does not parse (see the argparse error above)"
@@ -142,8 +164,11 @@ def check_llmlab(cmd: str) -> None:
 
 def _classify(cmd: str) -> str:
     bare = _strip_env(cmd)
-    if bare.startswith("llmlab ") or bare.startswith("python -m llmlab") or (
-            bare.startswith("torchrun") and "-m llmlab" in bare):
+    if (
+        bare.startswith("llmlab ")
+        or bare.startswith("python -m llmlab")
+        or (bare.startswith("torchrun") and "-m llmlab" in bare)
+    ):
         return "llmlab"
     if re.match(r"python benchmarks/\w+\.py", bare):
         return "benchmark"
@@ -155,7 +180,7 @@ def _classify(cmd: str) -> str:
 def test_readme_and_docs_commands_are_checked():
     readme = readme_commands()
     docs = [c for _, c in docs_commands()]
-    assert len(readme) >= 15 and len(docs) >= 10          # the extraction found the commands
+    assert len(readme) >= 15 and len(docs) >= 10  # the extraction found the commands
     kinds = {c: _classify(c) for c in readme + docs}
     for cmd, kind in kinds.items():
         if kind == "llmlab":
@@ -163,12 +188,14 @@ def test_readme_and_docs_commands_are_checked():
             if _strip_env(cmd).startswith("torchrun"):
                 assert any(_strip_env(cmd).startswith(a) for a in ALLOWED), cmd
         elif kind == "extras":
-            extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+            extras = set(
+                tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+            )
             m = re.search(r"\.\[([\w,-]+)\]", cmd)
             assert m is None or set(m.group(1).split(",")) <= extras, cmd
         elif kind == "other":
             assert any(_strip_env(cmd).startswith(a) for a in ALLOWED), f"no test runs `{cmd}`"
-    for allowed in ALLOWED:                                   # no stale entries
+    for allowed in ALLOWED:  # no stale entries
         assert any(_strip_env(c).startswith(allowed) for c in kinds), allowed
     scripts = sorted({c for c, k in kinds.items() if k == "benchmark"})
     assert any("bench_serve.py" in c for c in scripts)
@@ -207,9 +234,16 @@ print(json.dumps(bad))
 
 def _parse_benchmarks(cmds: list[str]) -> None:
     """Each benchmark command's arguments, parsed by the script's own parser (it stops there)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # (timing scripts refuse it)
-    r = subprocess.run([sys.executable, "-c", PARSE_ONLY, json.dumps([_strip_env(c) for c in cmds])],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (timing scripts refuse it)
+    r = subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, json.dumps([_strip_env(c) for c in cmds])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [], r.stderr[-3000:]
 
@@ -218,10 +252,28 @@ def test_bench_serve_runs_to_its_length_spread(tmp_path):
     """The README's `python benchmarks/bench_serve.py`, on 6 requests and one spread: it reaches
     the length-spread section the README quotes (it crashed before it, issue 38)."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "benchmarks/bench_serve.py", "--num-requests", "6", "--repeats", "1",
-                        "--spread-sigmas", "0.9", "--spread-requests", "6", "--no-hf-continuous",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_serve.py",
+            "--num-requests",
+            "6",
+            "--repeats",
+            "1",
+            "--spread-sigmas",
+            "0.9",
+            "--spread-requests",
+            "6",
+            "--no-hf-continuous",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4) length spread" in r.stdout and "x8" in r.stdout
     result = json.loads(out.read_text())
@@ -229,13 +281,19 @@ def test_bench_serve_runs_to_its_length_spread(tmp_path):
     assert result["memory_matched"]["llmlab"]["throughput_tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("cmd", ["llmlab train --dp 2 --stepz 100", "llmlab plan --num-gpu 8",
-                                 "llmlab train [--dp N] [--zero-stage 0|1|2|3]"])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        "llmlab train --dp 2 --stepz 100",
+        "llmlab plan --num-gpu 8",
+        "llmlab train [--dp N] [--zero-stage 0|1|2|3]",
+    ],
+)
 def test_a_renamed_flag_fails_the_check(cmd):
     with pytest.raises(AssertionError):
         check_llmlab(cmd)
 
 
 def test_a_benchmark_flag_that_does_not_exist_fails_the_check():
-    with pytest.raises(AssertionError, match="bench_serve.py --num-request 4"):   # (a prefix of a flag)
+    with pytest.raises(AssertionError, match="bench_serve.py --num-request 4"):  # (a prefix of a flag)
         _parse_benchmarks(["python benchmarks/bench_serve.py --num-request 4"])

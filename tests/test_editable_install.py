@@ -13,6 +13,7 @@ checkout into a fresh virtual environment (``--no-deps --no-build-isolation``: t
 sees this environment's packages, so nothing is downloaded; about 5 s), then, from a folder holding
 the checkout under the name ``llmlab``, ``import llmlab`` and ``python -m llmlab --version``.
 """
+
 import os
 import subprocess
 import sys
@@ -34,13 +35,23 @@ def test_import_llmlab_from_the_folder_holding_a_clone_named_llmlab(tmp_path):
     # The venv sees this environment's packages (pip, setuptools, torch...) through a path file named
     # to be read after the editable install's own, and installs into itself. (Not --system-site-packages:
     # under a virtual environment those would be the base interpreter's, without pip or setuptools.)
-    site_dir = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    site_dir = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     outer = [p for p in sys.path if p.endswith("-packages")]
     Path(site_dir, "zz_outer_environment.pth").write_text("\n".join(outer) + "\n")
-    pip = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
-                          str(ROOT)], capture_output=True, text=True, timeout=180, env=_env(),
-                         cwd=tmp_path)
+    pip = subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+        cwd=tmp_path,
+    )
     assert pip.returncode == 0, pip.stderr[-2000:]
     pth = [p.read_text() for p in (venv / "lib").glob("python*/site-packages/*.pth")]
     assert any(str(ROOT) in t for t in pth), f"no path entry for the checkout in the venv's .pth files: {pth}"
@@ -48,15 +59,17 @@ def test_import_llmlab_from_the_folder_holding_a_clone_named_llmlab(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "llmlab").symlink_to(ROOT, target_is_directory=True)  # ~/llmlab, the clone
-    probe = ("import llmlab, pathlib; "
-             "print(llmlab.__file__); print(callable(llmlab.launch)); print(llmlab.__version__)")
-    out = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, env=_env(),
-                         cwd=home)
+    probe = (
+        "import llmlab, pathlib; "
+        "print(llmlab.__file__); print(callable(llmlab.launch)); print(llmlab.__version__)"
+    )
+    out = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, env=_env(), cwd=home)
     assert out.returncode == 0, out.stderr[-2000:]
     file, has_launch, version = out.stdout.split()
     assert Path(file).resolve() == ROOT / "llmlab" / "__init__.py"
     assert has_launch == "True"
-    cli = subprocess.run([py, "-m", "llmlab", "--version"], capture_output=True, text=True, timeout=60,
-                         env=_env(), cwd=home)
+    cli = subprocess.run(
+        [py, "-m", "llmlab", "--version"], capture_output=True, text=True, timeout=60, env=_env(), cwd=home
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert cli.stdout.strip() == f"llmlab {version}"

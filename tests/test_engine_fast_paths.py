@@ -1,6 +1,7 @@
 """The engine's fast paths equal the reference they stand beside: the step-wide greedy argmax
 (per-row sampling), the token-major serving rotary (apply_rotary), and the per-step attention plan
 (the reference recomputing it per call)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,15 @@ from llmlab.inference.paged_attention import paged_attention_reference
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM, apply_rotary, rotary_cos_sin
 
-CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 class _Seq:
@@ -25,16 +33,16 @@ class _Seq:
 def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
     torch.manual_seed(0)
     x = torch.randn(5, 97)
-    x[1, 3] = x[1].max()                        # a tie: the first maximum, like the per-row path
-    x[4, 0] = float("nan")                      # left to the per-row path (it reports the error)
+    x[1, 3] = x[1].max()  # a tie: the first maximum, like the per-row path
+    x[4, 0] = float("nan")  # left to the per-row path (it reports the error)
     rows = dict(zip([10, 11, 12, 13, 14], x))
     seqs = [_Seq(10), _Seq(11), _Seq(12), _Seq(13, repetition_penalty=1.2), _Seq(14)]
     got = greedy_tokens(rows, seqs)
     assert got == {i: int(torch.argmax(rows[i])) for i in (10, 11, 12)}
-    banned = int(torch.argmax(rows[12]))          # a logit_bias row is processed per row
+    banned = int(torch.argmax(rows[12]))  # a logit_bias row is processed per row
     seqs[2] = _Seq(12, logit_bias={banned: -100.0})
     assert 12 not in greedy_tokens(rows, seqs)
-    assert greedy_tokens({10: x[0]}, seqs[:1]) == {}      # one row: the per-row path
+    assert greedy_tokens({10: x[0]}, seqs[:1]) == {}  # one row: the per-row path
 
 
 def test_engine_greedy_tokens_unchanged_by_the_fast_path(monkeypatch):
@@ -43,7 +51,8 @@ def test_engine_greedy_tokens_unchanged_by_the_fast_path(monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     fast = [o.outputs[0].token_ids for o in LLM(model, block_size=4).generate(prompts, params)]
     import llmlab.inference.engine as E
-    monkeypatch.setattr(E, "greedy_tokens", lambda logits, seqs: {})   # the per-row reference
+
+    monkeypatch.setattr(E, "greedy_tokens", lambda logits, seqs: {})  # the per-row reference
     ref = [o.outputs[0].token_ids for o in LLM(model, block_size=4).generate(prompts, params)]
     assert fast == ref and all(len(t) == 6 for t in fast)
 
@@ -52,6 +61,7 @@ def test_serving_rotary_equals_apply_rotary_bitwise():
     """Attention._serve hands the context the q, k of apply_rotary in the training layout: bit
     for bit from unfused projections, to fp32 rounding from the fused one."""
     from llmlab.model.context import forward_context
+
     torch.manual_seed(0)
     N, D = 7, CFG.head_dim
     pos = torch.tensor([0, 5, 6, 1, 2, 3, 40])
@@ -62,6 +72,7 @@ def test_serving_rotary_equals_apply_rotary_bitwise():
         def attention(self, layer, q, k, v, window):
             self.q, self.k = q, k
             return torch.zeros_like(q)
+
     for fuse in (False, True):
         attn = LlamaForCausalLM(CFG, seed=0).model.layers[0].self_attn
         if fuse:
@@ -71,7 +82,7 @@ def test_serving_rotary_equals_apply_rotary_bitwise():
             attn(x, cos, sin)
         q = attn.q_proj(x).view(1, N, 4, D).transpose(1, 2)
         k = attn.k_proj(x).view(1, N, 2, D).transpose(1, 2)
-        tol = dict(rtol=1e-6, atol=1e-6) if fuse else dict(rtol=0, atol=0)   # one matmul vs three
+        tol = dict(rtol=1e-6, atol=1e-6) if fuse else dict(rtol=0, atol=0)  # one matmul vs three
         torch.testing.assert_close(cap.q, apply_rotary(q, cos, sin)[0].transpose(0, 1), **tol)
         torch.testing.assert_close(cap.k, apply_rotary(k, cos, sin)[0].transpose(0, 1), **tol)
 
@@ -84,14 +95,14 @@ def test_context_reuses_its_plan_across_layers_and_windows():
     ctx, ql = torch.tensor([10, 3, 12]), torch.tensor([4, 1, 2])
     N = int(ql.sum())
     slots = torch.tensor([1 * bs + 2, 1 * bs + 3, 9 * bs + 0, 9 * bs + 1, 4 * bs + 2, 5 * bs + 2, 5 * bs + 3])
-    batch = AttentionBatch(torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), slots,
-                           tables, ctx, ql, True)
+    batch = AttentionBatch(
+        torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long), slots, tables, ctx, ql, True
+    )
     c = PagedAttentionContext(kv.clone(), [batch])
     for layer, window in [(0, None), (1, 3), (2, None)]:
         q, k, v = torch.randn(N, 4, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
         got = c.attention(layer, q, k, v, window)
-        ref_cache = c.kv_cache[layer]                      # written by the call above
-        ref = paged_attention_reference(q, ref_cache[0], ref_cache[1], tables, ctx, ql,
-                                        sliding_window=window)
+        ref_cache = c.kv_cache[layer]  # written by the call above
+        ref = paged_attention_reference(q, ref_cache[0], ref_cache[1], tables, ctx, ql, sliding_window=window)
         assert torch.equal(got, ref)
-    assert set(c.plans) == {(0, None), (0, 3)}              # one plan per window, not per layer
+    assert set(c.plans) == {(0, None), (0, 3)}  # one plan per window, not per layer

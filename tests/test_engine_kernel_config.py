@@ -3,6 +3,7 @@ their defaults come from llmlab.kernels (LLMLAB_KERNELS, enable) when the config
 keeps its own whatever the process-wide switch says afterwards, and two engines in one process can
 differ; an EngineConfig is checked once on the way into an engine (LLM, LLMEngine, the serve
 CLI's from_args + build_engines)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,20 +19,31 @@ from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.serve import build_engines
 
-CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 PROMPTS = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def test_defaults_come_from_llmlab_kernels_when_the_config_is_made():
-    assert (EngineConfig().paged_attention, EngineConfig().packed_linear, EngineConfig().cpu_fused) == \
-        (K.settings().paged_attention, K.settings().packed_linear, K.settings().cpu_fused)
+    assert (EngineConfig().paged_attention, EngineConfig().packed_linear, EngineConfig().cpu_fused) == (
+        K.settings().paged_attention,
+        K.settings().packed_linear,
+        K.settings().cpu_fused,
+    )
     with K.use(paged_attention="cpu", packed_linear=True, cpu_fused=True):
         cfg = EngineConfig(block_size=8)
     assert (cfg.paged_attention, cfg.packed_linear, cfg.cpu_fused) == ("cpu", True, True)
     assert K._from_env("paged_attention=cpu,packed_linear,cpu_fused") == K.KernelSettings(
-        paged_attention="cpu", packed_linear=True, cpu_fused=True)        # LLMLAB_KERNELS
+        paged_attention="cpu", packed_linear=True, cpu_fused=True
+    )  # LLMLAB_KERNELS
     with pytest.raises(ValueError, match="paged_attention='cuda': supported values"):
         EngineConfig(paged_attention="cuda")
 
@@ -41,17 +53,29 @@ def test_each_engine_uses_its_own_choices(monkeypatch):
     process-wide switch off: each runs what its config says (the C++ operators are counted), and
     their greedy tokens agree (fp32)."""
     from llmlab.kernels import cpu_fused, cpu_paged_attention
+
     calls = {"fused": 0, "paged": 0}
-    for mod, name, key in ((cpu_fused, "silu_mul", "fused"),
-                           (cpu_paged_attention, "paged_attention_cpu", "paged")):
+    for mod, name, key in (
+        (cpu_fused, "silu_mul", "fused"),
+        (cpu_paged_attention, "paged_attention_cpu", "paged"),
+    ):
         real = getattr(mod, name)
+
         def counted(*a, _real=real, _key=key, **kw):
             calls[_key] += 1
             return _real(*a, **kw)
+
         monkeypatch.setattr(mod, name, counted)
-    fast = LLM(LlamaForCausalLM(CFG, seed=0), block_size=4, paged_attention="cpu", packed_linear=True,
-               cpu_fused=True)                       # (packing changes the model: one each)
-    plain = LLM(LlamaForCausalLM(CFG, seed=0), block_size=4, paged_attention="reference", packed_linear=False, cpu_fused=False)
+    fast = LLM(
+        LlamaForCausalLM(CFG, seed=0), block_size=4, paged_attention="cpu", packed_linear=True, cpu_fused=True
+    )  # (packing changes the model: one each)
+    plain = LLM(
+        LlamaForCausalLM(CFG, seed=0),
+        block_size=4,
+        paged_attention="reference",
+        packed_linear=False,
+        cpu_fused=False,
+    )
     assert K.settings().cpu_fused is False and K.settings().paged_attention == "auto"
     assert type(fast.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear
     assert type(plain.engine.runner.model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
@@ -59,7 +83,7 @@ def test_each_engine_uses_its_own_choices(monkeypatch):
     assert calls == {"fused": 0, "paged": 0}
     got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, GREEDY)]
     assert got == want and all(len(t) == 8 for t in got)
-    assert calls["fused"] >= 2 * 8 and calls["paged"] >= 2 * 8          # every layer, every step
+    assert calls["fused"] >= 2 * 8 and calls["paged"] >= 2 * 8  # every layer, every step
 
 
 def test_the_config_is_checked_once(monkeypatch):
@@ -69,6 +93,7 @@ def test_the_config_is_checked_once(monkeypatch):
     def counted(self):
         count["n"] += 1
         return check(self)
+
     monkeypatch.setattr(EngineConfig, "validate", counted)
     LLM(LlamaForCausalLM(CFG, seed=0), block_size=4)
     assert count["n"] == 1

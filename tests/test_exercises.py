@@ -1,4 +1,5 @@
 """Every exercise check passes on the reference solution and fails, in plain words, on a wrong one."""
+
 import tempfile
 
 import pytest
@@ -99,6 +100,7 @@ def test_wrong_answer_is_explained(name, wrong, words):
 
 def test_a_rank_that_raises_is_reported_as_an_exercise_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch puts its log folder
+
     def broken(chunks, rank, world):
         raise NotImplementedError("write the ring here")
 
@@ -137,6 +139,7 @@ def test_one_stub_message_on_ranks_or_not(name):
     with pytest.raises(ExerciseFailed) as info:
         getattr(check, name)(_stub)
     from llmlab.check._base import stub_failure
+
     assert str(info.value) == str(stub_failure(name))
 
 
@@ -145,7 +148,9 @@ def test_without_solutions_a_failed_check_prints_and_use_hands_on_the_reference(
     monkeypatch.delenv("LLMLAB_STRICT", raising=False)
     assert check.shard_range(_shard_floor) is False
     out = capsys.readouterr().out
-    assert out.startswith("✗ shard_range: rank") and "hint:" in out and "exercises.reveal('shard_range')" in out
+    assert (
+        out.startswith("✗ shard_range: rank") and "hint:" in out and "exercises.reveal('shard_range')" in out
+    )
     assert exercises.use("schedule_step", _stub) is exercises.schedule_step
     out = capsys.readouterr().out
     assert out.startswith("✗ schedule_step: the function is still the stub") and "reference solution" in out

@@ -1,5 +1,6 @@
 """Lab 07's exercise checks fail, in plain words, on realistic wrong answers; the reference
 solutions agree with what llmlab itself computes (metrics module, the engine's scheduler)."""
+
 import math
 
 import pytest
@@ -13,28 +14,30 @@ from llmlab.inference.sequence import SequenceStatus
 
 
 # --- serving_metrics: realistic mistakes -------------------------------------------------------
-def _ttft_from_scheduled(reqs):          # forgets the time spent in the queue
+def _ttft_from_scheduled(reqs):  # forgets the time spent in the queue
     return exercises.serving_metrics([dict(r, arrival=r["first_scheduled"]) for r in reqs])
 
 
-def _tpot_over_n(reqs):                  # divides by all output tokens, not the gaps between them
+def _tpot_over_n(reqs):  # divides by all output tokens, not the gaps between them
     out = exercises.serving_metrics(reqs)
-    tp = sorted((r["finish"] - r["first_token"]) / r["num_output_tokens"] for r in reqs
-                if r["num_output_tokens"] > 1)
+    tp = sorted(
+        (r["finish"] - r["first_token"]) / r["num_output_tokens"] for r in reqs if r["num_output_tokens"] > 1
+    )
     out["tpot_s"] = {"p50": tp[(len(tp) - 1) // 2], "p99": tp[-1]}
     return out
 
 
-def _tpot_keeps_one_token_requests(reqs):   # a one-token request counted with TPOT 0
+def _tpot_keeps_one_token_requests(reqs):  # a one-token request counted with TPOT 0
     out = exercises.serving_metrics(reqs)
     tp = [(r["finish"] - r["first_token"]) / max(1, r["num_output_tokens"] - 1) for r in reqs]
-    ref = exercises.serving_metrics([dict(r, num_output_tokens=2, finish=r["first_token"] + t)
-                                     for r, t in zip(reqs, tp)])
+    ref = exercises.serving_metrics(
+        [dict(r, num_output_tokens=2, finish=r["first_token"] + t) for r, t in zip(reqs, tp)]
+    )
     out["tpot_s"] = ref["tpot_s"]
     return out
 
 
-def _nearest_rank_p99(reqs):             # p99 = a sorted value, no interpolation
+def _nearest_rank_p99(reqs):  # p99 = a sorted value, no interpolation
     out = exercises.serving_metrics(reqs)
     tt = sorted(r["first_token"] - r["arrival"] for r in reqs)
     out["ttft_s"]["p99"] = tt[min(len(tt) - 1, math.ceil(0.99 * len(tt)) - 1)]
@@ -43,13 +46,14 @@ def _nearest_rank_p99(reqs):             # p99 = a sorted value, no interpolatio
 
 def _throughput_from_mean_latency(reqs):  # tokens / sum of per-request durations
     out = exercises.serving_metrics(reqs)
-    out["throughput_tokens_per_s"] = (sum(r["num_output_tokens"] for r in reqs)
-                                      / sum(r["finish"] - r["arrival"] for r in reqs))
+    out["throughput_tokens_per_s"] = sum(r["num_output_tokens"] for r in reqs) / sum(
+        r["finish"] - r["arrival"] for r in reqs
+    )
     return out
 
 
 # --- preempt_victims: realistic mistakes -------------------------------------------------------
-def _oldest_first(running, free):        # FIFO victim: starves the oldest requests
+def _oldest_first(running, free):  # FIFO victim: starves the oldest requests
     return exercises.preempt_victims([(i, -t, h, n) for i, t, h, n in running], free)
 
 
@@ -63,12 +67,12 @@ def _victim_still_needs(running, free):  # a preempted request's need is still c
     return victims, free
 
 
-def _blocks_not_freed(running, free):    # right victims, but their blocks are not returned
+def _blocks_not_freed(running, free):  # right victims, but their blocks are not returned
     victims, _ = exercises.preempt_victims(running, free)
     return victims, free
 
 
-def _list_order(running, free):          # takes the last of the list, not the latest arrival
+def _list_order(running, free):  # takes the last of the list, not the latest arrival
     return exercises.preempt_victims([(i, k, h, n) for k, (i, _, h, n) in enumerate(running)], free)
 
 
@@ -104,8 +108,9 @@ def test_learner_stub_and_bad_return_are_explained():
 def test_reference_metrics_equal_llmlab_metrics():
     for seed, n in ((0, 3), (1, 25), (5, 40)):
         reqs = _timestamps(seed, n)
-        ref = summarize([RequestTiming(r["arrival"], r["first_token"], r["finish"],
-                                       r["num_output_tokens"]) for r in reqs])
+        ref = summarize(
+            [RequestTiming(r["arrival"], r["first_token"], r["finish"], r["num_output_tokens"]) for r in reqs]
+        )
         got = exercises.serving_metrics(reqs)
         for k in ("ttft_s", "tpot_s"):
             for q in ("p50", "p99"):
@@ -117,16 +122,27 @@ def test_reference_victims_equal_the_engine_scheduler():
     """Before every step, predict the victims with the exercise; the engine preempts the same."""
     eng = LLMEngine("shakespeare", max_num_seqs=4, block_size=4, num_gpu_blocks=6, device="cpu")
     for i in range(4):
-        eng.add_request([70 + i] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                        request_id=f"r{i}", arrival_time=float(i))
+        eng.add_request(
+            [70 + i] * 3,
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            request_id=f"r{i}",
+            arrival_time=float(i),
+        )
     sched, bm, seen = eng.scheduler, eng.block_manager, 0
     while eng.has_unfinished_requests():
         before = list(sched.running)
-        state = [(s.request_id, s.arrival_time, len(s.block_table),
-                  bm.num_blocks_needed(s, s.num_uncomputed_tokens)) for s in before]
+        state = [
+            (
+                s.request_id,
+                s.arrival_time,
+                len(s.block_table),
+                bm.num_blocks_needed(s, s.num_uncomputed_tokens),
+            )
+            for s in before
+        ]
         want, _ = exercises.preempt_victims(state, bm.num_free_blocks)
         eng.step()
         got = [s.request_id for s in before if s.status == SequenceStatus.WAITING]
         assert sorted(got) == sorted(want), (state, want, got)
         seen += len(got)
-    assert seen >= 2            # the pool of 6 blocks cannot hold 4 growing requests
+    assert seen >= 2  # the pool of 6 blocks cannot hold 4 growing requests

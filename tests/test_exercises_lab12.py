@@ -1,5 +1,6 @@
 """Lab 12's exercise checks fail, in plain words, on realistic wrong answers; the references agree
 with the planner's serving formulas and with the engine's KV pool arithmetic."""
+
 import pytest
 
 from llmlab import check, exercises
@@ -23,10 +24,12 @@ def _tpot_weights_per_sequence(w, kv, b, c, bw):
     return (b * w + b * c * kv) / bw
 
 
-WRONG = [("kv_bytes_per_token", _kv_without_factor_2, "the factor 2"),
-         ("kv_bytes_per_token", _kv_ignores_tp, "kv_heads / tp"),
-         ("kv_concurrency", _concurrency_without_blocks, "whole blocks"),
-         ("decode_tpot", _tpot_weights_per_sequence, "read once per step")]
+WRONG = [
+    ("kv_bytes_per_token", _kv_without_factor_2, "the factor 2"),
+    ("kv_bytes_per_token", _kv_ignores_tp, "kv_heads / tp"),
+    ("kv_concurrency", _concurrency_without_blocks, "whole blocks"),
+    ("decode_tpot", _tpot_weights_per_sequence, "read once per step"),
+]
 
 
 @pytest.mark.parametrize("name,wrong,words", WRONG, ids=[f"{n}-{w.__name__}" for n, w, _ in WRONG])
@@ -41,4 +44,5 @@ def test_references_agree_with_the_planner():
     blocks = F.kv_pool_blocks(53.7e9, 40960, 16)
     assert exercises.kv_concurrency(53.7e9, 40960, 16, 10240) == F.max_concurrency(blocks, 16, 10240) == 128
     assert exercises.decode_tpot(16e9, 131072, 1, 512, 3.35e12) == pytest.approx(
-        F.decode_step_time(16e9, 512 * 131072, 0.0, 3.35e12, 1e15))
+        F.decode_step_time(16e9, 512 * 131072, 0.0, 3.35e12, 1e15)
+    )

@@ -4,6 +4,7 @@
 mistake a learner would make; the test asserts the words of the message, the expected/got lines and
 the hint, and that it is an ExerciseFailed, not a bare assertion.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,9 +54,11 @@ def _ring_gather(chunks, rank, world, send_of, add):
         i, j = send_of(rank, s, world), (send_of(rank, s, world) - 1) % world
         buf = torch.empty_like(chunks[j])
         if rank % 2 == 0:
-            dist.send(chunks[i], right); dist.recv(buf, left)
+            dist.send(chunks[i], right)
+            dist.recv(buf, left)
         else:
-            dist.recv(buf, left); dist.send(chunks[i], right)
+            dist.recv(buf, left)
+            dist.send(chunks[i], right)
         chunks[j] = chunks[j] + buf if add else buf
     return torch.cat(chunks)
 
@@ -90,6 +93,7 @@ def test_ddp_buckets_reference_is_llmlab_ddp_rule():
     from types import SimpleNamespace
     from llmlab import LlamaForCausalLM, get_preset
     from llmlab.parallel.data_parallel import build_buckets
+
     params = list(LlamaForCausalLM(get_preset("tiny"), seed=0).parameters())
     mesh = SimpleNamespace(size=lambda key: 2, groups={"dp": None, "edp": None})
     index = {id(p): i for i, p in enumerate(params)}
@@ -140,7 +144,11 @@ WRONG += [
     ("column_parallel_forward", _column_no_bias, "rank 0, gather_output=False: output differs from slice 0"),
     ("column_parallel_forward", _column_gather_wrong_dim, "concatenate them on the last dim in rank order"),
     ("vocab_parallel_cross_entropy", _ce_local_max, "ReduceOp.MAX"),
-    ("vocab_parallel_cross_entropy", _ce_no_target_mask, "rank 0: per-token loss differs from F.cross_entropy"),
+    (
+        "vocab_parallel_cross_entropy",
+        _ce_no_target_mask,
+        "rank 0: per-token loss differs from F.cross_entropy",
+    ),
 ]
 
 
@@ -181,6 +189,7 @@ WRONG += [
 
 def test_bubble_fraction_reference_is_what_the_simulator_measures():
     from llmlab.parallel.pipeline_schedules import build_schedule, simulate
+
     for name, p, m, v in (("gpipe", 4, 8, 1), ("1f1b", 2, 3, 1), ("interleaved", 4, 8, 2)):
         sim = simulate(build_schedule(name, p, m, v), t_f=1.0, t_b=2.0)
         assert abs(exercises.bubble_fraction(p, m, v) - sim["bubble_fraction"]) < 1e-9
@@ -219,6 +228,7 @@ WRONG += [
 def test_load_balancing_loss_reference_is_the_moe_layers_lb_loss():
     from llmlab import get_preset
     from llmlab.model.moe import MoE
+
     torch.manual_seed(1)
     layer = MoE(get_preset("tiny-moe"))
     x = torch.randn(1, 20, layer.gate.in_features)
@@ -226,7 +236,7 @@ def test_load_balancing_loss_reference_is_the_moe_layers_lb_loss():
         layer(x)
         _, probs, topi, _ = layer.route(x.reshape(-1, x.shape[-1]))
     assert abs(float(exercises.load_balancing_loss(probs, topi, layer.num_experts)) - layer.lb_loss) < 1e-6
-    assert layer.lb_loss > 1.0   # a random router is not balanced: the loss is above its minimum 1
+    assert layer.lb_loss > 1.0  # a random router is not balanced: the loss is above its minimum 1
 
 
 def _returns_nothing(*args):
@@ -248,13 +258,27 @@ def test_every_new_exercise_has_a_wrong_answer_here():
     labs = {exercises.LAB_OF[n] for n, _, _ in WRONG}
     covered = {n for n, _, _ in WRONG}
     for name, lab in exercises.LAB_OF.items():
-        if lab in labs and name not in ("training_memory_bytes", "ring_reduce_scatter",
-                                        "row_parallel_forward", "one_f_one_b", "topk_route"):
+        if lab in labs and name not in (
+            "training_memory_bytes",
+            "ring_reduce_scatter",
+            "row_parallel_forward",
+            "one_f_one_b",
+            "topk_route",
+        ):
             assert name in covered, name
 
 
-@pytest.mark.parametrize("name", ["training_flops_and_time", "ring_all_reduce_seconds", "ddp_buckets",
-                                  "bubble_fraction", "load_balancing_loss", "column_parallel_forward"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "training_flops_and_time",
+        "ring_all_reduce_seconds",
+        "ddp_buckets",
+        "bubble_fraction",
+        "load_balancing_loss",
+        "column_parallel_forward",
+    ],
+)
 def test_a_function_returning_none_is_explained_not_crashed(name):
     with pytest.raises(ExerciseFailed) as info:
         getattr(check, name)(_returns_nothing)

@@ -1,5 +1,6 @@
 """runtime/hosts.py: N hosts on one machine (network namespaces on a bridge, else loopback
 addresses), processes on them, shaped links, and nothing left behind however the owner ends."""
+
 import os
 import signal
 import subprocess
@@ -11,13 +12,18 @@ import pytest
 
 from llmlab.runtime.hosts import Hosts, HostsError, leftovers, netns_unavailable
 
-NETNS = pytest.mark.skipif(netns_unavailable() is not None,
-                           reason=f"network namespaces: {netns_unavailable()}")
-ECHO = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
-        "s.bind(('0.0.0.0',int(sys.argv[1]))); s.listen(1); print('up',flush=True);"
-        "c,a=s.accept(); c.sendall(socket.gethostname().encode()); c.close()")
-ASK = ("import socket,sys; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=5);"
-       "print(c.recv(100).decode())")
+NETNS = pytest.mark.skipif(
+    netns_unavailable() is not None, reason=f"network namespaces: {netns_unavailable()}"
+)
+ECHO = (
+    "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+    "s.bind(('0.0.0.0',int(sys.argv[1]))); s.listen(1); print('up',flush=True);"
+    "c,a=s.accept(); c.sendall(socket.gethostname().encode()); c.close()"
+)
+ASK = (
+    "import socket,sys; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=5);"
+    "print(c.recv(100).decode())"
+)
 
 
 def _gone(pid):
@@ -42,7 +48,9 @@ def test_two_namespace_hosts_talk_by_address_and_name_and_are_removed():
         fqdn = h.run(0, [sys.executable, "-c", "import socket; print(socket.getfqdn())"]).stdout
         assert fqdn.strip() == h.names[0]
         # this machine's own stack does not see the hosts' network
-        assert subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout.count("10.211.") == 0
+        assert (
+            subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout.count("10.211.") == 0
+        )
         sleeper = h.popen(0, ["sleep", "60"])
         time.sleep(0.2)
         assert h.pids(0) and not h.pids(1)
@@ -54,12 +62,14 @@ def test_two_namespace_hosts_talk_by_address_and_name_and_are_removed():
 @NETNS
 def test_shaped_links_carry_a_tbf_qdisc_and_an_unplugged_host_is_unreachable():
     with Hosts(2, rate="200mbit") as h:
-        show = subprocess.run(["tc", "-n", h.names[0], "qdisc", "show", "dev", "eth0"],
-                              capture_output=True, text=True).stdout
+        show = subprocess.run(
+            ["tc", "-n", h.names[0], "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in show and "200Mbit" in show
         h.shape(None)
-        show = subprocess.run(["tc", "-n", h.names[0], "qdisc", "show", "dev", "eth0"],
-                              capture_output=True, text=True).stdout
+        show = subprocess.run(
+            ["tc", "-n", h.names[0], "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" not in show
         h.disconnect(1)
         got = h.run(0, [sys.executable, "-c", ASK, h.addresses[1], "7001"], timeout=30)
@@ -91,6 +101,7 @@ def test_an_exception_or_sigterm_or_sigkill_of_the_owner_leaves_nothing(tmp_path
             Hosts(1).close()
         assert leftovers(prefix) == []
         from llmlab.runtime.hosts import _tagged_pids
+
         assert _tagged_pids(prefix + "-") == []
 
 
@@ -101,8 +112,12 @@ def test_loopback_hosts_have_their_own_addresses_and_say_why():
         assert "loopback" in h.describe() and h.reason in h.describe()
         with pytest.raises(HostsError, match="loopback mode"):
             h.shape("100mbit")
-        srv = h.popen(2, [sys.executable, "-c", ECHO.replace("0.0.0.0", h.addresses[2]), "7002"],
-                      stdout=subprocess.PIPE, text=True)
+        srv = h.popen(
+            2,
+            [sys.executable, "-c", ECHO.replace("0.0.0.0", h.addresses[2]), "7002"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert srv.stdout.readline().strip() == "up"
         got = h.run(0, [sys.executable, "-c", ASK, h.addresses[2], "7002"])
         assert got.returncode == 0 and got.stdout.strip(), got.stderr

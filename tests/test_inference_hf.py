@@ -2,6 +2,7 @@
 checkpoint, for every request, whatever the batching, block size, preemption, chunking and prefix
 caching (CONTRACT ``llmlab generate``). Tiny random checkpoints, fp64 on both sides so that argmax
 ties cannot flip on rounding."""
+
 from __future__ import annotations
 
 import random
@@ -18,9 +19,19 @@ VOCAB = 128
 
 
 def _make_checkpoint(path, kind: str):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  initializer_range=0.3, eos_token_id=3, bos_token_id=1, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        eos_token_id=3,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common)
@@ -71,7 +82,7 @@ def _engine_tokens(path, prompts, **kw):
     llm = LLM(str(path), device="cpu", dtype=torch.float64, check_invariants=True, **kw)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     eng = llm.engine
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks   # no leak
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks  # no leak
     return [o.outputs[0].token_ids for o in outs], eng
 
 
@@ -82,8 +93,13 @@ CONFIGS = {
     "preempt_swap": dict(block_size=4, num_gpu_blocks=40, preemption_mode="swap"),
     "chunked": dict(block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=24),
     "prefix_cache": dict(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=64),
-    "prefix_chunked_preempt": dict(block_size=4, enable_prefix_caching=True, num_gpu_blocks=48,
-                                   enable_chunked_prefill=True, max_num_batched_tokens=32),
+    "prefix_chunked_preempt": dict(
+        block_size=4,
+        enable_prefix_caching=True,
+        num_gpu_blocks=48,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+    ),
     "max_num_seqs_1": dict(block_size=16, max_num_seqs=1),
 }
 
@@ -98,7 +114,7 @@ def test_one_request_matches_hf(llama):
 def test_64_requests_match_hf(llama, name):
     path, prompts, ref = llama
     small = name == "max_num_seqs_1" or name.startswith("preempt")
-    n = 24 if small else len(prompts)                           # slow configs: fewer requests
+    n = 24 if small else len(prompts)  # slow configs: fewer requests
     got, eng = _engine_tokens(path, prompts[:n], **CONFIGS[name])
     assert got == ref[:n]
     steps = eng.step_metrics
@@ -113,11 +129,18 @@ def test_64_requests_match_hf(llama, name):
     if name == "max_num_seqs_1":
         assert max(m.num_seqs for m in steps) == 1
     else:
-        assert max(m.num_seqs for m in steps) >= 5               # really batched
+        assert max(m.num_seqs for m in steps) >= 5  # really batched
 
 
 def test_qwen2_matches_hf(qwen2):
     path, prompts, ref = qwen2
-    got, _ = _engine_tokens(path, prompts, block_size=4, enable_prefix_caching=True,
-                            enable_chunked_prefill=True, max_num_batched_tokens=32, num_gpu_blocks=60)
+    got, _ = _engine_tokens(
+        path,
+        prompts,
+        block_size=4,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=60,
+    )
     assert got == ref

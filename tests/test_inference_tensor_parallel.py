@@ -1,6 +1,7 @@
 """Tensor-parallel inference (``tensor_parallel_size=2``): two real ranks (gloo), the model's layers
 sharded with training's column/row-parallel layers, each rank holding half of the KV heads; the
 greedy tokens equal Hugging Face ``generate`` and the single-rank engine's."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,19 @@ PROMPTS = [[5, 9, 17, 33, 2, 71], [100, 4], list(range(10, 47)), [64] * 17]
 
 
 def _checkpoint(path):
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=128, initializer_range=0.3,
-                                   eos_token_id=3, bos_token_id=1, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        eos_token_id=3,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
     return path
@@ -38,9 +48,28 @@ def test_generate_tensor_parallel_2_gives_hf_greedy_tokens(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--model", str(path), "--prompts-file", str(inp), "--temperature", "0",
-                 "--max-tokens", "10", "--block-size", "4", "--tensor-parallel-size", "2",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(path),
+                "--prompts-file",
+                str(inp),
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "10",
+                "--block-size",
+                "4",
+                "--tensor-parallel-size",
+                "2",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert got == want
 
@@ -49,34 +78,45 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatc
     params = SamplingParams(temperature=0, max_tokens=12, n=2, seed=0)
     prompts = ["ROMEO:", "JULIET: O Romeo", "KING"]
     ref = LLM("shakespeare", block_size=4).generate(prompts, params)
-    llm = LLM("shakespeare", block_size=4, num_gpu_blocks=24, tensor_parallel_size=2,
-              check_invariants=True)            # small pool: preemption and copy-on-write on 2 ranks
+    llm = LLM(
+        "shakespeare", block_size=4, num_gpu_blocks=24, tensor_parallel_size=2, check_invariants=True
+    )  # small pool: preemption and copy-on-write on 2 ranks
     runner = llm.engine.runner
     try:
-        assert runner.kv_cache.shape[4] == 1      # 2 kv heads over 2 ranks: one each
+        assert runner.kv_cache.shape[4] == 1  # 2 kv heads over 2 ranks: one each
         assert runner.model.model.layers[0].self_attn.num_heads == 2
         out = llm.generate(prompts, params)
-        assert [[c.token_ids for c in o.outputs] for o in out] == \
-               [[c.token_ids for c in o.outputs] for o in ref]
+        assert [[c.token_ids for c in o.outputs] for o in out] == [
+            [c.token_ids for c in o.outputs] for o in ref
+        ]
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert sum(m.num_preemptions for m in llm.engine.step_metrics) > 0
-        import llmlab.inference.engine as engine_mod     # a failing sampler fails its request alone
+        import llmlab.inference.engine as engine_mod  # a failing sampler fails its request alone
+
         real = engine_mod.sample_token
-        monkeypatch.setattr(engine_mod, "sample_token", lambda x, p, g: (
-            (_ for _ in ()).throw(ValueError("bad")) if p.seed == 666 else real(x, p, g)))
-        two = llm.generate(prompts[:2], [SamplingParams(temperature=0.8, max_tokens=12, seed=666),
-                                         SamplingParams(temperature=0, max_tokens=12)])
+        monkeypatch.setattr(
+            engine_mod,
+            "sample_token",
+            lambda x, p, g: (_ for _ in ()).throw(ValueError("bad")) if p.seed == 666 else real(x, p, g),
+        )
+        two = llm.generate(
+            prompts[:2],
+            [
+                SamplingParams(temperature=0.8, max_tokens=12, seed=666),
+                SamplingParams(temperature=0, max_tokens=12),
+            ],
+        )
         assert two[0].outputs[0].finish_reason == "error" and "bad" in two[0].error
         assert two[1].outputs[0].token_ids == ref[1].outputs[0].token_ids
         assert bm.num_free_blocks == bm.num_blocks
-        runner.procs[0].kill()                    # a rank dies: the next step says which, no hang
+        runner.procs[0].kill()  # a rank dies: the next step says which, no hang
         runner.procs[0].join(30)
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate(["ROMEO:"], SamplingParams(max_tokens=4))
     finally:
         llm.engine.shutdown()
-    assert all(p.exitcode is not None for p in runner.procs)   # the worker rank exited
+    assert all(p.exitcode is not None for p in runner.procs)  # the worker rank exited
     assert not torch.distributed.is_initialized()
 
 
@@ -86,7 +126,6 @@ def test_bad_tensor_parallel_size_is_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="quantization"):
         LLM("shakespeare", tensor_parallel_size=2, quantization="int8")
     cfg = LLM("shakespeare").engine.model_config
-    tensor_parallel.validate(cfg, 4)              # kv heads replicated: 2 ranks per kv head
+    tensor_parallel.validate(cfg, 4)  # kv heads replicated: 2 ranks per kv head
     with pytest.raises(ValueError, match="must be >= 1"):
         tensor_parallel.validate(cfg, 0)
-

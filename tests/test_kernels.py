@@ -1,4 +1,5 @@
 """PyTorch references of the kernels and the model's kernel switch (no Triton needed)."""
+
 import math
 
 import pytest
@@ -6,10 +7,19 @@ import torch
 import torch.nn.functional as F
 
 import llmlab.kernels as K
-from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
-                                          online_softmax_steps, softmax_partial)
-from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
-                                      rms_norm_reference, swiglu_reference)
+from llmlab.kernels.online_softmax import (
+    merge_softmax_partials,
+    online_softmax,
+    online_softmax_matmul,
+    online_softmax_steps,
+    softmax_partial,
+)
+from llmlab.kernels.reference import (
+    attention_reference,
+    flash_attention_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
 from llmlab.metrics.memory import SavedActivations
 from llmlab.model.config import get_preset
 from llmlab.model.llama import LlamaForCausalLM
@@ -24,8 +34,7 @@ def _default_kernels():
 
 def _qkv(B, H, Hk, T, D, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, T, D, generator=g, dtype=dtype).requires_grad_()
-            for h in (H, Hk, Hk)]
+    return [torch.randn(B, h, T, D, generator=g, dtype=dtype).requires_grad_() for h in (H, Hk, Hk)]
 
 
 def test_online_softmax_matches_softmax_and_running_stats():
@@ -35,10 +44,10 @@ def test_online_softmax_matches_softmax_and_running_stats():
     assert len(steps) == math.ceil(50 / 7) and steps[-1]["stop"] == 50
     # after each block, m and l are the max and the normaliser of the prefix seen so far
     for s in steps:
-        prefix = x[:, :s["stop"]]
+        prefix = x[:, : s["stop"]]
         torch.testing.assert_close(s["m"], prefix.amax(-1))
         torch.testing.assert_close(s["l"], torch.exp(prefix - s["m"][:, None]).sum(-1))
-    assert torch.all(steps[0]["rescale"] == 0)          # exp(-inf - m): nothing summed yet
+    assert torch.all(steps[0]["rescale"] == 0)  # exp(-inf - m): nothing summed yet
     v = torch.randn(50, 5)
     torch.testing.assert_close(online_softmax_matmul(x, v, 8), torch.softmax(x, -1) @ v)
     with pytest.raises(ValueError, match="block_size=0"):
@@ -48,26 +57,31 @@ def test_online_softmax_matches_softmax_and_running_stats():
 def test_merge_softmax_partials_equals_softmax_over_the_union():
     g = torch.Generator().manual_seed(2)
     s, v = torch.randn(3, 6, 20, generator=g) * 3, torch.randn(3, 20, 4, generator=g)
-    s[:, 0, :] = float("-inf")                            # a row that sees no key at all
-    s[:, 1, :9] = float("-inf")                           # a row empty in the first part only
-    out, lse = merge_softmax_partials(*softmax_partial(s[..., :9], v[:, :9]),
-                                      *softmax_partial(s[..., 9:], v[:, 9:]))
+    s[:, 0, :] = float("-inf")  # a row that sees no key at all
+    s[:, 1, :9] = float("-inf")  # a row empty in the first part only
+    out, lse = merge_softmax_partials(
+        *softmax_partial(s[..., :9], v[:, :9]), *softmax_partial(s[..., 9:], v[:, 9:])
+    )
     full_out, full_lse = softmax_partial(s, v)
     torch.testing.assert_close(out[:, 1:], torch.softmax(s[:, 1:], -1) @ v)
     torch.testing.assert_close(lse, full_lse)
     assert torch.all(out[:, 0] == 0) and torch.all(lse[:, 0] == float("-inf"))
     # order of the parts does not matter
-    out2, _ = merge_softmax_partials(*softmax_partial(s[..., 9:], v[:, 9:]),
-                                     *softmax_partial(s[..., :9], v[:, :9]))
+    out2, _ = merge_softmax_partials(
+        *softmax_partial(s[..., 9:], v[:, 9:]), *softmax_partial(s[..., :9], v[:, :9])
+    )
     torch.testing.assert_close(out2, out)
 
 
-@pytest.mark.parametrize("B,H,Hk,T,D,bm,bn,causal", [
-    (2, 4, 2, 37, 16, 16, 8, True),    # GQA, T not a multiple of either block
-    (1, 2, 2, 5, 8, 4, 4, True),
-    (1, 3, 1, 64, 32, 16, 32, True),   # T a multiple, block_m != block_n
-    (2, 2, 1, 23, 8, 8, 16, False),
-])
+@pytest.mark.parametrize(
+    "B,H,Hk,T,D,bm,bn,causal",
+    [
+        (2, 4, 2, 37, 16, 16, 8, True),  # GQA, T not a multiple of either block
+        (1, 2, 2, 5, 8, 4, 4, True),
+        (1, 3, 1, 64, 32, 16, 32, True),  # T a multiple, block_m != block_n
+        (2, 2, 1, 23, 8, 8, 16, False),
+    ],
+)
 def test_flash_reference_matches_materialised(B, H, Hk, T, D, bm, bn, causal):
     q, k, v = _qkv(B, H, Hk, T, D)
     ref = attention_reference(q, k, v, causal)
@@ -80,8 +94,9 @@ def test_flash_reference_matches_materialised(B, H, Hk, T, D, bm, bn, causal):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # and both equal PyTorch's SDPA (k, v repeated over the groups)
     rep = H // Hk
-    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                          v.repeat_interleave(rep, 1), is_causal=causal)
+    sdpa = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=causal
+    )
     torch.testing.assert_close(ref, sdpa, atol=2e-6, rtol=1e-5)
 
 
@@ -115,15 +130,20 @@ def test_saved_memory_flash_linear_materialised_quadratic():
         # materialised attention keeps the fp32 probabilities [B, H, T, T], the bool causal
         # mask [T, T] and q, k, v
         assert eager[T] == 4 * B * H * T * T + T * T + 3 * B * H * T * D * 4
-    assert flash[128] == pytest.approx(4 * flash[32])                 # O(T)
-    assert eager[128] / eager[64] > 3.0                              # O(T²) dominates
+    assert flash[128] == pytest.approx(4 * flash[32])  # O(T)
+    assert eager[128] / eager[64] > 3.0  # O(T²) dominates
 
 
 def test_attention_memory_rows_match_formulas():
     from llmlab.kernels.bench import attention_memory
+
     rows = attention_memory((16, 40), batch=2, heads=2, head_dim=8, impls=("eager", "reference"))
     assert [(r["impl"], r["seq_len"]) for r in rows] == [
-        ("eager", 16), ("reference", 16), ("eager", 40), ("reference", 40)]
+        ("eager", 16),
+        ("reference", 16),
+        ("eager", 40),
+        ("reference", 40),
+    ]
     for r in rows:
         assert r["saved_bytes"] == r["formula_bytes"] and r["peak_bytes"] is None
 
@@ -179,6 +199,7 @@ def test_model_with_pytorch_attention_impls_matches_sdpa(impl):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_gpu_benchmarks_refuse_cpu():
     from llmlab.kernels.bench import bench_attention, bench_rmsnorm, bench_swiglu, peak_bandwidth
+
     for fn in (bench_attention, bench_rmsnorm, bench_swiglu):
         with pytest.raises(RuntimeError, match="no GPU"):
             fn()
@@ -210,6 +231,7 @@ def test_triton_platform_is_the_kernels_extras_marker():
     import re
     from pathlib import Path
     from llmlab.kernels import TRITON_MARKER
+
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    (req,) = re.findall(r'^kernels = \["triton[^;]*;(.*)"\]$', text, re.M)   # tomllib needs 3.11
+    (req,) = re.findall(r'^kernels = \["triton[^;]*;(.*)"\]$', text, re.M)  # tomllib needs 3.11
     assert req.strip() == TRITON_MARKER

@@ -6,6 +6,7 @@ tests view a few rows of a > 2^31-element buffer (``torch.empty`` does not touch
 the memory used is the rows') so that the offsets pass 2^31 while the kernels run only a few
 programs; each runs in its own interpreter process, so a crash is a failure, not a lost session.
 """
+
 import os
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import pytest
 
 from llmlab.kernels import TRITON_MARKER, triton_platform  # does not import triton
 
-if not triton_platform():   # by platform, as the kernels extra installs triton: never by import
-    pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
-                allow_module_level=True)
+if not triton_platform():  # by platform, as the kernels extra installs triton: never by import
+    pytest.skip(
+        f"the kernels extra has no triton for this platform ({TRITON_MARKER})", allow_module_level=True
+    )
 
 PRELUDE = """
 import os
@@ -37,8 +39,13 @@ def rows_past_2_31(n_rows, width, dtype=torch.float16, seed=0):
 
 def _run(body: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, f"exit code {proc.returncode}: {proc.stderr[-1500:]}"
     return proc.stdout
 
@@ -118,6 +125,7 @@ def test_int64_offset_kernels_compile_for_hopper(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -9,6 +9,7 @@ root ``conftest.py``. Shapes are tiny: the interpreter runs every program
 in numpy, slowly. Skipped only on platforms the ``kernels`` extra does not cover (Python 3.10,
 macOS, ARM); where it does, a missing triton fails the import.
 """
+
 import importlib
 import os
 
@@ -21,13 +22,17 @@ if DEV == "cpu":
 from llmlab.kernels import TRITON_MARKER, triton_platform  # noqa: E402  (does not import triton)
 
 if not triton_platform():
-    pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
-                allow_module_level=True)
+    pytest.skip(
+        f"the kernels extra has no triton for this platform ({TRITON_MARKER})", allow_module_level=True
+    )
 import triton  # noqa: E402, F401  (installed by the dev/kernels extras here: missing is a failure)
 
 import llmlab.kernels as K  # noqa: E402
-from llmlab.kernels.reference import (attention_reference, rms_norm_reference,  # noqa: E402
-                                      swiglu_reference)
+from llmlab.kernels.reference import (  # noqa: E402
+    attention_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
 from llmlab.model.config import get_preset  # noqa: E402
 from llmlab.model.llama import LlamaForCausalLM  # noqa: E402
 
@@ -35,11 +40,15 @@ from llmlab.model.llama import LlamaForCausalLM  # noqa: E402
 @pytest.fixture(scope="module")
 def tk():
     """The three kernel modules (built for the interpreter on CPU)."""
-    mods = {name: importlib.import_module(f"llmlab.kernels.{name}")
-            for name in ("flash_attention", "fused_rmsnorm", "fused_swiglu")}
+    mods = {
+        name: importlib.import_module(f"llmlab.kernels.{name}")
+        for name in ("flash_attention", "fused_rmsnorm", "fused_swiglu")
+    }
     if DEV == "cpu" and not all(m.INTERPRETED for m in mods.values()):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the "
-                    "environment (or in the root conftest.py) or run this file alone")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set: set it in the "
+            "environment (or in the root conftest.py) or run this file alone"
+        )
     K.disable()
     yield mods
     K.disable()
@@ -52,11 +61,14 @@ def _check_grads(out, ref, inputs, atol=2e-5, rtol=1e-4):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("B,H,Hk,T,D,causal", [
-    (1, 2, 1, 37, 16, True),     # GQA; 37 = 2·16 + 5: partial last tile in both loops
-    (2, 1, 1, 16, 8, True),      # exactly one tile; head_dim 8 padded to 16
-    (1, 1, 1, 20, 12, False),    # non-causal, non power-of-two head_dim
-])
+@pytest.mark.parametrize(
+    "B,H,Hk,T,D,causal",
+    [
+        (1, 2, 1, 37, 16, True),  # GQA; 37 = 2·16 + 5: partial last tile in both loops
+        (2, 1, 1, 16, 8, True),  # exactly one tile; head_dim 8 padded to 16
+        (1, 1, 1, 20, 12, False),  # non-causal, non power-of-two head_dim
+    ],
+)
 def test_triton_flash_attention_matches_reference(tk, B, H, Hk, T, D, causal):
     g = torch.Generator().manual_seed(T)
     q, k, v = [torch.randn(B, h, T, D, generator=g).to(DEV).requires_grad_() for h in (H, Hk, Hk)]
@@ -64,19 +76,26 @@ def test_triton_flash_attention_matches_reference(tk, B, H, Hk, T, D, causal):
     _check_grads(out, attention_reference(q, k, v, causal), (q, k, v))
 
 
-@pytest.mark.parametrize("dtype", [
-    torch.float16,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        DEV == "cpu", reason="Triton's interpreter multiplies bf16 tl.dot operands as their raw "
-                             "uint16 bits (interpreter.py create_dot); bf16 is checked on GPU")),
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEV == "cpu",
+                reason="Triton's interpreter multiplies bf16 tl.dot operands as their raw "
+                "uint16 bits (interpreter.py create_dot); bf16 is checked on GPU",
+            ),
+        ),
+    ],
+)
 def test_triton_flash_attention_half_precision(tk, dtype):
     g = torch.Generator().manual_seed(5)
-    q, k, v = [torch.randn(1, 2, 20, 16, generator=g).to(DEV, dtype).requires_grad_()
-               for _ in range(3)]
+    q, k, v = [torch.randn(1, 2, 20, 16, generator=g).to(DEV, dtype).requires_grad_() for _ in range(3)]
     out = tk["flash_attention"].flash_attention(q, k, v, block_m=16, block_n=16)
     assert out.dtype == dtype
-    ref = attention_reference(q, k, v)                     # fp32 maths on the same inputs
+    ref = attention_reference(q, k, v)  # fp32 maths on the same inputs
     dout = torch.ones_like(out)
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
@@ -99,7 +118,7 @@ def test_triton_rmsnorm_swiglu_half_precision(tk, dtype):
 
 def test_triton_flash_attention_strided_input_and_errors(tk):
     fa = tk["flash_attention"]
-    x = torch.randn(1, 19, 2, 16).to(DEV).requires_grad_()          # [B, T, H, D], viewed as [B, H, T, D]
+    x = torch.randn(1, 19, 2, 16).to(DEV).requires_grad_()  # [B, T, H, D], viewed as [B, H, T, D]
     q = k = v = x.transpose(1, 2)
     out = fa.flash_attention(q, k, v, block_m=16, block_n=32)
     _check_grads(out, attention_reference(q, k, v), (x,))
@@ -135,7 +154,7 @@ def test_triton_rmsnorm_matches_reference(tk, shape):
         tk["fused_rmsnorm"].rms_norm(x, torch.ones(shape[-1] + 1, device=DEV))
 
 
-@pytest.mark.parametrize("shape", [(3, 7, 40), (1100,)])   # 1100 > BLOCK=1024: two programs
+@pytest.mark.parametrize("shape", [(3, 7, 40), (1100,)])  # 1100 > BLOCK=1024: two programs
 def test_triton_swiglu_matches_reference(tk, shape):
     g = torch.Generator().manual_seed(3)
     gate = (3 * torch.randn(shape, generator=g)).to(DEV).requires_grad_()
@@ -162,10 +181,9 @@ def test_model_with_all_triton_kernels_matches_default(tk):
             assert all(K.use_fused(kind, ids) for kind in ("attention", "rmsnorm", "swiglu"))
             calls = []
             orig = tk["flash_attention"]._FlashAttention.apply
-            mp.setattr(tk["flash_attention"]._FlashAttention, "apply",
-                       lambda *a: calls.append(1) or orig(*a))
+            mp.setattr(tk["flash_attention"]._FlashAttention, "apply", lambda *a: calls.append(1) or orig(*a))
             loss1, grads1 = run()
-    assert len(calls) == 2                                   # one Triton call per layer
+    assert len(calls) == 2  # one Triton call per layer
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=0)
     for n in grads0:
         torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-6, msg=n)

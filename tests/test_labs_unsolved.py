@@ -4,6 +4,7 @@ CI runs every lab with ``LLMLAB_SOLUTIONS=1`` (nbval); this test runs lab 00 onc
 learner meets it: each exercise check prints ✗ with the stub message, the cells after it use
 llmlab's reference, and no cell raises.
 """
+
 from pathlib import Path
 
 import nbformat
@@ -15,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_lab00_runs_to_its_end_with_every_exercise_unsolved(monkeypatch):
-    monkeypatch.setenv("LLMLAB_SOLUTIONS", "0")   # the kernel inherits this environment
+    monkeypatch.setenv("LLMLAB_SOLUTIONS", "0")  # the kernel inherits this environment
     monkeypatch.delenv("LLMLAB_STRICT", raising=False)
     nb = nbformat.read(ROOT / "labs" / "00_three_walls.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "labs")}}).execute()  # raises on a cell error
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "labs")}}
+    ).execute()  # raises on a cell error
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code)  # every cell ran
     printed = "".join(o.get("text", "") for c in code for o in c.outputs)

@@ -1,4 +1,5 @@
 """llmlab.launch: real processes, results, error propagation, no leftovers, torchrun."""
+
 import json
 import os
 import shutil
@@ -68,7 +69,7 @@ def test_a_failing_rank_is_named_with_its_traceback_and_nothing_is_left(tmp_path
     assert err.rank == 1
     assert "ValueError: bad shard on purpose" in str(err)
     assert "_raise_on_rank_1" in err.rank_traceback
-    assert (Path(err.log_dir) / "rank1.log").exists()   # kept for reading after a failure
+    assert (Path(err.log_dir) / "rank1.log").exists()  # kept for reading after a failure
     shutil.rmtree(err.log_dir)
     pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
     deadline = time.monotonic() + 10
@@ -130,7 +131,8 @@ def test_timeout_kills_the_ranks():
 
 def test_launch_joins_torchrun_ranks(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, sys
         import torch, torch.distributed as dist
         import llmlab
@@ -146,12 +148,20 @@ def test_launch_joins_torchrun_ranks(tmp_path):
         import os
         if os.environ["RANK"] == "0":  # one writer: two ranks' lines could interleave
             print("RESULT " + json.dumps(res))
-    """))
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    """)
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines == [[[0, 7, 1.0], [1, 7, 1.0]]]
@@ -170,8 +180,14 @@ def test_ranks_see_the_callers_current_environment(monkeypatch):
 def test_torchrun_backend_needs_one_gpu_per_local_rank(monkeypatch):
     """auto picks NCCL under torchrun only when every local rank gets its own GPU."""
     from llmlab.runtime.launch import resolve_torchrun_backend
-    for gpus, local_ws, want in ((0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl"),
-                                 (3, 4, "gloo")):
+
+    for gpus, local_ws, want in (
+        (0, 2, "gloo"),
+        (1, 2, "gloo"),
+        (2, 2, "nccl"),
+        (8, 4, "nccl"),
+        (3, 4, "gloo"),
+    ):
         monkeypatch.setattr(torch.cuda, "is_available", lambda g=gpus: g > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda g=gpus: g)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ws))
@@ -188,11 +204,12 @@ def test_one_backend_choice_for_launch_inference_and_the_trainer(monkeypatch):
     """runtime.process.resolve_backend: by GPU count, or by the device; NCCL refused with more
     ranks than GPUs unless the count is the launcher's to check (ranks=None)."""
     from llmlab.runtime.process import resolve_backend
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert [resolve_backend("auto", n) for n in (1, 2, 3)] == ["nccl", "nccl", "gloo"]
     assert resolve_backend("auto", 2, device="cpu") == "gloo"
-    assert resolve_backend("auto", None, device="cuda") == "nccl"     # the trainer: 16 ranks, 2 nodes
+    assert resolve_backend("auto", None, device="cuda") == "nccl"  # the trainer: 16 ranks, 2 nodes
     with pytest.raises(ValueError, match="needs one GPU per rank: world_size=3 > 2 GPUs"):
         resolve_backend("auto", 3, device="cuda:0")
     with pytest.raises(ValueError, match="expected 'auto'"):

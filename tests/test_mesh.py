@@ -1,4 +1,5 @@
 """Mesh: Megatron rank order, group membership, and real collectives on each group."""
+
 import pytest
 import torch
 

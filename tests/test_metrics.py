@@ -1,4 +1,5 @@
 """Memory accounting from tensors, saved activations, throughput formulas, live plots."""
+
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from llmlab.viz import LivePlot
 
 
 def test_tensor_bytes_counts_each_storage_once():
-    a = torch.zeros(100)          # 400 bytes
+    a = torch.zeros(100)  # 400 bytes
     view = a[10:20]
     b = torch.zeros(10, dtype=torch.float64)  # 80 bytes
     assert tensor_bytes([a, view, b, None]) == 480
@@ -18,8 +19,8 @@ def test_saved_activations_are_the_inputs_kept_for_backward():
     w = torch.nn.Parameter(torch.randn(64, 32))
     x = torch.randn(8, 64, requires_grad=True)
     with SavedActivations([w]) as act:
-        h = x @ w                   # saves x (2048 B); w is a parameter: excluded
-        y = torch.relu(h)           # saves its output (8*32*4 = 1024 B)
+        h = x @ w  # saves x (2048 B); w is a parameter: excluded
+        y = torch.relu(h)  # saves its output (8*32*4 = 1024 B)
         assert act.current == 8 * 64 * 4 + 8 * 32 * 4
         y.sum().backward()
     assert act.peak == 8 * 64 * 4 + 8 * 32 * 4
@@ -28,7 +29,7 @@ def test_saved_activations_are_the_inputs_kept_for_backward():
 
 
 def test_adam_state_and_grad_bytes():
-    m = torch.nn.Linear(10, 5)      # 55 parameters
+    m = torch.nn.Linear(10, 5)  # 55 parameters
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 10)).sum().backward()
     opt.step()
@@ -65,6 +66,7 @@ def test_live_plot_xticks_label_every_panel():
 def test_mfu_peak_is_the_peak_of_the_run_dtype(monkeypatch):
     """An fp32 run divided by the bf16 tensor-core peak read ~15x too low on an H100."""
     from llmlab.metrics import throughput as tp
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     # allow_tf32 is a property of torch's cuBLAS module: set and restored by hand (pytest 9.2's
@@ -92,6 +94,7 @@ def test_each_training_run_starts_a_new_cuda_peak(monkeypatch):
     from llmlab.metrics import memory
     from llmlab.training import trainer
     from llmlab.training.config import TrainConfig
+
     seen = []
     monkeypatch.setattr(trainer, "reset_cuda_peak", lambda d: seen.append(torch.device(d)))
     trainer.rank_main(TrainConfig(steps=1, global_batch_size=2, seq_len=8, device="cpu"))
@@ -110,6 +113,7 @@ def test_gpu_timestamps_wait_for_the_work(monkeypatch):
     import time
 
     from llmlab.metrics import timing
+
     assert timing.device_clock("cpu") is time.perf_counter
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
@@ -144,6 +148,7 @@ def test_gpu_timestamps_wait_for_the_work(monkeypatch):
             raise AssertionError("a CUDA future completes at enqueue: not a 'done' time")
 
     import contextlib
+
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
@@ -158,4 +163,6 @@ def test_gpu_timestamps_wait_for_the_work(monkeypatch):
     tl.resolve()
     assert [e[:2] for e in events] == [("launch", 0), ("grad_ready", 1), ("done", 0)]
     t = {k: s for k, _, s in events}
-    assert t["done"] - t["launch"] == pytest.approx(0.5) and t["grad_ready"] - t["launch"] == pytest.approx(0.1)
+    assert t["done"] - t["launch"] == pytest.approx(0.5) and t["grad_ready"] - t["launch"] == pytest.approx(
+        0.1
+    )

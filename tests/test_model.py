@@ -1,4 +1,5 @@
 """The reference model: shapes, parameter count, layout-independent init, HF equality."""
+
 import math
 
 import pytest
@@ -65,10 +66,19 @@ def test_bad_config_names_the_constraint():
 
 def _hf_pair(tmp_path, kind, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, Qwen2Config, Qwen2ForCausalLM
+
     cls, cfg_cls = (HFLlama, LlamaConfig) if kind == "llama" else (Qwen2ForCausalLM, Qwen2Config)
     torch.manual_seed(0)
-    cfg = cfg_cls(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    cfg = cfg_cls(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kw,
+    )
     hf = cls(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases so a mapping mistake shows
         for n, p in hf.named_parameters():
@@ -78,9 +88,15 @@ def _hf_pair(tmp_path, kind, **kw):
     return hf
 
 
-@pytest.mark.parametrize("kind,kw", [("llama", {}), ("qwen2", {}),
-                                     ("llama", {"tie_word_embeddings": True}),
-                                     ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"attention_bias": True}),
+    ],
+)
 def test_hf_checkpoint_gives_the_same_logits_as_transformers(tmp_path, kind, kw):
     hf = _hf_pair(tmp_path, kind, **kw)
     ours = load_hf_model(tmp_path).eval()
@@ -92,6 +108,7 @@ def test_hf_checkpoint_gives_the_same_logits_as_transformers(tmp_path, kind, kw)
 
 def test_llmlab_model_saved_as_hf_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
+
     m = LlamaForCausalLM(get_preset("tiny"), seed=1).eval()
     save_hf_checkpoint(m, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

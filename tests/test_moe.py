@@ -2,6 +2,7 @@
 
 EP ranks are real gloo processes. Reference: the one-rank MoE model on the global batch.
 """
+
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from llmlab.model.llama import LlamaForCausalLM
 from llmlab.model.moe import MoE, collect_moe_stats, moe_layers
 from llmlab.parallel.records import param_record
 
-B, T, STEPS, LAYERS = 8, 16, 3, 2   # small: the CI box has 2 shared cores
+B, T, STEPS, LAYERS = 8, 16, 3, 2  # small: the CI box has 2 shared cores
 
 
 def tiny_moe(**kw):
@@ -40,13 +41,15 @@ def reference_moe(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]
                 continue
             used[e] += 1
             w = v[k] / v.sum()
-            out[t] += w * layer.experts[e](tokens[t:t + 1])[0]
+            out[t] += w * layer.experts[e](tokens[t : t + 1])[0]
     return out.reshape(x.shape), dropped
 
 
 @pytest.mark.parametrize("top_k,cf", [(1, None), (2, None), (1, 1.0), (2, 0.75), (2, 1.25)])
 def test_layer_matches_token_loop(top_k, cf):
-    layer = LlamaForCausalLM(tiny_moe(num_experts_per_tok=top_k, capacity_factor=cf), seed=3).model.layers[1].mlp
+    layer = (
+        LlamaForCausalLM(tiny_moe(num_experts_per_tok=top_k, capacity_factor=cf), seed=3).model.layers[1].mlp
+    )
     x = torch.randn(3, 16, 64)
     out = layer(x)
     ref, dropped = reference_moe(layer, x)
@@ -55,7 +58,7 @@ def test_layer_matches_token_loop(top_k, cf):
     assert layer.dropped_tokens == sum(dropped)
     assert int(layer.tokens_per_expert.sum()) == 3 * 16 * top_k
     if cf is not None and cf < 1:
-        assert layer.dropped_tokens > 0   # the case is exercised, not vacuous
+        assert layer.dropped_tokens > 0  # the case is exercised, not vacuous
     if cf is None:
         assert layer.capacity is None and layer.dropped_tokens == 0
     else:
@@ -70,7 +73,7 @@ def test_router_weights_sum_to_one(top_k):
     torch.testing.assert_close(w.sum(-1), torch.ones(40))
     torch.testing.assert_close(probs.sum(-1), torch.ones(40))
     assert (topi[:, :1] == probs.argmax(-1, keepdim=True)).all()
-    assert (w[:, :-1] >= w[:, 1:]).all()   # ordered by probability
+    assert (w[:, :-1] >= w[:, 1:]).all()  # ordered by probability
 
 
 def test_switch_top1_weight_is_the_probability():
@@ -84,7 +87,7 @@ def test_switch_top1_weight_is_the_probability():
 def test_expert_with_zero_tokens_no_nan_and_zero_grads():
     model = LlamaForCausalLM(tiny_moe(num_experts_per_tok=1, capacity_factor=2.0), seed=0)
     for m in moe_layers(model):
-        with torch.no_grad():   # the router sends every token to expert 0
+        with torch.no_grad():  # the router sends every token to expert 0
             m.gate.weight.zero_()
             m.gate.weight[0, 0] = 1.0
     x = torch.ones(2, 8, dtype=torch.long) * 5
@@ -104,7 +107,7 @@ def test_expert_with_zero_tokens_no_nan_and_zero_grads():
 def test_balancing_loss_values():
     layer = LlamaForCausalLM(tiny_moe(router_z_loss_coef=1e-3), seed=0).model.layers[0].mlp
     with torch.no_grad():
-        layer.gate.weight.zero_()   # uniform probs: lb = E * sum f_i / E = 1 whatever f is
+        layer.gate.weight.zero_()  # uniform probs: lb = E * sum f_i / E = 1 whatever f is
     layer(torch.randn(2, 8, 64))
     assert layer.lb_loss == pytest.approx(1.0, rel=1e-6)
     assert layer.z_loss == pytest.approx(math.log(4) ** 2, rel=1e-6)
@@ -119,7 +122,7 @@ def test_aux_loss_is_linear_in_sequences():
     loss = full(x, y)
     loss.backward()
     halves = LlamaForCausalLM(mc, seed=0)
-    parts = [halves(x[i:i + 2], y[i:i + 2]) / 2 for i in (0, 2)]
+    parts = [halves(x[i : i + 2], y[i : i + 2]) / 2 for i in (0, 2)]
     for p in parts:
         p.backward()
     assert float(full.aux_loss().detach()) > 0.5 * 0.9
@@ -151,11 +154,18 @@ def _ep_rank(cases, world, steps, batch, seq, layers):
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.config import TrainConfig
     from llmlab.training.trainer import make_optimizer
+
     out = []
     for top_k, cf, ep in cases:
         mesh = Mesh.build(dp=world, ep=ep)
-        mc = get_preset("tiny-moe", num_experts_per_tok=top_k, capacity_factor=cf,
-                        num_hidden_layers=layers, router_aux_loss_coef=0.1, router_z_loss_coef=1e-3)
+        mc = get_preset(
+            "tiny-moe",
+            num_experts_per_tok=top_k,
+            capacity_factor=cf,
+            num_hidden_layers=layers,
+            router_aux_loss_coef=0.1,
+            router_z_loss_coef=1e-3,
+        )
         model = apply_expert_parallel(LlamaForCausalLM(mc, seed=0), mesh)
         opt = make_optimizer(model.parameters(), TrainConfig(lr=3e-3))
         loader = BatchLoader(global_batch_size=batch, seq_len=seq, seed=0)
@@ -171,8 +181,9 @@ def _ep_rank(cases, world, steps, batch, seq, layers):
             sync_moe_grads(model, mesh)
             if step == 1:
                 rec["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-                rec["expert_flags"] = {n: param_record(p).expert_parallel
-                                       for n, p in model.named_parameters()}
+                rec["expert_flags"] = {
+                    n: param_record(p).expert_parallel for n, p in model.named_parameters()
+                }
             rec["losses"].append(loss.item())
             rec["dropped"].append([m.dropped_tokens for m in moe_layers(model)])
             opt.step()
@@ -185,8 +196,15 @@ def _reference(top_k, cf, steps, batch, seq, num_microbatches):
     """One rank, global batch cut into ``num_microbatches`` micro-batches (loss / M each)."""
     from llmlab.training.config import TrainConfig
     from llmlab.training.trainer import make_optimizer
-    mc = get_preset("tiny-moe", num_experts_per_tok=top_k, capacity_factor=cf,
-                    num_hidden_layers=LAYERS, router_aux_loss_coef=0.1, router_z_loss_coef=1e-3)
+
+    mc = get_preset(
+        "tiny-moe",
+        num_experts_per_tok=top_k,
+        capacity_factor=cf,
+        num_hidden_layers=LAYERS,
+        router_aux_loss_coef=0.1,
+        router_z_loss_coef=1e-3,
+    )
     model = LlamaForCausalLM(mc, seed=0)
     opt = make_optimizer(model.parameters(), TrainConfig(lr=3e-3))
     loader = BatchLoader(global_batch_size=batch, seq_len=seq, seed=0)
@@ -219,7 +237,7 @@ def _check_against_reference(results, case, world, ref_microbatches):
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-7, msg=f"{case} {n}")
         n_expert = sum(r["expert_flags"].values())
-        assert n_expert == LAYERS * (4 // ep) * 3      # layers * local experts * (gate, up, down)
+        assert n_expert == LAYERS * (4 // ep) * 3  # layers * local experts * (gate, up, down)
         assert all(f == (".experts." in n) for n, f in r["expert_flags"].items())
     if cf is not None:
         # dp rank d's tokens are the reference's micro-batch d: same per-rank capacity
@@ -237,7 +255,7 @@ def _check_a2a_bytes(results, case, world):
     mc = get_preset("tiny-moe", num_hidden_layers=LAYERS)
     N = B // world * T
     row = mc.hidden_size * 4
-    per_layer = mc.num_experts * 8 + 4 * top_k * N * row       # counts + 2 fwd + 2 bwd
+    per_layer = mc.num_experts * 8 + 4 * top_k * N * row  # counts + 2 fwd + 2 bwd
     assert sum(r["a2a_bytes"] for r in results) == world * mc.num_hidden_layers * per_layer
     for r in results:
         assert r["a2a_calls"] == mc.num_hidden_layers * 5
@@ -271,10 +289,11 @@ def _ep_zero_tokens_rank():
     from llmlab.model.moe import moe_layers
     from llmlab.parallel.expert_parallel import apply_expert_parallel
     from llmlab.runtime.mesh import Mesh
+
     mesh = Mesh.build(dp=2, ep=2)
     model = apply_expert_parallel(LlamaForCausalLM(get_preset("tiny-moe"), seed=0), mesh)
     for m in moe_layers(model):
-        with torch.no_grad():   # every token picks experts 0 and 1 (both on ep rank 0)
+        with torch.no_grad():  # every token picks experts 0 and 1 (both on ep rank 0)
             m.gate.weight.zero_()
             m.gate.weight[0, 0], m.gate.weight[1, 0] = 2.0, 1.0
     with torch.no_grad():
@@ -283,8 +302,11 @@ def _ep_zero_tokens_rank():
     loss = model(x, x)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if ".experts." in n}
-    return (loss.item(), moe_layers(model)[0].tokens_per_expert.tolist(),
-            {n: (g is not None, float(g.abs().sum()) if g is not None else None) for n, g in grads.items()})
+    return (
+        loss.item(),
+        moe_layers(model)[0].tokens_per_expert.tolist(),
+        {n: (g is not None, float(g.abs().sum()) if g is not None else None) for n, g in grads.items()},
+    )
 
 
 def test_expert_parallel_rank_with_zero_tokens():
@@ -302,6 +324,7 @@ def test_expert_parallel_rank_with_zero_tokens():
 # --- layout checks and the trainer ------------------------------------------------------------
 def test_ep_not_dividing_experts_is_refused():
     from llmlab.training.config import TrainConfig, validate
+
     with pytest.raises(ValueError, match="ep=4 must divide num_experts=6"):
         validate(TrainConfig(model="tiny-moe", dp=4, ep=4, num_experts=6))
     with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
@@ -312,15 +335,18 @@ def test_ep_not_dividing_experts_is_refused():
 
 def test_cli_refuses_bad_ep(capsys):
     from llmlab.cli import main
-    rc = main(["train", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--num-experts", "3",
-               "--steps", "1"])
-    assert rc == 2   # refused before any rank starts
+
+    rc = main(
+        ["train", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--num-experts", "3", "--steps", "1"]
+    )
+    assert rc == 2  # refused before any rank starts
     assert "ep=2 must divide num_experts=3" in capsys.readouterr().err
 
 
 def test_train_tiny_moe_one_rank():
-    m = llmlab.train(llmlab.TrainConfig(model="tiny-moe", steps=3, global_batch_size=4, seq_len=32),
-                     progress=False)
+    m = llmlab.train(
+        llmlab.TrainConfig(model="tiny-moe", steps=3, global_batch_size=4, seq_len=32), progress=False
+    )
     losses = [s["loss"] for s in m["steps"]]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
@@ -343,11 +369,11 @@ def test_near_tied_routing_decisions_are_counted():
     x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     model(x)
     stats = collect_moe_stats(model)
-    assert stats["near_tie_tokens"] == 0          # the seeded router: no two within 1e-4 here
+    assert stats["near_tie_tokens"] == 0  # the seeded router: no two within 1e-4 here
     with torch.no_grad():
         for m in moe_layers(model):
-            m.gate.weight.zero_()                 # every expert equally likely: all ties
+            m.gate.weight.zero_()  # every expert equally likely: all ties
     model(x)
     stats = collect_moe_stats(model)
     assert stats["near_tie_tokens"] == 16 * cfg.num_hidden_layers
-    assert collect_moe_stats(model)["near_tie_tokens"] == 0   # reset after each collection
+    assert collect_moe_stats(model)["near_tie_tokens"] == 0  # reset after each collection

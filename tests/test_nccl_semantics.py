@@ -8,6 +8,7 @@ is posted), and it matches messages by tag (NCCL: by posting order between two r
 three rules, on top of real gloo transfers, so a layer that would hang or read an unfilled buffer
 on a GPU node does so here.
 """
+
 import os
 import time
 
@@ -45,13 +46,17 @@ class NcclLike:
         end = time.monotonic() + self.timeout
         while not os.path.exists(path):
             if time.monotonic() > end:
-                raise TimeoutError(f"circular wait: send #{k} from rank {self.me} to rank {dst} "
-                                   f"never met its receive (NCCL would hang here)")
+                raise TimeoutError(
+                    f"circular wait: send #{k} from rank {self.me} to rank {dst} "
+                    f"never met its receive (NCCL would hang here)"
+                )
             time.sleep(0.005)
         got = int(open(path).read())
         if got != tag:
-            raise RuntimeError(f"send #{k} {self.me}->{dst} (tag {tag}) meets receive tag {got}: "
-                               f"NCCL matches by order, the data would land in the wrong buffer")
+            raise RuntimeError(
+                f"send #{k} {self.me}->{dst} (tag {tag}) meets receive tag {got}: "
+                f"NCCL matches by order, the data would land in the wrong buffer"
+            )
 
     def isend(self, t, dst, group=None):
         work = dist.isend(t.contiguous(), dst=dst, group=group)
@@ -97,6 +102,7 @@ class _OneHandle:
 
 def _install(folder):
     from llmlab.runtime import comm
+
     layer = NcclLike(os.path.join(folder, "p2p"))
     os.makedirs(layer.folder, exist_ok=True)
     for name in ("isend", "irecv", "batch_isend_irecv"):
@@ -106,6 +112,7 @@ def _install(folder):
 # --- ring all-reduce ----------------------------------------------------------------------------
 def _ring_rank(folder, n):
     from llmlab.parallel.data_parallel import ring_all_reduce
+
     _install(folder)
     r = dist.get_rank()
     t = torch.arange(n, dtype=torch.float32) * (r + 1)
@@ -129,19 +136,26 @@ def _pp_rank(folder, cases):
     from llmlab.parallel.pipeline_parallel import build_pipeline
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.config import TrainConfig, strategy_configs
+
     _install(folder)
     out = {}
     for schedule, m, v in cases:
         mc = get_preset("tiny", num_hidden_layers=4)
         model = LlamaForCausalLM(mc, seed=0)
         names = {id(p): n for n, p in model.named_parameters()}
-        cfg = TrainConfig(pp=2, pp_schedule=schedule, num_microbatches=m, virtual_stages=v,
-                          global_batch_size=m, seq_len=8, device="cpu")
+        cfg = TrainConfig(
+            pp=2,
+            pp_schedule=schedule,
+            num_microbatches=m,
+            virtual_stages=v,
+            global_batch_size=m,
+            seq_len=8,
+            device="cpu",
+        )
         runner = build_pipeline(model, Mesh.build(pp=2), strategy_configs(cfg).pp)
         micro = BatchLoader(global_batch_size=m, seq_len=8, seed=0).microbatches(1, 0, 1, m)
         loss = runner.run(micro)
-        out[(schedule, m, v)] = (loss, {names[id(p)]: p.grad.clone()
-                                        for p in runner.module.parameters()})
+        out[(schedule, m, v)] = (loss, {names[id(p)]: p.grad.clone() for p in runner.module.parameters()})
     return out
 
 
@@ -151,6 +165,7 @@ def test_pipeline_under_nccl_rules_equals_one_rank(tmp_path):
     from llmlab.data import BatchLoader
     from llmlab.model.config import get_preset
     from llmlab.model.llama import LlamaForCausalLM
+
     cases = [("1f1b", 4, 1), ("interleaved", 4, 2)]
     res = llmlab.launch(_pp_rank, 2, str(tmp_path), cases, backend="gloo", timeout=300)
     mc = get_preset("tiny", num_hidden_layers=4)
@@ -175,12 +190,12 @@ def test_pipeline_under_nccl_rules_equals_one_rank(tmp_path):
 def test_the_nccl_rules_catch_a_circular_wait(tmp_path):
     """The layer itself: two ranks that both send before they receive hang, and are told so."""
     with pytest.raises(RankError, match="circular wait"):
-        llmlab.launch(_crossed_rank, 2, str(tmp_path), backend="gloo", timeout=120,
-                      log_dir=tmp_path / "logs")
+        llmlab.launch(_crossed_rank, 2, str(tmp_path), backend="gloo", timeout=120, log_dir=tmp_path / "logs")
 
 
 def _crossed_rank(folder):
     from llmlab.runtime import comm
+
     _install(folder)
     r = dist.get_rank()
     t, buf = torch.ones(4), torch.empty(4)
@@ -194,6 +209,7 @@ def _ring_attention_rank(folder, S):
 
     from llmlab.parallel.context_parallel import token_indices
     from llmlab.parallel.ring_attention import ring_attention
+
     _install(folder)
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
@@ -205,8 +221,10 @@ def _ring_attention_rank(folder, S):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref.backward(do)
-    return max((a - b[:, :, idx]).abs().max().item()
-               for a, b in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad)))
+    return max(
+        (a - b[:, :, idx]).abs().max().item()
+        for a, b in ((out, ref), (ql.grad, q.grad), (kl.grad, k.grad), (vl.grad, v.grad))
+    )
 
 
 def test_ring_attention_under_nccl_rules(tmp_path):

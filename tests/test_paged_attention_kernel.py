@@ -5,6 +5,7 @@ conftest sets ``TRITON_INTERPRET=1`` before triton is imported; this module sets
 alone). Shapes are tiny: the interpreter executes every program in numpy. Skipped only on
 platforms the ``kernels`` extra does not cover; where it does, a missing triton fails the import.
 """
+
 import os
 import random
 
@@ -17,34 +18,52 @@ if DEV == "cpu":
 from llmlab.kernels import TRITON_MARKER, triton_platform  # noqa: E402  (does not import triton)
 
 if not triton_platform():
-    pytest.skip(f"the kernels extra has no triton for this platform ({TRITON_MARKER})",
-                allow_module_level=True)
+    pytest.skip(
+        f"the kernels extra has no triton for this platform ({TRITON_MARKER})", allow_module_level=True
+    )
 import triton  # noqa: E402, F401  (installed by the dev/kernels extras here: missing is a failure)
 
 import llmlab.kernels as K  # noqa: E402
 import llmlab.kernels.paged_attention as kpa  # noqa: E402
 from llmlab.inference import LLM, SamplingParams  # noqa: E402
 from llmlab.inference import paged_attention as ipa  # noqa: E402
-from llmlab.inference.paged_attention import (paged_attention_reference, slot_mapping,  # noqa: E402
-                                              write_kv)
+from llmlab.inference.paged_attention import (  # noqa: E402
+    paged_attention_reference,
+    slot_mapping,
+    write_kv,
+)
 from llmlab.model.config import get_preset  # noqa: E402
 
-BF16_INTERPRETER = ("Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw uint16 "
-                    "bits (interpreter.py create_dot); bf16 is checked on GPU")
+BF16_INTERPRETER = (
+    "Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw uint16 "
+    "bits (interpreter.py create_dot); bf16 is checked on GPU"
+)
 
 
 @pytest.fixture(autouse=True)
 def kernels_default():
     if DEV == "cpu" and not kpa.INTERPRETED:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set: set it in the "
-                    "environment (or in the root conftest.py) or run this file alone")
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set: set it in the "
+            "environment (or in the root conftest.py) or run this file alone"
+        )
     old = K.disable()
     yield
     K.enable(**vars(old))
 
 
-def make_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype=torch.float32, seed=0,
-              share_first_block=False, strided=False):
+def make_case(
+    block_size,
+    H,
+    Hkv,
+    D,
+    ctx_lens,
+    query_lens,
+    dtype=torch.float32,
+    seed=0,
+    share_first_block=False,
+    strided=False,
+):
     """Random K/V written through shuffled block tables (padded with junk block ids), and the
     step's queries. ``share_first_block``: sequences 0 and 1 (equal prefixes) use the same first
     block, as prefix caching does. ``strided``: caches, queries and tables non-contiguous."""
@@ -52,9 +71,9 @@ def make_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype=torch.float32, 
     rng = random.Random(seed)
     nblk = [-(-c // block_size) for c in ctx_lens]
     num_blocks = sum(nblk) + 3
-    if strided:      # K and V interleaved in one buffer: cache strides are not contiguous ones
+    if strided:  # K and V interleaved in one buffer: cache strides are not contiguous ones
         kv = torch.zeros(num_blocks, block_size, Hkv, 2, D, dtype=dtype, device=DEV)
-        k_cache, v_cache = kv[:, :, :, 0], kv[:, :, :, 1]       # built on DEV: .to() would copy
+        k_cache, v_cache = kv[:, :, :, 0], kv[:, :, :, 1]  # built on DEV: .to() would copy
     else:
         k_cache = torch.zeros(num_blocks, block_size, Hkv, D, dtype=dtype, device=DEV)
         v_cache = torch.zeros_like(k_cache)
@@ -69,12 +88,17 @@ def make_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype=torch.float32, 
         first = first if first is not None else table[0]
         k = torch.randn(ctx, Hkv, D, generator=g).to(dtype)
         v = torch.randn(ctx, Hkv, D, generator=g).to(dtype)
-        if share_first_block and s == 1:      # the shared block holds sequence 0's tokens
+        if share_first_block and s == 1:  # the shared block holds sequence 0's tokens
             n = min(block_size, ctx)
-            k[:n] = k_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n].cpu()
-            v[:n] = v_cache.reshape(-1, Hkv, D)[first * block_size:first * block_size + n].cpu()
-        write_kv(k_cache, v_cache, k.to(DEV), v.to(DEV),
-                 torch.tensor(slot_mapping(table, range(ctx), block_size), device=DEV))
+            k[:n] = k_cache.reshape(-1, Hkv, D)[first * block_size : first * block_size + n].cpu()
+            v[:n] = v_cache.reshape(-1, Hkv, D)[first * block_size : first * block_size + n].cpu()
+        write_kv(
+            k_cache,
+            v_cache,
+            k.to(DEV),
+            v.to(DEV),
+            torch.tensor(slot_mapping(table, range(ctx), block_size), device=DEV),
+        )
         tables.append(table)
     width = max(nblk) + 1
     bt = torch.tensor([t + [rng.randrange(num_blocks) for _ in range(width - len(t))] for t in tables])
@@ -91,12 +115,15 @@ def ragged(bs):
     return [1, bs - 1, bs, bs + 1, 3 * bs + 5]
 
 
-@pytest.mark.parametrize("block_size,H,Hkv,D,block_n", [
-    (8, 2, 2, 32, 16),      # MHA, block_n spans two cache blocks
-    (16, 8, 2, 64, 64),     # GQA, 4 query heads per KV head
-    (32, 4, 1, 128, 16),    # MQA, block_n covers half a block
-    (16, 4, 2, 16, 32),     # the tiny preset's head_dim
-])
+@pytest.mark.parametrize(
+    "block_size,H,Hkv,D,block_n",
+    [
+        (8, 2, 2, 32, 16),  # MHA, block_n spans two cache blocks
+        (16, 8, 2, 64, 64),  # GQA, 4 query heads per KV head
+        (32, 4, 1, 128, 16),  # MQA, block_n covers half a block
+        (16, 4, 2, 16, 32),  # the tiny preset's head_dim
+    ],
+)
 def test_decode_matches_reference(block_size, H, Hkv, D, block_n):
     ctx = ragged(block_size)
     args = make_case(block_size, H, Hkv, D, ctx, [1] * len(ctx), seed=D)
@@ -115,8 +142,7 @@ def test_prefill_and_mixed_step_match_reference():
 
 
 def test_shared_block_and_strided_inputs():
-    args = make_case(8, 4, 2, 32, [11, 13, 5], [1, 1, 1], seed=5, share_first_block=True,
-                     strided=True)
+    args = make_case(8, 4, 2, 32, [11, 13, 5], [1, 1, 1], seed=5, share_first_block=True, strided=True)
     q, k_cache, _, bt = args[:4]
     assert bt[0, 0] == bt[1, 0] and not k_cache.is_contiguous() and not q.is_contiguous()
     assert bt.stride() != bt.contiguous().stride()
@@ -126,10 +152,13 @@ def test_shared_block_and_strided_inputs():
     assert not torch.allclose(out[0], out[1])
 
 
-@pytest.mark.parametrize("dtype", [
-    torch.float16,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEV == "cpu", reason=BF16_INTERPRETER)),
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEV == "cpu", reason=BF16_INTERPRETER)),
+    ],
+)
 def test_half_precision(dtype):
     args = make_case(16, 4, 2, 32, [3, 17, 40], [1, 1, 6], dtype=dtype, seed=7)
     out = kpa.paged_attention_triton(*args, block_n=32)
@@ -177,15 +206,16 @@ def test_dispatch_rule(monkeypatch):
     # default "auto": Triton on CUDA tensors, the reference on CPU tensors (even interpreted)
     torch.testing.assert_close(ipa.paged_attention(*args), ref, rtol=1e-5, atol=1e-5)
     assert len(calls) == (1 if DEV == "cuda" else 0)
-    with K.use(paged_attention="triton"):      # CPU: the interpreter runs it
+    with K.use(paged_attention="triton"):  # CPU: the interpreter runs it
         torch.testing.assert_close(ipa.paged_attention(*args), ref, rtol=1e-5, atol=1e-5)
     with K.use(paged_attention="reference"):
         torch.testing.assert_close(ipa.paged_attention(*args), ref, rtol=1e-5, atol=1e-5)
     assert len(calls) == (2 if DEV == "cuda" else 1)
     # "auto" leaves shapes the kernel cannot take to the reference
     assert not ipa.kernel_supports(torch.zeros(1, 1, 48), torch.zeros(1, 1, 1, 48))
-    assert not ipa.kernel_supports(torch.zeros(1, 1, 32, dtype=torch.float64),
-                                   torch.zeros(1, 1, 1, 32, dtype=torch.float64))
+    assert not ipa.kernel_supports(
+        torch.zeros(1, 1, 32, dtype=torch.float64), torch.zeros(1, 1, 1, 32, dtype=torch.float64)
+    )
     assert ipa.kernel_supports(torch.zeros(1, 1, 16), torch.zeros(1, 1, 1, 16))
     # the environment convention of llmlab.kernels
     assert K._from_env("0") == K.KernelSettings(paged_attention="reference")
@@ -198,7 +228,7 @@ def test_dispatch_rule(monkeypatch):
 
 def test_engine_with_kernel_generates_what_the_reference_does(monkeypatch):
     """The whole engine (prefill, decode, a prompt longer than a block) through the kernel."""
-    cfg = get_preset("tiny", num_hidden_layers=2, initializer_range=0.2)     # head_dim 16
+    cfg = get_preset("tiny", num_hidden_layers=2, initializer_range=0.2)  # head_dim 16
     prompts = ["ROMEO:", "a", "JULIET: O Romeo"]
     sp = SamplingParams(temperature=0, max_tokens=4)
     with K.use(paged_attention="reference"):
@@ -209,7 +239,7 @@ def test_engine_with_kernel_generates_what_the_reference_does(monkeypatch):
     with K.use(paged_attention="triton"):
         got = [o.outputs[0].token_ids for o in LLM(cfg, device=DEV, block_size=8).generate(prompts, sp)]
     assert got == want
-    assert len(calls) >= 2 * 4                   # two layers x (prefill + 3 decode steps)
+    assert len(calls) >= 2 * 4  # two layers x (prefill + 3 decode steps)
 
 
 COMPILE_FOR_SM90 = r"""
@@ -237,11 +267,13 @@ def test_kernel_compiles_for_hopper_without_a_gpu(tmp_path):
     through Triton's real compiler to an sm_90 cubin (ptxas ships with triton)."""
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)                  # a real compile, not a cache hit
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    r = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
@@ -249,6 +281,7 @@ def test_engine_step_with_prompt_and_decodes_is_one_kernel_call_per_layer(monkey
     """A request arriving while others decode makes a mixed step; the kernel takes the whole step
     in one call per layer (no padding to split around) and the tokens equal the reference's."""
     from llmlab.inference import LLMEngine
+
     cfg = get_preset("tiny", num_hidden_layers=2, initializer_range=0.2)
 
     def run(impl):
@@ -258,7 +291,7 @@ def test_engine_step_with_prompt_and_decodes_is_one_kernel_call_per_layer(monkey
             eng.add_request("ROMEO:", sp, request_id="a")
             eng.add_request("a", sp, request_id="b")
             eng.step(), eng.step()
-            eng.add_request("JULIET: O Romeo, Romeo", sp, request_id="c")   # joins two decodes
+            eng.add_request("JULIET: O Romeo, Romeo", sp, request_id="c")  # joins two decodes
             while eng.has_unfinished_requests():
                 eng.step()
             mixed = [m for m in eng.step_metrics if 0 < m.num_prefill_tokens < m.num_batched_tokens]

@@ -4,6 +4,7 @@ against torch.distributed.pipelining.Schedule1F1B.
 Process launches are expensive on the shared CPU box, so each rank function runs many
 configurations in one launch (a fresh Mesh per configuration, exactly what the trainer does).
 """
+
 import subprocess
 import sys
 
@@ -23,16 +24,35 @@ CASES_V1 = [(s, m) for s in ("gpipe", "1f1b") for m in (1, 4, 8)]
 
 
 def cfg_for(pp=1, schedule="1f1b", m=1, v=1, **kw):
-    return TrainConfig(pp=pp, pp_schedule=schedule, num_microbatches=m, virtual_stages=v,
-                       steps=kw.pop("steps", STEPS), global_batch_size=kw.pop("gb", GB),
-                       seq_len=T, device="cpu", **kw)
+    return TrainConfig(
+        pp=pp,
+        pp_schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=v,
+        steps=kw.pop("steps", STEPS),
+        global_batch_size=kw.pop("gb", GB),
+        seq_len=T,
+        device="cpu",
+        **kw,
+    )
 
 
 # --- schedules as data (no processes) -----------------------------------------------------------
-@pytest.mark.parametrize("schedule,p,m,v", [
-    ("gpipe", 2, 1, 1), ("gpipe", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 1, 1), ("1f1b", 4, 8, 1),
-    ("1f1b", 4, 3, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 4, 3),
-    ("interleaved", 2, 2, 4)])
+@pytest.mark.parametrize(
+    "schedule,p,m,v",
+    [
+        ("gpipe", 2, 1, 1),
+        ("gpipe", 4, 8, 1),
+        ("1f1b", 2, 4, 1),
+        ("1f1b", 4, 1, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 4, 3, 1),
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 4, 4, 3),
+        ("interleaved", 2, 2, 4),
+    ],
+)
 def test_schedule_simulates_to_theory(schedule, p, m, v):
     for t_f, t_b in ((1.0, 1.0), (1.0, 2.0)):  # p2p placed for these costs, then replayed
         sched = ps.build_schedule(schedule, p, m, v, t_f=t_f, t_b=t_b)
@@ -64,8 +84,10 @@ def test_no_schedule_deadlocks_when_sends_block():
                     sim = ps.simulate(ps.build_schedule(schedule, p, m, v), blocking_sends=True)
                     assert sim["bubble_fraction"] >= ps.bubble_fraction_theory(schedule, p, m, v) - 1e-9
     # the blocking model does find a circular wait that non-blocking sends hide
-    crossed = [[ps.Action(ps.SEND_ACT, 0, 0, 1), ps.Action(ps.F, 0, 1), ps.Action(ps.RECV_GRAD, 0, 0, 1)],
-               [ps.Action(ps.SEND_GRAD, 0, 0, 0), ps.Action(ps.B, 0, 1), ps.Action(ps.RECV_ACT, 0, 0, 0)]]
+    crossed = [
+        [ps.Action(ps.SEND_ACT, 0, 0, 1), ps.Action(ps.F, 0, 1), ps.Action(ps.RECV_GRAD, 0, 0, 1)],
+        [ps.Action(ps.SEND_GRAD, 0, 0, 0), ps.Action(ps.B, 0, 1), ps.Action(ps.RECV_ACT, 0, 0, 0)],
+    ]
     ps.simulate(crossed)
     with pytest.raises(RuntimeError, match="circular wait with blocking sends"):
         ps.simulate(crossed, blocking_sends=True)
@@ -79,32 +101,63 @@ def test_1f1b_phases_and_printing():
     assert ops3[:4] == ["F0", "B0", "F1", "B1"]
     text = ps.format_schedule(ps.build_schedule("gpipe", 2, 2), compute_only=False)
     assert text.splitlines()[1] == "rank 1: recv_act0<0 F0 recv_act1<0 F1 B0 send_grad0>0 B1 send_grad1>0"
-    bad = [[ps.Action(ps.RECV_ACT, 0, 0, 1), ps.Action(ps.F, 0, 0), ps.Action(ps.SEND_ACT, 0, 0, 1)],
-           [ps.Action(ps.RECV_ACT, 0, 0, 0), ps.Action(ps.F, 0, 0), ps.Action(ps.SEND_ACT, 0, 0, 0)]]
+    bad = [
+        [ps.Action(ps.RECV_ACT, 0, 0, 1), ps.Action(ps.F, 0, 0), ps.Action(ps.SEND_ACT, 0, 0, 1)],
+        [ps.Action(ps.RECV_ACT, 0, 0, 0), ps.Action(ps.F, 0, 0), ps.Action(ps.SEND_ACT, 0, 0, 0)],
+    ]
     with pytest.raises(RuntimeError, match="deadlock"):
         ps.simulate(bad)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(pp=3, tp=1), "pp=3 must divide num_hidden_layers=4"),
-    (dict(pp=4, pp_schedule="interleaved", virtual_stages=2, num_microbatches=4),
-     r"pp\*virtual_stages = 4\*2 = 8 must divide num_hidden_layers=4"),
-    (dict(pp=2, pp_schedule="interleaved", virtual_stages=2, num_microbatches=3, global_batch_size=6),
-     "num_microbatches=3 to be a multiple of pp=2"),
-    (dict(pp=2, pp_schedule="interleaved", virtual_stages=1, num_microbatches=2),
-     "needs --virtual-stages >= 2"),
-    (dict(pp=2, pp_schedule="1f1b", virtual_stages=2, num_microbatches=2),
-     "needs --pp-schedule interleaved"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(pp=3, tp=1), "pp=3 must divide num_hidden_layers=4"),
+        (
+            dict(pp=4, pp_schedule="interleaved", virtual_stages=2, num_microbatches=4),
+            r"pp\*virtual_stages = 4\*2 = 8 must divide num_hidden_layers=4",
+        ),
+        (
+            dict(pp=2, pp_schedule="interleaved", virtual_stages=2, num_microbatches=3, global_batch_size=6),
+            "num_microbatches=3 to be a multiple of pp=2",
+        ),
+        (
+            dict(pp=2, pp_schedule="interleaved", virtual_stages=1, num_microbatches=2),
+            "needs --virtual-stages >= 2",
+        ),
+        (
+            dict(pp=2, pp_schedule="1f1b", virtual_stages=2, num_microbatches=2),
+            "needs --pp-schedule interleaved",
+        ),
+    ],
+)
 def test_invalid_layouts_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         validate(TrainConfig(device="cpu", **kw))
 
 
 def test_cli_refuses_before_launch():
-    out = subprocess.run([sys.executable, "-m", "llmlab", "train", "--pp", "2", "--pp-schedule",
-                          "interleaved", "--virtual-stages", "2", "--num-microbatches", "1",
-                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmlab",
+            "train",
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "interleaved",
+            "--virtual-stages",
+            "2",
+            "--num-microbatches",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "num_microbatches=1 to be a multiple of pp=2" in out.stderr
 
@@ -145,8 +198,10 @@ def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
         out["train"][(schedule, m, v)] = rank_main(cfg_for(pp, schedule, m, v))
     for schedule, m in memory_cases:
         r = rank_main(cfg_for(pp, schedule, m, steps=1, gb=2 * m))
-        out["memory"][(schedule, m)] = (r["memory_bytes"]["activations_peak"],
-                                        r["pipeline"]["peak_inflight_microbatches"])
+        out["memory"][(schedule, m)] = (
+            r["memory_bytes"]["activations_peak"],
+            r["pipeline"]["peak_inflight_microbatches"],
+        )
 
     for m in torch_cases:
         mesh = Mesh.build(pp=pp)
@@ -158,8 +213,13 @@ def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
             sched = "gpipe" if kind == "ours_gpipe" else "1f1b"
             runner = build_pipeline(model, mesh, strategy_configs(cfg_for(pp, sched, m)).pp)
             if kind == "torch":
-                stage = PipelineStage(runner.module.chunks[0], mesh.coords["pp"], pp,
-                                      torch.device("cpu"), group=mesh.groups["pp"])
+                stage = PipelineStage(
+                    runner.module.chunks[0],
+                    mesh.coords["pp"],
+                    pp,
+                    torch.device("cpu"),
+                    group=mesh.groups["pp"],
+                )
                 loss_fn = lambda out_, y_: F_.cross_entropy(out_.flatten(0, -2), y_.flatten())
                 schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=loss_fn)
                 x = torch.cat([a for a, _ in micro])
@@ -183,8 +243,11 @@ def _pp_ranks(pp, cases, torch_cases, interleaved_mc=None, memory_cases=()):
             runner = build_pipeline(model, mesh, strategy_configs(cfg_for(pp, "interleaved", m, 2)).pp)
             micro = BatchLoader(global_batch_size=GB, seq_len=T, seed=0).microbatches(1, 0, 1, m)
             loss = runner.run(micro)
-            res[m] = (loss, {names[id(p)]: p.grad.clone() for p in runner.module.parameters()},
-                      runner.stats())
+            res[m] = (
+                loss,
+                {names[id(p)]: p.grad.clone() for p in runner.module.parameters()},
+                runner.stats(),
+            )
         out["interleaved_grads"] = res
     return out
 
@@ -204,8 +267,9 @@ def _check_torch_grads(results, pp, m):
         assert res["torch"].keys() == res["ours_1f1b"].keys() and res["torch"]
         for name, g in res["torch"].items():
             for kind in ("ours_1f1b", "ours_gpipe"):
-                torch.testing.assert_close(res[kind][name], g, rtol=1e-4, atol=1e-6,
-                                           msg=f"{kind} {name} pp={pp} m={m}")
+                torch.testing.assert_close(
+                    res[kind][name], g, rtol=1e-4, atol=1e-6, msg=f"{kind} {name} pp={pp} m={m}"
+                )
 
 
 def test_pp2_all_schedules_equal_one_rank_and_torch():
@@ -216,7 +280,7 @@ def test_pp2_all_schedules_equal_one_rank_and_torch():
     _check_losses(results, refs, 2)
     _check_torch_grads(results, 2, 4)
     # metrics as the trainer assembles them
-    for (schedule, m, v) in cases:
+    for schedule, m, v in cases:
         met = assemble_metrics(cfg_for(2, schedule, m, v), [r["train"][(schedule, m, v)] for r in results])
         pl = met["pipeline"]
         assert pl["schedule"] == schedule
@@ -250,8 +314,10 @@ def test_pp4_schedules_equal_one_rank_and_torch_and_interleaved_grads():
     _check_torch_grads(results, 4, 4)
     for m in (4, 8):
         ref = _reference_grads(mc8, m)
-        ref_loss = sum(llmlab.LlamaForCausalLM(mc8, seed=0)(x, y).item() / m for x, y in
-                       BatchLoader(global_batch_size=GB, seq_len=T, seed=0).microbatches(1, 0, 1, m))
+        ref_loss = sum(
+            llmlab.LlamaForCausalLM(mc8, seed=0)(x, y).item() / m
+            for x, y in BatchLoader(global_batch_size=GB, seq_len=T, seed=0).microbatches(1, 0, 1, m)
+        )
         names = set()
         for r, res in enumerate(results):
             loss, grads, stats = res["interleaved_grads"][m]
@@ -263,5 +329,3 @@ def test_pp4_schedules_equal_one_rank_and_torch_and_interleaved_grads():
             names |= grads.keys()
             assert stats["bubble_fraction_theory"] == pytest.approx(3 / (2 * m + 3))
         assert names == set(ref)  # every parameter lives on exactly one rank
-
-

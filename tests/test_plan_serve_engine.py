@@ -2,6 +2,7 @@
 predicts equal the engine's own, exactly, at the same block size and memory, on the shipped model
 and on Hugging Face Llama (explicit head_dim) and Qwen2 (GQA, sliding window) checkpoints; the
 decode step-time model orders two far-apart points as the engine measures them."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,12 +11,27 @@ import transformers
 
 from llmlab.inference.loader import shipped_model_dir
 from llmlab.planner.serve_spec import serve_model_from_hf_config
-from llmlab.planner.serve_validate import (calibrate_serving, engine_kv_pool, measure_decode_step,
-                                           predict_decode_step, predicted_kv_pool, spearman)
+from llmlab.planner.serve_validate import (
+    calibrate_serving,
+    engine_kv_pool,
+    measure_decode_step,
+    predict_decode_step,
+    predicted_kv_pool,
+    spearman,
+)
 
-COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              eos_token_id=None, bos_token_id=1, pad_token_id=0)
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=1,
+    pad_token_id=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +40,21 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_hf")
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, head_dim=32))
     llama.save_pretrained(str(root / "llama"))
-    qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        **COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1,
-        tie_word_embeddings=False))
+    qwen = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **COMMON,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+        )
+    )
     qwen.save_pretrained(str(root / "qwen2"))
-    return {"shakespeare": str(shipped_model_dir("shakespeare")), "llama": str(root / "llama"),
-            "qwen2": str(root / "qwen2")}
+    return {
+        "shakespeare": str(shipped_model_dir("shakespeare")),
+        "llama": str(root / "llama"),
+        "qwen2": str(root / "qwen2"),
+    }
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -39,7 +64,9 @@ def test_kv_pool_and_concurrency_equal_the_engine(checkpoints, name, block_size)
     engine = engine_kv_pool(path, block_size, budget, max_len, seq_len)
     model = serve_model_from_hf_config(path)
     assert model.to_dict() | {"name": ""} == engine["model"].to_dict() | {
-        "name": "", "max_position": model.max_position}             # the same shape read two ways
+        "name": "",
+        "max_position": model.max_position,
+    }  # the same shape read two ways
     pred = predicted_kv_pool(model, block_size, budget, max_len, seq_len)
     assert pred["num_blocks"] == engine["num_blocks"]
     assert pred["kv_tokens"] * pred["kv_bytes_per_token"] == engine["kv_cache_bytes"]

@@ -1,4 +1,5 @@
 """Mixed precision (fp32 master weights, loss scaling) and activation checkpointing."""
+
 import math
 
 import pytest
@@ -60,6 +61,7 @@ def test_a_forced_nonfinite_gradient_is_skipped_in_fp32_and_bf16(dtype, monkeypa
     clipping never sees the inf norm, and the losses after it stay finite; the metrics file is
     strict JSON."""
     import json
+
     kw = dict(steps=4, seed=3, dtype=dtype, grad_clip=1.0, global_batch_size=4, seq_len=32)
     clean = llmlab.train(TrainConfig(**kw), progress=False)
     monkeypatch.setenv("LLMLAB_FORCE_OVERFLOW", "0:2")
@@ -69,23 +71,27 @@ def test_a_forced_nonfinite_gradient_is_skipped_in_fp32_and_bf16(dtype, monkeypa
     assert m["steps"][1]["grad_norm"] is None and m["steps"][2]["grad_norm"] > 0
     losses = _losses(m)
     assert all(isinstance(v, float) and math.isfinite(v) for v in losses), losses
-    assert losses[:2] == _losses(clean)[:2]           # the fault is in step 2's gradient only
-    assert losses[2] != _losses(clean)[2]             # step 2's update was not applied
+    assert losses[:2] == _losses(clean)[:2]  # the fault is in step 2's gradient only
+    assert losses[2] != _losses(clean)[2]  # step 2's update was not applied
     json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in the metrics file"))
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_naming_the_flag(monkeypatch):
     monkeypatch.setenv("LLMLAB_FORCE_OVERFLOW", "0:1")
     with pytest.raises(Exception, match="--max-consecutive-skips 1"):
-        llmlab.train(TrainConfig(steps=2, global_batch_size=2, seq_len=16, max_consecutive_skips=1),
-                     progress=False)
+        llmlab.train(
+            TrainConfig(steps=2, global_batch_size=2, seq_len=16, max_consecutive_skips=1), progress=False
+        )
 
 
 def test_metrics_are_strict_json_with_nonfinite_flagged():
     from llmlab.metrics.schema import strict_json
     from llmlab.training.grad_norm import clip_
+
     rec = strict_json({"steps": [{"loss": float("nan"), "grad_norm": None, "x": [1.0, float("inf")]}]})
-    assert rec == {"steps": [{"loss": None, "grad_norm": None, "x": [1.0, None], "nonfinite": {"loss": "nan"}}]}
+    assert rec == {
+        "steps": [{"loss": None, "grad_norm": None, "x": [1.0, None], "nonfinite": {"loss": "nan"}}]
+    }
     json_text = __import__("json").dumps(rec, allow_nan=False)
     assert "NaN" not in json_text
     g = torch.ones(3)

@@ -1,4 +1,5 @@
 """Weight-only int8: bytes, error bound per weight, perplexity change on the corpus."""
+
 import torch
 
 from llmlab.data import ByteTokenizer, load_corpus
@@ -26,7 +27,7 @@ def test_quantized_model_weight_bytes_and_perplexity():
     quantize_int8(model)
     after = linear_weight_bytes(model)
     cfg = get_preset("tiny")
-    head = cfg.vocab_size * cfg.hidden_size * 4           # lm_head stays fp32
+    head = cfg.vocab_size * cfg.hidden_size * 4  # lm_head stays fp32
     rows = sum(m.out_features for m in model.modules() if isinstance(m, Int8Linear))
     assert after == (before - head) // 4 + 4 * rows + head
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * cfg.num_hidden_layers

@@ -1,6 +1,7 @@
 """Qwen2.5-VL: the vision tower, M-RoPE and the processor against transformers, and images
 through the engine (paged KV, chunked prefill, prefix caching, preemption) on a small random
 checkpoint saved with transformers."""
+
 import io
 
 import numpy as np
@@ -12,31 +13,52 @@ from llmlab.inference import LLM, SamplingParams
 from llmlab.inference.image_processor import ImageError, load_image, process_image, smart_resize
 from llmlab.model.mrope import mrope_positions
 
-IMG, START, END = 255, 254, 253         # token ids of <|image_pad|>, <|vision_start|>, <|vision_end|>
+IMG, START, END = 255, 254, 253  # token ids of <|image_pad|>, <|vision_start|>, <|vision_end|>
 MAX_PIXELS = 28 * 28 * 20
 N_NEW = 6
 
 
 def _images():
     rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8))
-            for shape in ((90, 130, 3), (200, 60, 3), (64, 64, 3))]
+    return [
+        Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8))
+        for shape in ((90, 130, 3), (200, 60, 3), (64, 64, 3))
+    ]
 
 
 def save_tiny_qwen2_5_vl(path):
     """A small random Qwen2.5-VL written by transformers to ``path``; returns the HF model.
     Byte vocabulary (256): the image tokens are bytes UTF-8 never produces."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}, initializer_range=0.1),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],
-                           initializer_range=0.1),
-        image_token_id=IMG, video_token_id=252, vision_start_token_id=START,
-        vision_end_token_id=END, initializer_range=0.1)
+        text_config=dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            initializer_range=0.1,
+        ),
+        vision_config=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            initializer_range=0.1,
+        ),
+        image_token_id=IMG,
+        video_token_id=252,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        initializer_range=0.1,
+    )
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     model.save_pretrained(path)
@@ -49,16 +71,19 @@ def ckpt(tmp_path_factory):
     return path, save_tiny_qwen2_5_vl(path)
 
 
-CASES = [([1, 2, 3, 4], []),                                         # no image
-         ([1, 2, START, IMG, END, 5, 6], [0]),                        # one image
-         ([1, START, IMG, END, 9, START, IMG, END, 7], [0, 1])]       # two, other sizes/aspects
+CASES = [
+    ([1, 2, 3, 4], []),  # no image
+    ([1, 2, START, IMG, END, 5, 6], [0]),  # one image
+    ([1, START, IMG, END, 9, START, IMG, END, 7], [0, 1]),
+]  # two, other sizes/aspects
 
 
 def _hf_processor():
-    try:                                  # transformers 5: the PIL backend has its own class
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
-            Qwen2VLImageProcessorPil as Processor
-    except ImportError:                   # transformers 4: the slow processor is the PIL one
+    try:  # transformers 5: the PIL backend has its own class
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:  # transformers 4: the slow processor is the PIL one
         from transformers import Qwen2VLImageProcessor as Processor
     return Processor(min_pixels=56 * 56, max_pixels=MAX_PIXELS)
 
@@ -77,16 +102,21 @@ def expected(ckpt):
             kw = dict(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
         t = torch.tensor([x])
         with torch.no_grad():
-            g = hf.generate(t, mm_token_type_ids=(t == IMG).int(), max_new_tokens=N_NEW,
-                            do_sample=False, **kw)
-        out.append(g[0, len(x):].tolist())
+            g = hf.generate(
+                t, mm_token_type_ids=(t == IMG).int(), max_new_tokens=N_NEW, do_sample=False, **kw
+            )
+        out.append(g[0, len(x) :].tolist())
     return out
 
 
 def _prompts(which_images=None):
     imgs = _images()
-    return [{"prompt_token_ids": ids, "multi_modal_data": {"image": [imgs[i] for i in w]}} if w
-            else {"prompt_token_ids": ids} for ids, w in CASES]
+    return [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": [imgs[i] for i in w]}}
+        if w
+        else {"prompt_token_ids": ids}
+        for ids, w in CASES
+    ]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
@@ -97,8 +127,9 @@ def test_processor_matches_transformers():
     ref = _hf_processor()(imgs, return_tensors="pt")
     mine = [process_image(im, 56 * 56, MAX_PIXELS) for im in imgs]
     assert torch.equal(ref["image_grid_thw"], torch.tensor([m.grid_thw for m in mine]))
-    torch.testing.assert_close(torch.cat([m.pixel_values for m in mine]), ref["pixel_values"],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([m.pixel_values for m in mine]), ref["pixel_values"], atol=1e-5, rtol=0
+    )
     # the token count follows the resize rule exactly, and halving max_pixels about halves it
     h, w = smart_resize(1080, 1920, 28, 56 * 56, 1_000_000)
     big = process_image(Image.new("RGB", (1920, 1080)), 56 * 56, 1_000_000)
@@ -123,13 +154,14 @@ def test_mrope_positions_match_get_rope_index(ckpt):
 def test_greedy_matches_transformers(ckpt, expected):
     path, _ = ckpt
     assert len({tuple(e) for e in expected}) == 3
-    for kw in (dict(block_size=16),
-               dict(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=7,
-                    enable_prefix_caching=True)):
+    for kw in (
+        dict(block_size=16),
+        dict(block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=7, enable_prefix_caching=True),
+    ):
         llm = LLM(str(path), max_pixels=MAX_PIXELS, check_invariants=True, **kw)
-        outs = llm.generate(_prompts() * 2, GREEDY)         # a mixed text/image batch, twice
+        outs = llm.generate(_prompts() * 2, GREEDY)  # a mixed text/image batch, twice
         assert [o.outputs[0].token_ids for o in outs] == expected * 2, kw
-        n_img = [15, 14]                                      # tokens of images 0 and 1
+        n_img = [15, 14]  # tokens of images 0 and 1
         assert len(outs[1].prompt_token_ids) == 6 + n_img[0]
         assert len(outs[2].prompt_token_ids) == 7 + n_img[0] + n_img[1]
 
@@ -142,25 +174,38 @@ def test_images_change_the_output_and_every_source_works(ckpt, tmp_path):
     img.save(f)
     ids = CASES[1][0]
     other = {"prompt_token_ids": ids, "multi_modal_data": {"image": _images()[2]}}
-    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": src}}
-                         for src in (img, str(f), f.read_bytes())] + [other], GREEDY)
+    outs = llm.generate(
+        [
+            {"prompt_token_ids": ids, "multi_modal_data": {"image": src}}
+            for src in (img, str(f), f.read_bytes())
+        ]
+        + [other],
+        GREEDY,
+    )
     toks = [o.outputs[0].token_ids for o in outs]
     assert toks[0] == toks[1] == toks[2] != toks[3]
 
 
 def test_chunked_prefill_encodes_each_image_once_and_survives_preemption(ckpt, expected):
     path, _ = ckpt
-    llm = LLM(str(path), max_pixels=MAX_PIXELS, block_size=4, enable_chunked_prefill=True,
-              max_num_batched_tokens=5, num_gpu_blocks=12, check_invariants=True)
+    llm = LLM(
+        str(path),
+        max_pixels=MAX_PIXELS,
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=5,
+        num_gpu_blocks=12,
+        check_invariants=True,
+    )
     model = llm.engine.runner.model
     calls = []
     orig = model.encode_images
     model.encode_images = lambda pv, g: calls.append(g.tolist()) or orig(pv, g)
     out = llm.generate(_prompts()[2], GREEDY)[0]
     assert out.outputs[0].token_ids == expected[2]
-    assert calls == [[[1, 6, 10]], [[1, 14, 4]]]               # once per image, split over steps
+    assert calls == [[[1, 6, 10]], [[1, 14, 4]]]  # once per image, split over steps
     calls.clear()
-    outs = llm.generate(_prompts()[1:] * 2, GREEDY)            # too little cache: preemption
+    outs = llm.generate(_prompts()[1:] * 2, GREEDY)  # too little cache: preemption
     assert [o.outputs[0].token_ids for o in outs] == expected[1:] * 2
     assert sum(o.metrics.num_preemptions for o in outs) > 0
 
@@ -172,11 +217,11 @@ def test_prefix_cache_shares_the_same_image_never_a_different_one(ckpt, expected
     first, second = (llm.generate(p, GREEDY)[0] for _ in range(2))
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected[1]
     assert first.metrics.num_prefix_cached_tokens == 0
-    assert second.metrics.num_prefix_cached_tokens == 20         # 5 full blocks of 21 tokens
+    assert second.metrics.num_prefix_cached_tokens == 20  # 5 full blocks of 21 tokens
     other = dict(p, multi_modal_data={"image": _images()[2].resize((130, 90))})
     third = llm.generate(other, GREEDY)[0]
     assert len(third.prompt_token_ids) == len(first.prompt_token_ids)
-    assert third.metrics.num_prefix_cached_tokens == 0          # the image starts in block 0
+    assert third.metrics.num_prefix_cached_tokens == 0  # the image starts in block 0
     fresh = LLM(str(path), max_pixels=MAX_PIXELS).generate(other, GREEDY)[0]
     assert third.outputs[0].token_ids == fresh.outputs[0].token_ids != first.outputs[0].token_ids
 
@@ -193,8 +238,7 @@ def test_bad_images_are_refused_by_name(ckpt):
     ids = [1, START, IMG, END]
 
     def err(images, ids=ids):
-        return llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
-                            GREEDY)[0].error
+        return llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY)[0].error
 
     assert "not an image" in err(b"hello, not a PNG")
     assert "truncated" in err(_png_bytes()[:60])
@@ -210,24 +254,37 @@ def test_bad_images_are_refused_by_name(ckpt):
 
 def test_text_only_model_refuses_images():
     from llmlab.model.config import get_preset
+
     llm = LLM(get_preset("tiny"))
-    out = llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": _png_bytes()}},
-                       GREEDY)[0]
+    out = llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": _png_bytes()}}, GREEDY)[0]
     assert "text-only" in out.error
 
 
 def test_qwen2_vl_checkpoint_matches_transformers(tmp_path):
     """Qwen2-VL (LayerNorm, QuickGELU, no windows) loads into the same model."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
     cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}, initializer_range=0.1),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2,
-                           initializer_range=0.1),
-        image_token_id=IMG, video_token_id=252, vision_start_token_id=START,
-        vision_end_token_id=END, initializer_range=0.1)
+        text_config=dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            initializer_range=0.1,
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, initializer_range=0.1
+        ),
+        image_token_id=IMG,
+        video_token_id=252,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        initializer_range=0.1,
+    )
     torch.manual_seed(0)
     hf = Qwen2VLForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path)
@@ -237,10 +294,19 @@ def test_qwen2_vl_checkpoint_matches_transformers(tmp_path):
     counts = iter((ref["image_grid_thw"].prod(-1) // 4).tolist())
     x = torch.tensor([[t for tok in ids for t in ([IMG] * next(counts) if tok == IMG else [tok])]])
     with torch.no_grad():
-        want = hf.generate(x, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
-                           mm_token_type_ids=(x == IMG).int(), max_new_tokens=N_NEW,
-                           do_sample=False)[0, x.shape[1]:].tolist()
-    out = LLM(str(tmp_path), max_pixels=MAX_PIXELS, block_size=4, enable_chunked_prefill=True,
-              max_num_batched_tokens=9).generate(
-        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
+        want = hf.generate(
+            x,
+            pixel_values=ref["pixel_values"],
+            image_grid_thw=ref["image_grid_thw"],
+            mm_token_type_ids=(x == IMG).int(),
+            max_new_tokens=N_NEW,
+            do_sample=False,
+        )[0, x.shape[1] :].tolist()
+    out = LLM(
+        str(tmp_path),
+        max_pixels=MAX_PIXELS,
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=9,
+    ).generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
     assert out.outputs[0].token_ids == want

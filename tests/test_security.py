@@ -4,6 +4,7 @@ The attacker tests play someone on the same node or network: one overwrites a ra
 rendezvous store of a real launch with a pickle that would create a file; one hands over a
 checkpoint whose shard is such a pickle, with a CRC32 and size in metadata.json that match.
 """
+
 import json
 import os
 import pickle
@@ -73,8 +74,10 @@ def test_a_forged_result_in_the_store_of_a_real_launch_is_rejected_unexecuted(tm
     evil = tmp_path / "evil.pickle"
     evil.write_bytes(pickle.dumps(_Payload(created)))
     done = tmp_path / "done"
-    attacker = subprocess.Popen([sys.executable, "-c", _ATTACKER, str(os.getpid()), str(evil), str(done)],
-                                env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", _ATTACKER, str(os.getpid()), str(evil), str(done)],
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     try:
         with pytest.raises(ForgedValueError) as info:
             llmlab.launch(_rank0_returns_rank1_waits, 2, str(done), backend="gloo", timeout=150)
@@ -83,7 +86,7 @@ def test_a_forged_result_in_the_store_of_a_real_launch_is_rejected_unexecuted(tm
         attacker.kill()
         attacker.wait()
     assert done.read_text() == "overwritten"  # the attack really happened...
-    assert not created.exists()               # ...and none of it ran
+    assert not created.exists()  # ...and none of it ran
     assert info.value.rank == 0 and info.value.key == "res/0"
     assert "rank 0" in str(info.value) and "'res/0'" in str(info.value) and "forged" in str(info.value)
 
@@ -111,7 +114,8 @@ def test_torchrun_json_encoding_round_trips_exactly_and_refuses_the_rest():
 
 def test_under_torchrun_results_are_json_without_a_secret_and_authenticated_pickles_with_one(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         import torch, torch.distributed as dist
         import llmlab
@@ -130,12 +134,17 @@ def test_under_torchrun_results_are_json_without_a_secret_and_authenticated_pick
         assert [t.tolist() for t in out] == [[0.0, 0.0], [1.0, 1.0]], out
         print("PICKLED", flush=True)
         dist.destroy_process_group()
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMLAB_SECRET")}
     env.update(PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("REFUSED") == 2 and proc.stdout.count("PICKLED") == 2
 
@@ -162,8 +171,15 @@ def test_a_checkpoint_shard_that_is_a_pickle_is_refused_by_resume_without_runnin
     old = ckpt / "step_00000003"
     old.mkdir()
     (old / "rank00000.pt").write_bytes(evil)
-    (old / "metadata.json").write_text(json.dumps(
-        meta | {"step": 3, "files": {"rank00000.pt": {"crc32": _crc32(evil), "bytes": len(evil), "tensors": {}}}}))
+    (old / "metadata.json").write_text(
+        json.dumps(
+            meta
+            | {
+                "step": 3,
+                "files": {"rank00000.pt": {"crc32": _crc32(evil), "bytes": len(evil), "tensors": {}}},
+            }
+        )
+    )
     with pytest.raises(CheckpointError, match="rank00000.pt: refused"):
         verify(old)
     msgs = []
@@ -186,18 +202,24 @@ def test_no_module_unpickles_what_a_peer_or_a_file_sends():
     fork server's local pipe (as the launcher sends a rank its function)."""
     import re
     from pathlib import Path
+
     root = Path(__file__).parents[1] / "llmlab"
-    banned = re.compile(r"\b(broadcast_object_list|all_gather_object|gather_object|scatter_object_list|"
-                        r"send_object_list|recv_object_list|torch\.load|pickle\.load)\s*\(")
-    allowed = {("runtime/launch.py", "cloudpickle.loads"),
-               ("inference/tensor_parallel.py", "cloudpickle.loads(payload)")}
+    banned = re.compile(
+        r"\b(broadcast_object_list|all_gather_object|gather_object|scatter_object_list|"
+        r"send_object_list|recv_object_list|torch\.load|pickle\.load)\s*\("
+    )
+    allowed = {
+        ("runtime/launch.py", "cloudpickle.loads"),
+        ("inference/tensor_parallel.py", "cloudpickle.loads(payload)"),
+    }
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if re.search(r"pickle\.loads\(", code) and not any(
-                    rel == f and pat in code for f, pat in allowed):
+                rel == f and pat in code for f, pat in allowed
+            ):
                 found.append(f"{rel}:{n}: {line.strip()}")
             if banned.search(code):
                 found.append(f"{rel}:{n}: {line.strip()}")
@@ -207,8 +229,13 @@ def test_no_module_unpickles_what_a_peer_or_a_file_sends():
 def test_broadcast_message_carries_data_and_tensors_and_refuses_bad_headers():
     import torch
     from llmlab.runtime.messages import _flatten, _dtype
-    msg = {"op": "step", "rows": [1, 2], "dtype": torch.bfloat16,
-           "batch": {"ids": torch.arange(5), "mask": torch.ones(2, 3, dtype=torch.bool), "p": True}}
+
+    msg = {
+        "op": "step",
+        "rows": [1, 2],
+        "dtype": torch.bfloat16,
+        "batch": {"ids": torch.arange(5), "mask": torch.ones(2, 3, dtype=torch.bool), "p": True},
+    }
     out = llmlab.launch(_roundtrip, 2, msg, backend="gloo")
     for got in out:
         assert got["op"] == "step" and got["rows"] == [1, 2] and got["dtype"] == torch.bfloat16
@@ -223,4 +250,5 @@ def test_broadcast_message_carries_data_and_tensors_and_refuses_bad_headers():
 def _roundtrip(msg):
     import torch.distributed as dist
     from llmlab.runtime.messages import broadcast_message
+
     return broadcast_message(msg if dist.get_rank() == 0 else None, src=0)

@@ -1,5 +1,6 @@
 """`llmlab doctor --selftest --quick`: every named check runs in its own process on this machine,
 none fails, and the JSON report has the documented shape; a hung check is a FAIL."""
+
 import json
 import os
 import time
@@ -11,11 +12,24 @@ from llmlab.cli import main
 from llmlab.kernels import cpu_fused, cpu_isa, cpu_linear, cpu_paged_attention
 from llmlab.selftest import CHECKS, FAIL, PASS, SKIP, run_check, run_check_here, runner
 
-NAMED = ["flash_attention_fwd", "flash_attention_bwd", "fused_rmsnorm", "fused_swiglu",
-         "paged_attention_decode", "paged_attention_prefill", "cpu_packed_linear",
-         "cpu_paged_attention", "cpu_fused_ops", "engine_greedy_vs_hf",
-         "engine_device_vs_cpu", "train_one_device", "train_layouts", "collectives", "mfu",
-         "paged_attention_bandwidth"]
+NAMED = [
+    "flash_attention_fwd",
+    "flash_attention_bwd",
+    "fused_rmsnorm",
+    "fused_swiglu",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "cpu_packed_linear",
+    "cpu_paged_attention",
+    "cpu_fused_ops",
+    "engine_greedy_vs_hf",
+    "engine_device_vs_cpu",
+    "train_one_device",
+    "train_layouts",
+    "collectives",
+    "mfu",
+    "paged_attention_bandwidth",
+]
 
 
 def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
@@ -43,8 +57,11 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
     assert c["mfu"]["achieved_flops"] > 0 and (c["mfu"]["peak_flops"] is None) == (not gpu)
     assert c["paged_attention_bandwidth"]["bandwidth_GBps"] > 0
     # the CPU fast paths say which path ran: the one this CPU's level chooses
-    assert c["cpu_packed_linear"]["paths"] == {"fp32": "onednn", "bf16": cpu_linear.path(torch.bfloat16),
-                                               "fp16": cpu_linear.path(torch.float16)}
+    assert c["cpu_packed_linear"]["paths"] == {
+        "fp32": "onednn",
+        "bf16": cpu_linear.path(torch.bfloat16),
+        "fp16": cpu_linear.path(torch.float16),
+    }
     for name in ("cpu_paged_attention", "cpu_fused_ops"):
         assert c[name]["build_isa"] == c[name]["cpu_isa"] == cpu_isa.cpu_isa(), name
         assert f"C++ build {cpu_isa.cpu_isa()};" in c[name]["detail"]
@@ -87,8 +104,12 @@ def _children() -> set:
                 cmd = open(f"/proc/{pid}/cmdline").read()
             except OSError:
                 continue
-            if (int(stat[1]) == me and "forkserver" not in cmd and "resource_tracker" not in cmd
-                    and stat[0] != "Z"):
+            if (
+                int(stat[1]) == me
+                and "forkserver" not in cmd
+                and "resource_tracker" not in cmd
+                and stat[0] != "Z"
+            ):
                 out.add(int(pid))
     return out
 
@@ -102,7 +123,13 @@ def test_selftest_json_has_the_contract_keys(tmp_path):
     assert list(report["checks"]) == ["fused_rmsnorm"]
     r = report["checks"]["fused_rmsnorm"]
     assert r["status"] in (PASS, SKIP) and isinstance(r["seconds"], float) and r["seconds"] > 0
-    assert report["machine"]["cpu_cores"] >= 1 and set(report) == {"checks", "machine", "quick", "seconds", "ok"}
+    assert report["machine"]["cpu_cores"] >= 1 and set(report) == {
+        "checks",
+        "machine",
+        "quick",
+        "seconds",
+        "ok",
+    }
 
 
 def test_a_broken_cpu_fast_path_fails_its_check_and_the_doctor(monkeypatch, capsys):
@@ -114,14 +141,20 @@ def test_a_broken_cpu_fast_path_fails_its_check_and_the_doctor(monkeypatch, caps
     monkeypatch.setattr(cpu_fused, "silu_mul", lambda g, u: silu_mul(g, u) * 1.01)
     monkeypatch.setattr(cpu_paged_attention, "paged_attention_cpu", lambda *a: paged(*a) * 1.01)
     monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: F.linear(x, w, b) + 0.01)
-    broken = {name: run_check_here(name, quick=True) for name in
-              ("cpu_packed_linear", "cpu_paged_attention", "cpu_fused_ops")}
+    broken = {
+        name: run_check_here(name, quick=True)
+        for name in ("cpu_packed_linear", "cpu_paged_attention", "cpu_fused_ops")
+    }
     assert all(r["status"] == FAIL for r in broken.values()), broken
-    assert "silu_mul" in broken["cpu_fused_ops"]["reason"] and "rms_norm" not in broken["cpu_fused_ops"]["reason"]
+    assert (
+        "silu_mul" in broken["cpu_fused_ops"]["reason"]
+        and "rms_norm" not in broken["cpu_fused_ops"]["reason"]
+    )
     assert "fp32 D64" in broken["cpu_paged_attention"]["reason"]
     assert "fp32 x1" in broken["cpu_packed_linear"]["reason"]
     # the doctor's verdict (its checks run here, in this process, so that they see the broken kernel)
-    monkeypatch.setattr(runner, "run_check", lambda name, quick, timeout=None: {**run_check_here(name, quick),
-                                                                               "seconds": 0.1})
+    monkeypatch.setattr(
+        runner, "run_check", lambda name, quick, timeout=None: {**run_check_here(name, quick), "seconds": 0.1}
+    )
     assert main(["doctor", "--selftest", "--quick", "--check", "cpu_fused_ops"]) == 1
     assert "FAIL  cpu_fused_ops" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 the engine's greedy text (which equals transformers', tests/test_qwen2_5_vl.py), usage counts
 the image tokens, max_pixels caps them, and every bad image is a 400 naming the problem with
 nothing left behind."""
+
 from __future__ import annotations
 
 import base64
@@ -34,16 +35,29 @@ def setup(tmp_path_factory):
     (media / "a.png").write_bytes(_png())
     (root / "secret.png").write_bytes(_png())
     os.symlink(root / "secret.png", media / "link.png")
-    with start_server(str(root / "model"), served_model_name="vl", max_pixels=MAX_PIXELS,
-                      allowed_local_media_path=str(media), limit_mm_per_prompt=2,
-                      max_image_pixels=200_000, block_size=4, enable_prefix_caching=True,
-                      num_gpu_blocks=64) as s:
+    with start_server(
+        str(root / "model"),
+        served_model_name="vl",
+        max_pixels=MAX_PIXELS,
+        allowed_local_media_path=str(media),
+        limit_mm_per_prompt=2,
+        max_image_pixels=200_000,
+        block_size=4,
+        enable_prefix_caching=True,
+        num_gpu_blocks=64,
+    ) as s:
         yield s, root, media
 
 
 def _chat(server, parts, **extra):
-    body = {"model": "vl", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": parts}], **extra}
+    body = {
+        "model": "vl",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": parts}],
+        **extra,
+    }
     return _post(server.url + "/v1/chat/completions", body)
 
 
@@ -56,8 +70,12 @@ def _data(b: bytes) -> str:
 
 
 def _idle(server) -> bool:
-    return all(not e.engine.has_unfinished_requests() and not e.engine.requests
-               and e.engine.block_manager.num_used_blocks == 0 for e in server.engines)
+    return all(
+        not e.engine.has_unfinished_requests()
+        and not e.engine.requests
+        and e.engine.block_manager.num_used_blocks == 0
+        for e in server.engines
+    )
 
 
 def test_base64_and_file_urls_give_the_engines_text(setup):
@@ -68,10 +86,12 @@ def test_base64_and_file_urls_give_the_engines_text(setup):
     code, by_path = _chat(server, [_img(f"file://{media}/a.png"), text])
     assert code == 200, by_path
     # the same prompt through LLM.generate: the plain template's "user: <image>what is it?\n"
-    ids = (list(b"user: ") + [START, IMG, END] + list(b"what is it?\nassistant:"))
+    ids = list(b"user: ") + [START, IMG, END] + list(b"what is it?\nassistant:")
     llm = LLM(str(root / "model"), max_pixels=MAX_PIXELS)
-    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": _png()}},
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": _png()}},
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )[0]
     want = out.outputs[0].text
     assert by_data["choices"][0]["message"]["content"] == want
     assert by_path["choices"][0]["message"]["content"] == want
@@ -80,8 +100,9 @@ def test_base64_and_file_urls_give_the_engines_text(setup):
     # the same image again shares the prompt's blocks
     assert server.engines[0].engine.block_manager.stats["prefix_hit_tokens"] > 0
     # halving max_pixels per request about halves the image tokens (and follows smart_resize)
-    code, small = _chat(server, [_img(_data(_png((260, 180)))), text],
-                        mm_processor_kwargs={"max_pixels": MAX_PIXELS // 2})
+    code, small = _chat(
+        server, [_img(_data(_png((260, 180)))), text], mm_processor_kwargs={"max_pixels": MAX_PIXELS // 2}
+    )
     code2, big = _chat(server, [_img(_data(_png((260, 180)))), text])
     n_small = small["usage"]["prompt_tokens"] - len(ids) + 1
     n_big = big["usage"]["prompt_tokens"] - len(ids) + 1
@@ -117,19 +138,22 @@ def test_bad_images_are_400_naming_the_problem(setup):
 
 def test_text_only_model_refuses_image_parts():
     with start_server("shakespeare", num_gpu_blocks=32, block_size=8) as s:
-        code, err = _post(s.url + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": [_img(_data(_png()))]}], "max_tokens": 2})
+        code, err = _post(
+            s.url + "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [_img(_data(_png()))]}], "max_tokens": 2},
+        )
     assert code == 400 and "text-only" in err["error"]["message"]
 
 
 def test_streamed_image_chat_equals_the_whole_answer(setup):
     import openai
+
     server, _, media = setup
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    messages = [{"role": "user", "content": [_img(f"file://{media}/a.png"),
-                                             {"type": "text", "text": "and now?"}]}]
-    kw = dict(model="vl", messages=messages, max_tokens=6, temperature=0,
-              extra_body={"ignore_eos": True})
+    messages = [
+        {"role": "user", "content": [_img(f"file://{media}/a.png"), {"type": "text", "text": "and now?"}]}
+    ]
+    kw = dict(model="vl", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(**kw).choices[0].message.content
     chunks = client.chat.completions.create(stream=True, **kw)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole

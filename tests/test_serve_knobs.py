@@ -1,4 +1,5 @@
 """The knob sweeps measure what each knob controls (counts and shapes, not timings)."""
+
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from llmlab.inference.knobs import SWEEPS, format_row, knob_workload, sweep
 @pytest.fixture(autouse=True)
 def one_thread():
     n = torch.get_num_threads()
-    torch.set_num_threads(1)          # tiny model: a second thread only adds overhead
+    torch.set_num_threads(1)  # tiny model: a second thread only adds overhead
     yield
     torch.set_num_threads(n)
 
@@ -23,13 +24,18 @@ def test_max_tokens_caps_every_request():
 
 
 def test_sampling_changes_outputs_not_lengths():
-    rows = sweep("sampling", [{"temperature": 0.0}, {"temperature": 0.7, "top_k": 1},
-                              {"temperature": 1.0}], num_requests=3, warmup=False, repeats=2)
+    rows = sweep(
+        "sampling",
+        [{"temperature": 0.0}, {"temperature": 0.7, "top_k": 1}, {"temperature": 1.0}],
+        num_requests=3,
+        warmup=False,
+        repeats=2,
+    )
     greedy, topk1, t1 = rows
     assert [r["label"] for r in rows] == ["greedy", "T=0.7 top_k=1", "T=1.0"]
-    assert greedy["same_as_first"] == topk1["same_as_first"] == 1.0     # top_k=1 is greedy
+    assert greedy["same_as_first"] == topk1["same_as_first"] == 1.0  # top_k=1 is greedy
     assert t1["same_as_first"] < 1.0 and t1["distinct_2"] > greedy["distinct_2"]
-    assert len({r["num_output_tokens"] for r in rows}) == 1               # same work
+    assert len({r["num_output_tokens"] for r in rows}) == 1  # same work
     assert all(r["sampling_s_per_step"] > 0 for r in rows)
     assert all(len(r["runs_tok_s"]) == 2 for r in rows)
     assert "distinct-2" in format_row(t1)
@@ -54,7 +60,7 @@ def test_chunked_prefill_caps_the_step():
 
 def test_max_num_seqs_and_bad_knob():
     rows = sweep("max_num_seqs", [1, 4], num_requests=4, warmup=False)
-    assert rows[0]["num_steps"] > rows[1]["num_steps"]             # one at a time: more steps
+    assert rows[0]["num_steps"] > rows[1]["num_steps"]  # one at a time: more steps
     assert rows[0]["num_gpu_blocks"] == rows[1]["num_gpu_blocks"] == 48
     with pytest.raises(ValueError, match="unknown knob 'beam'"):
         sweep("beam")
@@ -67,14 +73,34 @@ def test_benchmark_script_writes_json(tmp_path, capsys):
     import importlib.util
     import json
     import pathlib
+
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_serve_knobs.py"
     spec = importlib.util.spec_from_file_location("bench_serve_knobs", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "knobs.json"
-    assert mod.main(["--knobs", "max_tokens", "--num-requests", "2", "--repeats", "1",
-                     "--threads", "0", "--json", str(out)]) == 0
+    assert (
+        mod.main(
+            [
+                "--knobs",
+                "max_tokens",
+                "--num-requests",
+                "2",
+                "--repeats",
+                "1",
+                "--threads",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["max_tokens"]
-    assert [r["label"] for r in rows] == ["max_tokens=natural", "max_tokens=64", "max_tokens=16",
-                                          "max_tokens=1"]
+    assert [r["label"] for r in rows] == [
+        "max_tokens=natural",
+        "max_tokens=64",
+        "max_tokens=16",
+        "max_tokens=1",
+    ]
     assert rows[-1]["num_output_tokens"] == 2 and "vs first row" in capsys.readouterr().out

@@ -5,6 +5,7 @@ engine thread included, not when that thread picks the request up between steps)
 request's own times stay in ``ReplicaMetrics.recent`` and the load test keeps each response's id,
 so both sides of one request can be matched. One process, one ``perf_counter``: the server's
 arrival follows the client's send, and the server's first token precedes the client's first chunk."""
+
 import time
 
 from llmlab.serve import start_server
@@ -20,12 +21,19 @@ def test_server_and_client_times_of_the_same_requests_are_ordered(monkeypatch):
 
         def add_request(prompt, params, request_id=None, arrival_time=None):
             admitted[request_id] = time.perf_counter()
-            time.sleep(0.05)                  # the engine thread is late picking requests up
+            time.sleep(0.05)  # the engine thread is late picking requests up
             return real_add(prompt, params, request_id=request_id, arrival_time=arrival_time)
 
         monkeypatch.setattr(eng.engine, "add_request", add_request)
-        run = bench_endpoint(s.url, [float("inf")], num_requests=6, prompt_len_median=8,
-                             output_len_median=4, seed=0, return_requests=True)["rates"][0]
+        run = bench_endpoint(
+            s.url,
+            [float("inf")],
+            num_requests=6,
+            prompt_len_median=8,
+            output_len_median=4,
+            seed=0,
+            return_requests=True,
+        )["rates"][0]
         server = {r["request_id"].rsplit("-", 1)[0]: r for r in eng.metrics.recent}
         assert run["completed"] == 6 and len({q["id"] for q in run["requests"]}) == 6
         for q in run["requests"]:

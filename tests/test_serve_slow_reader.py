@@ -2,6 +2,7 @@
 cut after ``stream_timeout_s`` and their requests aborted, and the number of open streams is
 capped. A real server on an ephemeral port; the stalled clients are raw sockets that send a
 streamed request and never read. Every wait is bounded."""
+
 from __future__ import annotations
 
 import json
@@ -34,27 +35,48 @@ def _stalled_stream(port: int, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     c = socket.create_connection(("127.0.0.1", port), timeout=60)
     c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    c.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(data) + data
+    )
     return c
 
 
 def _idle(server) -> bool:
-    return all(e.num_in_flight == 0 and not e.engine.requests
-               and e.engine.block_manager.num_used_blocks == 0 for e in server.engines)
+    return all(
+        e.num_in_flight == 0 and not e.engine.requests and e.engine.block_manager.num_used_blocks == 0
+        for e in server.engines
+    )
 
 
 def _body(max_tokens: int, n: int = 16) -> dict:
-    return {"model": MODEL, "prompt": "ROMEO:", "max_tokens": max_tokens, "n": n, "logprobs": 5,
-            "stream": True, "ignore_eos": True, "temperature": 1.0, "seed": 1}
+    return {
+        "model": MODEL,
+        "prompt": "ROMEO:",
+        "max_tokens": max_tokens,
+        "n": n,
+        "logprobs": 5,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 1,
+    }
 
 
 def test_stalled_logprobs_streams_keep_the_server_memory_bounded():
-    with start_server(MODEL, max_num_seqs=64, num_gpu_blocks=2048, block_size=16, max_n=16,
-                      stream_timeout_s=120, send_buffer_bytes=64 * 1024) as s:
-        threads = [threading.Thread(target=_post, args=(s.url + "/v1/completions",
-                                                        {**_body(16), "stream": False}))
-                   for _ in range(4)]                  # warm up the 64-sequence step
+    with start_server(
+        MODEL,
+        max_num_seqs=64,
+        num_gpu_blocks=2048,
+        block_size=16,
+        max_n=16,
+        stream_timeout_s=120,
+        send_buffer_bytes=64 * 1024,
+    ) as s:
+        threads = [
+            threading.Thread(target=_post, args=(s.url + "/v1/completions", {**_body(16), "stream": False}))
+            for _ in range(4)
+        ]  # warm up the 64-sequence step
         for t in threads:
             t.start()
         for t in threads:
@@ -74,9 +96,12 @@ def test_stalled_logprobs_streams_keep_the_server_memory_bounded():
         steps = eng.num_steps
         socks = [_stalled_stream(s.port, _body(400)) for _ in range(4)]
         try:
-            _wait(lambda: eng.num_steps - steps >= 400 and not eng.engine.has_unfinished_requests(),
-                  "the 400 tokens to be generated for readers that read nothing", timeout=120)
-            assert s.app.state.serving.open_streams == 4          # still stalled, still open
+            _wait(
+                lambda: eng.num_steps - steps >= 400 and not eng.engine.has_unfinished_requests(),
+                "the 400 tokens to be generated for readers that read nothing",
+                timeout=120,
+            )
+            assert s.app.state.serving.open_streams == 4  # still stalled, still open
         finally:
             stop.set()
             sampler.join()
@@ -88,18 +113,25 @@ def test_stalled_logprobs_streams_keep_the_server_memory_bounded():
 
 
 def test_a_client_that_stops_reading_is_cut_and_aborted_and_streams_are_capped():
-    with start_server(MODEL, max_num_seqs=64, num_gpu_blocks=2048, block_size=16, max_n=16,
-                      stream_timeout_s=1.0, send_buffer_bytes=16 * 1024,
-                      max_concurrent_streams=2) as s:
+    with start_server(
+        MODEL,
+        max_num_seqs=64,
+        num_gpu_blocks=2048,
+        block_size=16,
+        max_n=16,
+        stream_timeout_s=1.0,
+        send_buffer_bytes=16 * 1024,
+        max_concurrent_streams=2,
+    ) as s:
         eng = s.engines[0]
         socks = [_stalled_stream(s.port, _body(480)) for _ in range(2)]
         try:
             _wait(lambda: s.app.state.serving.open_streams == 2, "two open streams")
-            code, err = _post(s.url + "/v1/completions", _body(4))      # a third: over the cap
+            code, err = _post(s.url + "/v1/completions", _body(4))  # a third: over the cap
             assert code == 503 and err["error"]["param"] == "max_concurrent_streams"
             _wait(lambda: _idle(s), "the stalled requests to be aborted", timeout=60)
-            assert eng.num_steps < 480                # cut long before their 480 tokens
-            for c in socks:                           # their connections were aborted
+            assert eng.num_steps < 480  # cut long before their 480 tokens
+            for c in socks:  # their connections were aborted
                 c.settimeout(10)
                 try:
                     while c.recv(1 << 16):

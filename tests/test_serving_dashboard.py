@@ -1,4 +1,5 @@
 """The serving dashboard records what the engine did, step by step and request by request."""
+
 import pytest
 
 from llmlab.inference import LLMEngine, SamplingParams
@@ -13,13 +14,16 @@ def served():
     eng = LLMEngine("shakespeare", max_num_seqs=4, block_size=4, num_gpu_blocks=5, device="cpu")
     lens = [2, 7, 3, 5, 2, 4]
     for i, n in enumerate(lens):
-        eng.add_request([65 + i] * (3 + i % 3), SamplingParams(temperature=0.0, max_tokens=n,
-                                                                ignore_eos=True), request_id=f"r{i}")
+        eng.add_request(
+            [65 + i] * (3 + i % 3),
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            request_id=f"r{i}",
+        )
     dash = ServingDashboard(interval=0.0)
     while eng.has_unfinished_requests():
         outs = eng.step()
         dash.update(eng.step_metrics[-1], outs)
-        dash.update(eng.step_metrics[-1], outs)        # a repeated step/output is recorded once
+        dash.update(eng.step_metrics[-1], outs)  # a repeated step/output is recorded once
     dash.finish()
     return eng, dash, lens
 
@@ -32,7 +36,7 @@ def test_steps_match_engine(served):
     assert [s["num_waiting"] for s in dash.steps] == [m.num_waiting for m in sm]
     assert [s["num_batched_tokens"] for s in dash.steps] == [m.num_batched_tokens for m in sm]
     assert [s["kv_usage"] for s in dash.steps] == [m.kv_blocks_used / m.kv_blocks_total for m in sm]
-    assert dash.steps[0]["num_waiting"] == 2                  # 6 requests, max_num_seqs=4
+    assert dash.steps[0]["num_waiting"] == 2  # 6 requests, max_num_seqs=4
     assert dash.summary()["num_preemptions"] == sum(m.num_preemptions for m in sm) > 0
     assert dash.summary()["max_kv_usage"] == 1.0
 
@@ -50,7 +54,7 @@ def test_finished_requests_and_percentiles(served):
     s = dash.summary()
     assert s["ttft_s"] == p50_p99(o.metrics.ttft for o in outs.values())
     assert s["tpot_s"] == p50_p99(o.metrics.tpot for o in outs.values())
-    assert s["ttft_s"]["p99"] > s["ttft_s"]["p50"]            # queued requests waited longer
+    assert s["ttft_s"]["p99"] > s["ttft_s"]["p50"]  # queued requests waited longer
 
 
 def test_panels_show_the_data(served):

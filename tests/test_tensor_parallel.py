@@ -1,5 +1,6 @@
 """Tensor parallelism: layers vs the full matmul, blocks vs DTensor TP, the model vs one rank,
 and measured bytes vs the formulas. Ranks are real gloo processes."""
+
 import pytest
 import torch
 
@@ -9,8 +10,7 @@ from llmlab.model.config import get_preset
 from llmlab.parallel.tp_plan import validate as validate_tp
 from llmlab.runtime.mesh import Mesh
 from llmlab.formulas.activations import llama_block_activation_bytes
-from llmlab.formulas.communication import (tp_block_comm_bytes, tp_replicated_kv_grad_bytes,
-                                           tp_step_comm_bytes)
+from llmlab.formulas.communication import tp_block_comm_bytes, tp_replicated_kv_grad_bytes, tp_step_comm_bytes
 from llmlab.parallel.records import model_record
 from llmlab.parallel.tp_costs import tp_calculator
 from llmlab.training.config import strategy_configs, validate
@@ -19,28 +19,46 @@ from llmlab.training.config import strategy_configs, validate
 # --------------------------------------------------------------------------------------------
 # Layout errors, before any rank starts
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, message", [
-    (dict(tp=3), "tp=3 must divide num_attention_heads=4"),
-    (dict(tp=8), "tp=8 must divide num_attention_heads=4"),
-    (dict(tp=1, sequence_parallel=True), "--sequence-parallel needs --tp > 1"),
-    (dict(tp=2, sequence_parallel=True, seq_len=33), "tp=2 must divide --seq-len 33"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(tp=3), "tp=3 must divide num_attention_heads=4"),
+        (dict(tp=8), "tp=8 must divide num_attention_heads=4"),
+        (dict(tp=1, sequence_parallel=True), "--sequence-parallel needs --tp > 1"),
+        (dict(tp=2, sequence_parallel=True, seq_len=33), "tp=2 must divide --seq-len 33"),
+    ],
+)
 def test_bad_layouts_refused(kw, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         validate(TrainConfig(**kw))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=192,
-          vocab_size=256), None),
-    (dict(num_attention_heads=8, num_key_value_heads=8, hidden_size=64), None),
-    (dict(num_attention_heads=12, num_key_value_heads=6, hidden_size=96),
-     "tp=4 must divide num_key_value_heads=6"),
-    (dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=96),
-     "tp=4 must be a multiple of num_key_value_heads=3"),
-    (dict(intermediate_size=190), "tp=4 must divide intermediate_size=190"),
-    (dict(vocab_size=258), "tp=4 must divide vocab_size=258"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            dict(
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                hidden_size=64,
+                intermediate_size=192,
+                vocab_size=256,
+            ),
+            None,
+        ),
+        (dict(num_attention_heads=8, num_key_value_heads=8, hidden_size=64), None),
+        (
+            dict(num_attention_heads=12, num_key_value_heads=6, hidden_size=96),
+            "tp=4 must divide num_key_value_heads=6",
+        ),
+        (
+            dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=96),
+            "tp=4 must be a multiple of num_key_value_heads=3",
+        ),
+        (dict(intermediate_size=190), "tp=4 must divide intermediate_size=190"),
+        (dict(vocab_size=258), "tp=4 must divide vocab_size=258"),
+    ],
+)
 def test_validate_layout_names_constraint(overrides, message):
     mc = get_preset("tiny", **overrides)
     cfg = strategy_configs(TrainConfig(tp=4)).tp
@@ -75,11 +93,15 @@ def test_calculator_scales_with_tp():
 # Layers against the full matmul
 # --------------------------------------------------------------------------------------------
 def _layers_rank():
-    from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                                 VocabParallelEmbedding,
-                                                 vocab_parallel_cross_entropy)
+    from llmlab.parallel.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        vocab_parallel_cross_entropy,
+    )
     from llmlab.runtime import comm
     from llmlab.runtime.mesh import Mesh
+
     mesh = Mesh.build(tp=2)
     group, r = mesh.groups["tp"], mesh.coords["tp"]
     torch.manual_seed(0)  # same full weights and inputs on every rank
@@ -95,8 +117,9 @@ def _layers_rank():
     ref.sum().backward()
     ref_ce = torch.nn.functional.cross_entropy(col(x).flatten(0, 1), labels.flatten(), ignore_index=-100)
     logits_ref = col(x).detach().requires_grad_(True)
-    torch.nn.functional.cross_entropy(logits_ref.flatten(0, 1), labels.flatten(),
-                                      ignore_index=-100).backward()
+    torch.nn.functional.cross_entropy(
+        logits_ref.flatten(0, 1), labels.flatten(), ignore_index=-100
+    ).backward()
     # Column then row (Megatron f ... g): one all-reduce forward, one backward.
     c = ColumnParallelLinear.from_linear(col, group)
     rw = RowParallelLinear.from_linear(row, group)
@@ -105,11 +128,16 @@ def _layers_rank():
     y = rw(c(x2))
     fwd = dict(comm.COUNTER.calls)
     y.sum().backward()
-    out["pair"] = ((y - ref).abs().max().item(), (x2.grad - x.grad).abs().max().item(),
-                   (c.weight.grad - col.weight.grad.chunk(2, 0)[r]).abs().max().item(),
-                   (c.bias.grad - col.bias.grad.chunk(2, 0)[r]).abs().max().item(),
-                   (rw.weight.grad - row.weight.grad.chunk(2, 1)[r]).abs().max().item(),
-                   (rw.bias.grad - row.bias.grad).abs().max().item(), fwd, dict(comm.COUNTER.calls))
+    out["pair"] = (
+        (y - ref).abs().max().item(),
+        (x2.grad - x.grad).abs().max().item(),
+        (c.weight.grad - col.weight.grad.chunk(2, 0)[r]).abs().max().item(),
+        (c.bias.grad - col.bias.grad.chunk(2, 0)[r]).abs().max().item(),
+        (rw.weight.grad - row.weight.grad.chunk(2, 1)[r]).abs().max().item(),
+        (rw.bias.grad - row.bias.grad).abs().max().item(),
+        fwd,
+        dict(comm.COUNTER.calls),
+    )
     # gather_output and input_is_parallel=False paths.
     cg = ColumnParallelLinear.from_linear(col, group, gather_output=True)
     rf = RowParallelLinear.from_linear(row, group, input_is_parallel=False)
@@ -123,9 +151,12 @@ def _layers_rank():
     comm.COUNTER.reset()
     loss = vocab_parallel_cross_entropy(shard, labels, group)
     loss.backward()
-    out["ce"] = (abs(loss.item() - ref_ce.item()),
-                 (shard.grad - logits_ref.grad.chunk(2, -1)[r]).abs().max().item(),
-                 comm.COUNTER.snapshot()["all_reduce"], comm.COUNTER.snapshot()["all_gather"])
+    out["ce"] = (
+        abs(loss.item() - ref_ce.item()),
+        (shard.grad - logits_ref.grad.chunk(2, -1)[r]).abs().max().item(),
+        comm.COUNTER.snapshot()["all_reduce"],
+        comm.COUNTER.snapshot()["all_gather"],
+    )
     return out
 
 
@@ -147,11 +178,11 @@ def test_layers_equal_full_matmul():
 # --------------------------------------------------------------------------------------------
 def _dtensor_rank(tp):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from llmlab.model.llama import LlamaForCausalLM
     from llmlab.parallel.tensor_parallel import ParallelAttention, ParallelMLP
     from llmlab.runtime.mesh import Mesh
+
     mc = get_preset("tiny", num_hidden_layers=1)
     mesh = Mesh.build(tp=tp)
     group = mesh.groups["tp"]
@@ -160,10 +191,21 @@ def _dtensor_rank(tp):
     theirs = LlamaForCausalLM(mc, seed=0).model.layers[0]
     full = LlamaForCausalLM(mc, seed=0).model.layers[0]
     ours_attn, ours_mlp = ParallelAttention(ours.self_attn, group), ParallelMLP(ours.mlp, group)
-    parallelize_module(theirs.mlp, dmesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                           "down_proj": RowwiseParallel()})
-    parallelize_module(theirs.self_attn, dmesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                 "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    parallelize_module(
+        theirs.mlp,
+        dmesh,
+        {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+    )
+    parallelize_module(
+        theirs.self_attn,
+        dmesh,
+        {
+            "q_proj": ColwiseParallel(),
+            "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(),
+        },
+    )
     theirs.self_attn.num_heads //= tp
     theirs.self_attn.num_kv_heads //= tp
     cos, sin = LlamaForCausalLM(mc, seed=None).rotary(16, "cpu", torch.float32)
@@ -171,8 +213,9 @@ def _dtensor_rank(tp):
     x = torch.randn(2, 16, mc.hidden_size, generator=g)
     errs = {}
     for name, o_mod, t_mod, f_mod, call in [
-            ("mlp", ours_mlp, theirs.mlp, full.mlp, lambda m, v: m(v)),
-            ("attn", ours_attn, theirs.self_attn, full.self_attn, lambda m, v: m(v, cos, sin))]:
+        ("mlp", ours_mlp, theirs.mlp, full.mlp, lambda m, v: m(v)),
+        ("attn", ours_attn, theirs.self_attn, full.self_attn, lambda m, v: m(v, cos, sin)),
+    ]:
         xs = [x.clone().requires_grad_(True) for _ in range(3)]
         outs = [call(m, v) for m, v in zip((o_mod, t_mod, f_mod), xs)]
         for o in outs:
@@ -203,6 +246,7 @@ def test_blocks_equal_dtensor_tensor_parallel():
 def _block_rank(tp, sp):
     from llmlab.parallel.tp_costs import measure_block
     from llmlab.runtime.mesh import Mesh
+
     r = measure_block(get_preset("tiny"), Mesh.build(tp=tp), sp, batch=2, seq_len=32)
     return r["forward"], r["backward"], r["activation_bytes"], r["output"], r["input_grad"]
 
@@ -216,13 +260,16 @@ def test_block_bytes_match_formulas(tp, sp):
     expect = tp_block_comm_bytes(b, s, h, tp, sp)
     for rank, (fwd, bwd, act, out, dx) in enumerate(res):
         for phase, events in (("forward", fwd), ("backward", bwd)):
-            kinds = {k: (sum(1 for e in events if e[0] == k), {n for e_k, n in events if e_k == k})
-                     for k, _ in events}
+            kinds = {
+                k: (sum(1 for e in events if e[0] == k), {n for e_k, n in events if e_k == k})
+                for k, _ in events
+            }
             assert kinds == {k: (n, {x}) for k, (n, x) in expect[phase].items()}, (phase, events)
         # the count of the tensors this block saves (formulas/activations.py lists them), against
         # the bytes the saved-tensor hooks see: a change in what the block saves shows up here
-        assert act == llama_block_activation_bytes(b, s, h, mc.intermediate_size,
-                                                   mc.num_attention_heads, tp, sp)
+        assert act == llama_block_activation_bytes(
+            b, s, h, mc.intermediate_size, mc.num_attention_heads, tp, sp
+        )
         want_out, want_dx = ref[3], ref[4]
         if sp:
             want_out, want_dx = want_out.chunk(tp, 1)[rank], want_dx.chunk(tp, 1)[rank]
@@ -243,6 +290,7 @@ def one_rank():
     """The single-device run, in this process (the trainer's own rank function on a 1x mesh;
     one intra-op thread, which is much faster than two on a loaded 2-core machine)."""
     from llmlab.training.trainer import rank_main
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -268,10 +316,18 @@ def test_loss_equals_one_rank(one_rank, tp, sp):
         assert rk["memory_bytes"]["params"] < full_params / tp * 1.1
     c = ranks[0]["comm_bytes"]
     mc = get_preset("tiny")
-    kv = tp_replicated_kv_grad_bytes(mc.num_hidden_layers, mc.hidden_size, mc.head_dim,
-                                     mc.num_key_value_heads, tp)
-    per_step = tp_step_comm_bytes(SMALL["global_batch_size"], SMALL["seq_len"], mc.hidden_size,
-                                  mc.num_hidden_layers, tp, sp, replicated_grad_bytes=kv)
+    kv = tp_replicated_kv_grad_bytes(
+        mc.num_hidden_layers, mc.hidden_size, mc.head_dim, mc.num_key_value_heads, tp
+    )
+    per_step = tp_step_comm_bytes(
+        SMALL["global_batch_size"],
+        SMALL["seq_len"],
+        mc.hidden_size,
+        mc.num_hidden_layers,
+        tp,
+        sp,
+        replicated_grad_bytes=kv,
+    )
     assert {k: c[k] for k in per_step} == {k: SMALL["steps"] * v for k, v in per_step.items()}
     assert (kv > 0) == (tp > mc.num_key_value_heads)
 
@@ -282,12 +338,18 @@ def test_loss_equals_one_rank(one_rank, tp, sp):
 # --------------------------------------------------------------------------------------------
 def _full_grads_rank(tp):
     from llmlab.model.llama import LlamaForCausalLM
-    from llmlab.parallel.tensor_parallel import (ParallelAttention, RowParallelLinear,
-                                                 VocabParallelEmbedding)
+    from llmlab.parallel.tensor_parallel import ParallelAttention, RowParallelLinear, VocabParallelEmbedding
     from llmlab.parallel.tp_plan import apply_tensor_parallel
     from llmlab.runtime.mesh import Mesh
-    mc = get_preset("tiny", num_hidden_layers=2, tie_word_embeddings=True, attention_bias=True,
-                    o_proj_bias=True, mlp_bias=True)
+
+    mc = get_preset(
+        "tiny",
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        o_proj_bias=True,
+        mlp_bias=True,
+    )
     mesh = Mesh.build(tp=tp)
     r = mesh.coords["tp"]
     g = torch.Generator().manual_seed(5)
@@ -316,7 +378,7 @@ def _full_grads_rank(tp):
             owner_name, leaf = n.rsplit(".", 1)
             owner, ref = modules[owner_name], fp[n].grad
             if isinstance(owner, VocabParallelEmbedding):
-                ref = ref[owner.vocab_start:owner.vocab_end]
+                ref = ref[owner.vocab_start : owner.vocab_end]
             elif isinstance(owner, RowParallelLinear) and leaf == "weight":
                 ref = ref.chunk(tp, 1)[r]
             elif p.shape != ref.shape:  # column-parallel weight or bias

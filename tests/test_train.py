@@ -1,4 +1,5 @@
 """`llmlab train` on one rank: falling loss, CONTRACT metrics, exact memory accounting, errors."""
+
 import json
 import re
 import subprocess
@@ -30,8 +31,14 @@ def test_loss_falls_and_metrics_follow_the_contract(run):
     assert cfg["world_size"] == 1 and cfg["model"] == "tiny" and cfg["seed"] == 1
     (rank,) = metrics["ranks"]
     assert rank["coords"] == {"dp": 0, "tp": 0, "pp": 0, "ep": 0, "cp": 0}
-    assert set(rank["comm_bytes"]) >= {"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                                       "send", "recv"}
+    assert set(rank["comm_bytes"]) >= {
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+        "send",
+        "recv",
+    }
     assert sum(rank["comm_bytes"].values()) == 0  # one rank communicates nothing
 
 
@@ -41,8 +48,8 @@ def test_memory_is_measured_and_equals_the_formula(run):
     cfg = get_preset("tiny")
     psi = cfg.num_parameters()
     n_tensors = 2 + 9 * cfg.num_hidden_layers + 1  # embed, lm_head, 9 per layer, final norm
-    assert mem["params"] == 4 * psi                   # fp32 weights: 4 bytes each
-    assert mem["grads"] == 4 * psi                    # one fp32 gradient per weight
+    assert mem["params"] == 4 * psi  # fp32 weights: 4 bytes each
+    assert mem["grads"] == 4 * psi  # one fp32 gradient per weight
     assert mem["optimizer_states"] == 8 * psi + 4 * n_tensors  # Adam m, v + a step scalar each
     # Saved activations: at least the logits (B*T*V fp32) and the embeddings of every layer.
     B, T = 16, 64
@@ -57,16 +64,21 @@ def test_same_seed_same_losses_different_seed_different(run):
     assert other["steps"][0]["loss"] != metrics["steps"][0]["loss"]
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"dp": 3, "global_batch_size": 10}, "dp=3 must divide --global-batch-size 10"),
-    ({"dp": 2, "tp": 2, "pp": 1, "ep": 3}, "ep=3 must divide dp=2"),
-    ({"num_microbatches": 3}, "--num-microbatches 3 must divide the per-rank batch 16"),
-    ({"model": "tiny-moe", "num_experts": 4, "ep": 3, "dp": 3, "global_batch_size": 12},
-     "ep=3 must divide num_experts=4"),
-    ({"steps": 0}, "--steps must be >= 1"),
-    ({"resume": True}, "--resume needs --checkpoint-dir"),
-    ({"checkpoint_every": 2}, "--checkpoint-every needs --checkpoint-dir"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"dp": 3, "global_batch_size": 10}, "dp=3 must divide --global-batch-size 10"),
+        ({"dp": 2, "tp": 2, "pp": 1, "ep": 3}, "ep=3 must divide dp=2"),
+        ({"num_microbatches": 3}, "--num-microbatches 3 must divide the per-rank batch 16"),
+        (
+            {"model": "tiny-moe", "num_experts": 4, "ep": 3, "dp": 3, "global_batch_size": 12},
+            "ep=3 must divide num_experts=4",
+        ),
+        ({"steps": 0}, "--steps must be >= 1"),
+        ({"resume": True}, "--resume needs --checkpoint-dir"),
+        ({"checkpoint_every": 2}, "--checkpoint-every needs --checkpoint-dir"),
+    ],
+)
 def test_bad_layouts_are_refused_before_launch(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("*", r"\*").replace("+", r"\+")):
         validate(TrainConfig(**kw))
@@ -107,24 +119,28 @@ def test_config_file_with_command_line_override(tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"steps": 2, "seq-len": 32, "lr": 0.01}))
     out = tmp_path / "m.json"
-    assert main(["train", "--config", str(f), "--steps", "1", "--no-progress",
-                 "--metrics-json", str(out)]) == 0
+    assert (
+        main(["train", "--config", str(f), "--steps", "1", "--no-progress", "--metrics-json", str(out)]) == 0
+    )
     cfg = json.loads(out.read_text())["config"]
     assert (cfg["steps"], cfg["seq_len"], cfg["lr"]) == (1, 32, 0.01)
     f.write_text(json.dumps({"stepz": 2}))
     with pytest.raises(ValueError, match="unknown keys.*stepz"):
         TrainConfig.from_file(f)
-    for text, msg in (("{bad", "is not valid JSON"), ("[1]", "must hold a mapping"),
-                      ('{"steps": "2"}', "steps must be int, got '2'"),
-                      ('{"steps": true}', "steps must be int, got True"),
-                      ('{"grad_clip": "x"}', "grad_clip must be float or null")):
+    for text, msg in (
+        ("{bad", "is not valid JSON"),
+        ("[1]", "must hold a mapping"),
+        ('{"steps": "2"}', "steps must be int, got '2'"),
+        ('{"steps": true}', "steps must be int, got True"),
+        ('{"grad_clip": "x"}', "grad_clip must be float or null"),
+    ):
         f.write_text(text)
         with pytest.raises(ValueError, match=msg):
             TrainConfig.from_file(f)
     f.write_text('{"steps": 2, "lr": 1, "grad_clip": null, "sequence-parallel": false}')
     assert TrainConfig.from_file(f).lr == 1
     y = tmp_path / "c.yaml"
-    y.write_text("steps: 2\nlr: 3e-3\n")                 # YAML 1.1 reads 3e-3 as a string
+    y.write_text("steps: 2\nlr: 3e-3\n")  # YAML 1.1 reads 3e-3 as a string
     assert TrainConfig.from_file(y).lr == 0.003
     y.write_text("steps: [\n")
     with pytest.raises(ValueError, match="c.yaml is not valid YAML"):
@@ -134,6 +150,7 @@ def test_config_file_with_command_line_override(tmp_path):
 def test_every_train_flag_comes_from_a_field_with_help_and_default(capsys, monkeypatch):
     import dataclasses
     from llmlab.cli import build_parser
+
     monkeypatch.setenv("COLUMNS", "1000")  # one line per flag
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
@@ -176,6 +193,7 @@ def test_a_failed_rank_is_one_error_line_its_traceback_and_log_path(monkeypatch,
     def boom(cfg, progress):
         def fail():
             raise ZeroDivisionError("rank 1 divides by zero")
+
         return llmlab.launch(lambda: fail() if __import__("torch").distributed.get_rank() == 1 else 0, 2)
 
     monkeypatch.setattr(trainer, "train", boom)
@@ -186,45 +204,65 @@ def test_a_failed_rank_is_one_error_line_its_traceback_and_log_path(monkeypatch,
     assert err[-2] == "ZeroDivisionError: rank 1 divides by zero"  # the rank's, not the CLI's
     assert sum(line.startswith("Traceback") for line in err) == 1
     assert err[-1].startswith("log: ") and err[-1].endswith("/rank1.log")
-    log = err[-1][len("log: "):]
+    log = err[-1][len("log: ") :]
     assert "rank 1 divides by zero" in open(log).read()
     shutil.rmtree(log.rsplit("/", 1)[0])
 
 
 def test_python_dash_m_llmlab_is_the_cli(tmp_path):
     model_dir = tmp_path / "model"
-    proc = subprocess.run([sys.executable, "-m", "llmlab", "train", "--steps", "2", "--no-progress",
-                           "--save-model", str(model_dir)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmlab",
+            "train",
+            "--steps",
+            "2",
+            "--no-progress",
+            "--save-model",
+            str(model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "loss" in proc.stdout
     from llmlab.model.hf import load_hf_model
+
     assert load_hf_model(model_dir).config.num_hidden_layers == 4
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"seed": 2**64}, "--seed must be an integer in [0, 2**32), got 18446744073709551616"),
-    ({"seed": -1}, "--seed must be an integer in [0, 2**32)"),
-    ({"lr": float("nan")}, "--lr must be a finite number, got nan"),
-    ({"lr": float("inf")}, "--lr must be a finite number, got inf"),
-    ({"min_lr": -1.0}, "--min-lr must be >= 0"),
-    ({"grad_clip": float("nan")}, "--grad-clip must be a finite number"),
-    ({"bucket_mb": 0.0}, "--bucket-mb must be > 0"),
-    ({"capacity_factor": -1.0, "model": "tiny-moe"}, "--capacity-factor must be > 0"),
-    ({"num_experts": 0}, "--num-experts must be >= 1, got 0"),
-    ({"top_k": 5, "model": "tiny-moe"}, "--top-k 5 must be <= the number of experts 4"),
-    ({"dp": 0}, "--dp must be >= 1, got 0"),
-    ({"seq_len": -3}, "--seq-len must be >= 1, got -3"),
-    ({"warmup_steps": -1}, "--warmup-steps must be >= 0"),
-    ({"steps": 2.5}, "--steps must be an integer, got 2.5"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"seed": 2**64}, "--seed must be an integer in [0, 2**32), got 18446744073709551616"),
+        ({"seed": -1}, "--seed must be an integer in [0, 2**32)"),
+        ({"lr": float("nan")}, "--lr must be a finite number, got nan"),
+        ({"lr": float("inf")}, "--lr must be a finite number, got inf"),
+        ({"min_lr": -1.0}, "--min-lr must be >= 0"),
+        ({"grad_clip": float("nan")}, "--grad-clip must be a finite number"),
+        ({"bucket_mb": 0.0}, "--bucket-mb must be > 0"),
+        ({"capacity_factor": -1.0, "model": "tiny-moe"}, "--capacity-factor must be > 0"),
+        ({"num_experts": 0}, "--num-experts must be >= 1, got 0"),
+        ({"top_k": 5, "model": "tiny-moe"}, "--top-k 5 must be <= the number of experts 4"),
+        ({"dp": 0}, "--dp must be >= 1, got 0"),
+        ({"seq_len": -3}, "--seq-len must be >= 1, got -3"),
+        ({"warmup_steps": -1}, "--warmup-steps must be >= 0"),
+        ({"steps": 2.5}, "--steps must be an integer, got 2.5"),
+    ],
+)
 def test_every_numeric_flag_is_checked_naming_it(kw, msg):
     from llmlab.training.config import check_inputs
+
     with pytest.raises(ValueError, match=re.escape(msg)):
         check_inputs(TrainConfig(**kw))
 
 
 def test_cli_refuses_a_huge_seed_and_saving_a_moe_model_before_training(tmp_path, capsys, monkeypatch):
     import llmlab.training.trainer as trainer
+
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training started"))
     assert main(["train", "--seed", str(2**64)]) == 2
     assert "--seed must be an integer in [0, 2**32)" in capsys.readouterr().err

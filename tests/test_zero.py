@@ -5,6 +5,7 @@ Each launch runs several configurations one after the other on the same ranks (p
 dominates on a small CPU machine), so the whole file needs three launches (dp 2, dp 4, and one
 through ``llmlab.train``).
 """
+
 import pytest
 import torch
 
@@ -22,8 +23,10 @@ PSI = get_preset("tiny").num_parameters()
 def _max_diff(ours: dict, theirs: dict) -> dict:
     """``{name: (max |ours - theirs|, max |theirs|)}`` over parameters (both fp32, full shape)."""
     assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
-    return {n: ((ours[n] - theirs[n].detach().float()).abs().max().item(), theirs[n].abs().max().item())
-            for n in ours}
+    return {
+        n: ((ours[n] - theirs[n].detach().float()).abs().max().item(), theirs[n].abs().max().item())
+        for n in ours
+    }
 
 
 def run_configs(configs, fsdp2_steps=0, zero_optimizer_steps=0):
@@ -50,9 +53,15 @@ def run_configs(configs, fsdp2_steps=0, zero_optimizer_steps=0):
         for step in range(1, cfg.steps + 1):
             micro = loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
             losses.append(global_loss(engine.train_step(micro), mesh, torch.device("cpu")))
-        rec = {"losses": losses, "comm": comm.COUNTER.snapshot(),
-               "memory": {"params": param_bytes(engine.parameters()), "grads": engine.grad_bytes,
-                          "optimizer_states": optimizer_state_bytes(engine.optimizer)}}
+        rec = {
+            "losses": losses,
+            "comm": comm.COUNTER.snapshot(),
+            "memory": {
+                "params": param_bytes(engine.parameters()),
+                "grads": engine.grad_bytes,
+                "optimizer_states": optimizer_state_bytes(engine.optimizer),
+            },
+        }
         if cfg.zero:
             full = engine.wrapper.full_state_dict()
             if (cfg.zero, cfg.dtype) not in fulls:
@@ -65,6 +74,7 @@ def run_configs(configs, fsdp2_steps=0, zero_optimizer_steps=0):
     if fsdp2_steps:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         model = llmlab.LlamaForCausalLM(mc, seed=cfg.seed)
         dmesh = init_device_mesh("cpu", (mesh.dp,))
         for layer in model.model.layers:
@@ -73,28 +83,47 @@ def run_configs(configs, fsdp2_steps=0, zero_optimizer_steps=0):
         opt = make_optimizer(model.parameters(), cfg)
         loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         for step in range(1, fsdp2_steps + 1):
-            (x, y), = loader.microbatches(step, mesh.coords["dp"], mesh.dp, 1)
+            ((x, y),) = loader.microbatches(step, mesh.coords["dp"], mesh.dp, 1)
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-        out.append({"fsdp2": _max_diff(fulls[(3, "fp32")], {n: p.full_tensor() for n, p in model.named_parameters()})})
+        out.append(
+            {
+                "fsdp2": _max_diff(
+                    fulls[(3, "fp32")], {n: p.full_tensor() for n, p in model.named_parameters()}
+                )
+            }
+        )
     if zero_optimizer_steps:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         model = DDP(llmlab.LlamaForCausalLM(mc, seed=cfg.seed))
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                      betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.0,
+        )
         loader = BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
         for step in range(1, zero_optimizer_steps + 1):
-            (x, y), = loader.microbatches(step, mesh.coords["dp"], mesh.dp, 1)
+            ((x, y),) = loader.microbatches(step, mesh.coords["dp"], mesh.dp, 1)
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
         out.append({"zero_redundancy": _max_diff(fulls[(1, "fp32")], dict(model.module.named_parameters()))})
     if fulls:
         init = llmlab.LlamaForCausalLM(mc, seed=cfg.seed)
-        out.append({"moved": {f"{z}/{d}": max((f[n] - p).abs().max().item() for n, p in init.named_parameters())
-                              for (z, d), f in fulls.items()}})
+        out.append(
+            {
+                "moved": {
+                    f"{z}/{d}": max((f[n] - p).abs().max().item() for n, p in init.named_parameters())
+                    for (z, d), f in fulls.items()
+                }
+            }
+        )
     if dist.is_initialized():
         dist.barrier()
     return out
@@ -103,8 +132,10 @@ def run_configs(configs, fsdp2_steps=0, zero_optimizer_steps=0):
 @pytest.fixture(scope="module")
 def reference():
     """One rank, no ZeRO (fp32), and one rank with bf16 compute + fp32 masters (N = 1)."""
-    return {"fp32": run_configs([TrainConfig(steps=STEPS)])[0],
-            "bf16": run_configs([TrainConfig(steps=STEPS, zero=1, dtype="bf16")])[0]}
+    return {
+        "fp32": run_configs([TrainConfig(steps=STEPS)])[0],
+        "bf16": run_configs([TrainConfig(steps=STEPS, zero=1, dtype="bf16")])[0],
+    }
 
 
 def assert_same_loss(losses, ref, rtol=1e-4):
@@ -116,15 +147,19 @@ def assert_same_loss(losses, ref, rtol=1e-4):
 def assert_formula(memory, stage, dp, dtype):
     f = zero_model_state_bytes(PSI, stage, dp, dtype)
     for k in ("params", "grads", "optimizer_states"):
-        assert abs(memory[k] - f[k]) / f[k] < 0.05, f"stage {stage} dp {dp} {dtype} {k}: {memory[k]} vs {f[k]}"
+        assert abs(memory[k] - f[k]) / f[k] < 0.05, (
+            f"stage {stage} dp {dp} {dtype} {k}: {memory[k]} vs {f[k]}"
+        )
 
 
 @pytest.fixture(scope="module")
 def dp2():
     cfgs = [TrainConfig(dp=2, zero=z, steps=STEPS) for z in (1, 2, 3)]
     cfgs += [TrainConfig(dp=2, zero=z, steps=STEPS, dtype="bf16") for z in (1, 2, 3)]
-    cfgs += [TrainConfig(dp=2, zero=2, steps=STEPS, cpu_offload=True),
-             TrainConfig(dp=2, zero=3, steps=STEPS, num_microbatches=2)]
+    cfgs += [
+        TrainConfig(dp=2, zero=2, steps=STEPS, cpu_offload=True),
+        TrainConfig(dp=2, zero=3, steps=STEPS, num_microbatches=2),
+    ]
     return llmlab.launch(run_configs, 2, cfgs, fsdp2_steps=STEPS, zero_optimizer_steps=STEPS, backend="gloo")
 
 
@@ -141,8 +176,8 @@ def test_loss_equals_one_rank_dp2_dp4(stage, reference, dp2, dp4):
 
 
 def test_cpu_offload_and_microbatches_same_loss(reference, dp2):
-    assert_same_loss(dp2[0][6]["losses"], reference["fp32"]["losses"])   # zero 2 + cpu offload
-    assert_same_loss(dp2[0][7]["losses"], reference["fp32"]["losses"])   # zero 3, 2 micro-batches
+    assert_same_loss(dp2[0][6]["losses"], reference["fp32"]["losses"])  # zero 2 + cpu offload
+    assert_same_loss(dp2[0][7]["losses"], reference["fp32"]["losses"])  # zero 3, 2 micro-batches
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -180,7 +215,7 @@ def test_communication_per_step(stage, dp2, dp4):
         assert c["all_reduce"] == 0
         expected_ag = 2 if stage == 3 else 1
         assert abs(c["all_gather"] / STEPS - expected_ag * 4 * PSI) / (4 * PSI) < 0.01
-    bf = dp2[0][3 + stage - 1]["comm"]      # bf16: half the bytes
+    bf = dp2[0][3 + stage - 1]["comm"]  # bf16: half the bytes
     want = sum(zero_comm_bytes_per_step(PSI, stage, dtype="bf16")["payload"].values())
     assert abs((bf["reduce_scatter"] + bf["all_gather"]) / STEPS - want) < 0.01 * want
 
@@ -199,12 +234,16 @@ def test_stage3_equals_fsdp2_and_stage1_equals_zero_redundancy_optimizer(dp2):
     """Parameters after k = STEPS steps: ours vs PyTorch's FSDP2 and ZeroRedundancyOptimizer."""
     for rank in dp2:
         fsdp2, zro, moved = rank[-3]["fsdp2"], rank[-2]["zero_redundancy"], rank[-1]["moved"]
-        assert len(fsdp2) == len(zro) == len(dict(llmlab.LlamaForCausalLM(get_preset("tiny")).named_parameters()))
+        assert (
+            len(fsdp2)
+            == len(zro)
+            == len(dict(llmlab.LlamaForCausalLM(get_preset("tiny")).named_parameters()))
+        )
         for n, (diff, scale) in fsdp2.items():
             assert diff <= 1e-5 + 1e-4 * scale, f"stage 3 vs FSDP2: {n} differs by {diff}"
         for n, (diff, scale) in zro.items():
             assert diff <= 1e-5 + 1e-4 * scale, f"stage 1 vs ZeroRedundancyOptimizer: {n} differs by {diff}"
-        assert min(moved.values()) > 1e-3                  # every configuration really trained
+        assert min(moved.values()) > 1e-3  # every configuration really trained
 
 
 def test_train_cli_path_bf16_stage3():
@@ -218,16 +257,18 @@ def test_train_cli_path_bf16_stage3():
 
 def test_layout_refusals():
     mc = get_preset("tiny")
+
     def check(cfg, mc):
         validate_zero(strategy_configs(cfg).zero, layout_mesh(cfg), mc)
+
     with pytest.raises(ValueError, match="--cpu-offload .* needs --zero"):
         check(TrainConfig(cpu_offload=True), mc)
-    for kw in (dict(tp=2), dict(pp=2), dict(dp=4, ep=2)):   # composes: accepted
+    for kw in (dict(tp=2), dict(pp=2), dict(dp=4, ep=2)):  # composes: accepted
         check(TrainConfig(dp=kw.pop("dp", 2), zero=3, **kw), mc)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         check(TrainConfig(dp=2, zero=3), mc.replace(tie_word_embeddings=True))
-    validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))   # gathered by training/export.py
-    validate(TrainConfig(dp=2, zero=2, dtype="bf16", cpu_offload=True))   # accepted
+    validate(TrainConfig(dp=2, zero=3, save_model="/tmp/x"))  # gathered by training/export.py
+    validate(TrainConfig(dp=2, zero=2, dtype="bf16", cpu_offload=True))  # accepted
 
 
 def test_formula_reproduces_paper_example():
@@ -246,6 +287,7 @@ def _fp16_skips(configs):
     from llmlab.parallel.grad_reduce import mean_over_ranks
     from llmlab.runtime.mesh import Mesh
     from llmlab.training.trainer import Engine, global_loss
+
     mesh = Mesh.build(dp=configs[0].dp)
     out = []
     for cfg in configs:
@@ -259,10 +301,16 @@ def _fp16_skips(configs):
         out.append(rec)
     g = torch.full((8,), 10000.0, dtype=torch.float16)
     group = mesh.groups.get("dp")
-    out.append({"pre": mean_over_ranks(g, group).tolist(), "post": mean_over_ranks(g, group, predivide=False).tolist()})
+    out.append(
+        {
+            "pre": mean_over_ranks(g, group).tolist(),
+            "post": mean_over_ranks(g, group, predivide=False).tolist(),
+        }
+    )
     # partial gradients (the TP rule): +40000 on ranks 0-3, -40000 on 4-7, true sum 0 (a plain
     # fp16 all-reduce over gloo returns +-inf here: its running sum passes 65504)
     from llmlab.parallel.grad_reduce import all_reduce_sum_
+
     part = torch.full((8,), 4e4 if mesh.rank < 4 else -4e4, dtype=torch.float16)
     out[-1]["partial_sum"] = all_reduce_sum_(part, group).tolist()
     return out
@@ -273,15 +321,16 @@ def test_fp16_zero_at_dp8_skips_exactly_the_steps_ddp_skips():
     all-reduce), so at dp 8 the fp16 sum cannot overflow where no rank's gradient does. Before,
     ZeRO summed first and skipped step 1, which DDP does not, and its losses left DDP's."""
     kw = dict(dp=8, dtype="fp16", global_batch_size=8, seq_len=32, steps=3)
-    ddp, *zeros, demo = llmlab.launch(_fp16_skips, 8, [TrainConfig(zero=z, **kw) for z in (0, 1, 2, 3)],
-                                      backend="gloo")[0]
+    ddp, *zeros, demo = llmlab.launch(
+        _fp16_skips, 8, [TrainConfig(zero=z, **kw) for z in (0, 1, 2, 3)], backend="gloo"
+    )[0]
     assert ddp["skipped"][0] is False, ddp
     for stage, z in enumerate(zeros, 1):
         assert z["skipped"] == ddp["skipped"], (stage, z["skipped"], ddp["skipped"])
         assert_same_loss_n(z["losses"], ddp["losses"], rtol=1e-3)
     assert all(abs(v - 1e4) < 10 for v in demo["pre"]), demo  # 8 x 1250, summed in fp16: finite
-    assert all(v == float("inf") for v in demo["post"])      # 8 x 10000 > 65504: inf, / 8 still inf
-    assert demo["partial_sum"] == [0.0] * 8     # fp16 partial gradients summed in fp32: no inf on the way
+    assert all(v == float("inf") for v in demo["post"])  # 8 x 10000 > 65504: inf, / 8 still inf
+    assert demo["partial_sum"] == [0.0] * 8  # fp16 partial gradients summed in fp32: no inf on the way
 
 
 def assert_same_loss_n(losses, ref, rtol):

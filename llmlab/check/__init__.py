@@ -7,15 +7,42 @@ what was expected and what came back, and a hint: it raises :class:`ExerciseFail
 ``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1``, else prints the message after a ✗ and returns
 ``False`` (see :mod:`llmlab.check._base`).
 """
+
 from __future__ import annotations
 
-from llmlab.check import lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07, lab08, lab09, lab10, lab11, lab12
+from llmlab.check import (
+    lab00,
+    lab01,
+    lab02,
+    lab03,
+    lab04,
+    lab05,
+    lab06,
+    lab07,
+    lab08,
+    lab09,
+    lab10,
+    lab11,
+    lab12,
+)
 from llmlab.check._base import ExerciseFailed, reported
 from llmlab.solutions import LAB_OF, SOLUTIONS
 
-_MODULES = {"00": lab00, "01": lab01, "02": lab02, "03": lab03, "04": lab04, "05": lab05, "06": lab06,
-            "07": lab07, "08": lab08, "09": lab09, "10": lab10, "11": lab11,
-            "12": lab12}
+_MODULES = {
+    "00": lab00,
+    "01": lab01,
+    "02": lab02,
+    "03": lab03,
+    "04": lab04,
+    "05": lab05,
+    "06": lab06,
+    "07": lab07,
+    "08": lab08,
+    "09": lab09,
+    "10": lab10,
+    "11": lab11,
+    "12": lab12,
+}
 _missing = sorted(n for n, lab in LAB_OF.items() if not hasattr(_MODULES[lab], n))
 if _missing:
     raise RuntimeError(f"exercises without a check: {', '.join(_missing)}")

@@ -13,6 +13,7 @@ A function that is still the stub (raises ``NotImplementedError``), in the noteb
 gets one message: :func:`stub_failure`; such a run is not an attempt, so it is not recorded in the
 room's results (:mod:`llmlab.check.results`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,13 +44,16 @@ def strict() -> bool:
 
 def stub_failure(name: str) -> StubNotWritten:
     """The one message for a function that still raises ``NotImplementedError``."""
-    return StubNotWritten(f"{name}: the function is still the stub (it raises NotImplementedError)\n"
-                          f"  hint: write it in the exercise cell and run the cell again, or run "
-                          f"exercises.reveal({name!r}) to use llmlab's solution.")
+    return StubNotWritten(
+        f"{name}: the function is still the stub (it raises NotImplementedError)\n"
+        f"  hint: write it in the exercise cell and run the cell again, or run "
+        f"exercises.reveal({name!r}) to use llmlab's solution."
+    )
 
 
 def reported(name: str, check_fn):
     """Wrap ``check_fn(fn, ...)`` so that a failure is reported as described in this module."""
+
     @functools.wraps(check_fn)
     def run(fn, *args, **kwargs) -> bool:
         try:
@@ -65,24 +69,30 @@ def reported(name: str, check_fn):
                 results.record(name, False, f"{type(e).__name__}: {e}")
                 raise
             tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:])
-            err = ExerciseFailed(f"{name}: the function raised {type(e).__name__}: {e}\n{tb[-1500:]}"
-                                 f"  hint: run it by hand on a small input to see where it fails.")
-        if not isinstance(err, StubNotWritten):   # an untouched exercise is not an attempt
+            err = ExerciseFailed(
+                f"{name}: the function raised {type(e).__name__}: {e}\n{tb[-1500:]}"
+                f"  hint: run it by hand on a small input to see where it fails."
+            )
+        if not isinstance(err, StubNotWritten):  # an untouched exercise is not an attempt
             results.record(name, False, str(err))
         if strict():
             raise err from None
         msg = str(err)
         if "exercises.reveal(" not in msg:
-            msg += (f"\n  Fix the function and run this cell again, or run exercises.reveal({name!r}) to "
-                    f"switch this exercise to the solution.")
+            msg += (
+                f"\n  Fix the function and run this cell again, or run exercises.reveal({name!r}) to "
+                f"switch this exercise to the solution."
+            )
         print(f"✗ {msg}\n  The cells below use llmlab's reference solution, so the lab runs on.")
         return False
+
     return run
 
 
 def _fail(name: str, what: str, expected, got, hint: str):
-    raise ExerciseFailed(f"{name}: {what}\n  expected: {_show(expected)}\n  got:      {_show(got)}\n"
-                         f"  hint: {hint}")
+    raise ExerciseFailed(
+        f"{name}: {what}\n  expected: {_show(expected)}\n  got:      {_show(got)}\n  hint: {hint}"
+    )
 
 
 def _show(v) -> str:
@@ -116,12 +126,17 @@ def _run_on_ranks(name: str, fn, world: int, *args):
         _remove_logs(e)  # the traceback is in the message below
         if "NotImplementedError" in e.rank_traceback:
             raise stub_failure(name) from None
-        hint = ("every rank must take part in each send/recv/collective, in an order that "
-                "cannot leave two ranks waiting on each other.")
-        raise ExerciseFailed(f"{name}: rank {e.rank} raised an error:\n{e.rank_traceback[-1500:]}\n"
-                             f"  hint: {hint}") from None
+        hint = (
+            "every rank must take part in each send/recv/collective, in an order that "
+            "cannot leave two ranks waiting on each other."
+        )
+        raise ExerciseFailed(
+            f"{name}: rank {e.rank} raised an error:\n{e.rank_traceback[-1500:]}\n  hint: {hint}"
+        ) from None
     except TimeoutError as e:
         _remove_logs(e)
-        raise ExerciseFailed(f"{name}: the ranks did not finish within 60 s (deadlock?)\n  hint: if "
-                             f"every rank sends before it receives, blocking sends can wait forever; "
-                             f"alternate the order on even and odd ranks.") from None
+        raise ExerciseFailed(
+            f"{name}: the ranks did not finish within 60 s (deadlock?)\n  hint: if "
+            f"every rank sends before it receives, blocking sends can wait forever; "
+            f"alternate the order on even and odd ranks."
+        ) from None

@@ -1,4 +1,5 @@
 """Checks for the lab 09 exercises (:mod:`llmlab.solutions.lab09`)."""
+
 from __future__ import annotations
 
 import torch
@@ -14,43 +15,65 @@ def online_softmax_update(fn) -> bool:
     scores, v = torch.randn(q_len, 12, generator=g) * 3, torch.randn(12, d, generator=g)
     m, l, acc = torch.full((q_len,), float("-inf")), torch.zeros(q_len), torch.zeros(q_len, d)
     for j in range(0, 12, 4):
-        m, l, acc = fn(m, l, acc, scores[:, j:j + 4], v[j:j + 4])
+        m, l, acc = fn(m, l, acc, scores[:, j : j + 4], v[j : j + 4])
     want = scores.softmax(-1) @ v
     got = acc / l[:, None]
     if not _close(got, want):
-        _fail(name, "after 3 tiles, acc / l should equal softmax(scores) @ V", want, got,
-              "when the running max grows, rescale the old l and acc by exp(m_old - m_new).")
+        _fail(
+            name,
+            "after 3 tiles, acc / l should equal softmax(scores) @ V",
+            want,
+            got,
+            "when the running max grows, rescale the old l and acc by exp(m_old - m_new).",
+        )
     return _ok(name, "three tiles of online softmax equal the full softmax @ V")
 
 
 def rms_norm_forward(fn) -> bool:
     name = "rms_norm_forward"
     from llmlab.kernels.reference import rms_norm_reference
+
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(4, 16, generator=g) * 3 + 1           # rows with a non-zero mean
-    x[2] = 0.0                                              # an all-zero row: only eps keeps rstd finite
+    x = torch.randn(4, 16, generator=g) * 3 + 1  # rows with a non-zero mean
+    x[2] = 0.0  # an all-zero row: only eps keeps rstd finite
     w = torch.rand(16, generator=g) + 0.5
     eps = 1e-5
     got = fn(x.clone(), w.clone(), eps)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
-        _fail(name, "the return value", "(y [4, 16], rstd [4])", type(got).__name__,
-              "return a pair: the normalised output and the per-row rstd (fp32).")
+        _fail(
+            name,
+            "the return value",
+            "(y [4, 16], rstd [4])",
+            type(got).__name__,
+            "return a pair: the normalised output and the per-row rstd (fp32).",
+        )
     y, rstd = got
     want_y, want_rstd = rms_norm_reference(x, w, eps), ex.rms_norm_forward(x, w, eps)[1]
     for what, a, b in (("rstd, one fp32 value per row,", rstd, want_rstd), ("y", y, want_y)):
         if not _close(a, b):
             row = 0
             if isinstance(a, torch.Tensor) and a.shape == b.shape:
-                row = next(i for i in range(b.shape[0]) if not torch.allclose(a[i], b[i], atol=1e-5, rtol=1e-5))
+                row = next(
+                    i for i in range(b.shape[0]) if not torch.allclose(a[i], b[i], atol=1e-5, rtol=1e-5)
+                )
             mean_sub = torch.rsqrt((x - x.mean(-1, keepdim=True)).pow(2).mean(-1) + eps)
-            hint = ("row 2 is all zeros: rstd = 1/sqrt(0 + eps), so eps goes inside the square root"
-                    if row == 2 else
-                    "this looks like LayerNorm: RMSNorm does not subtract the mean" if
-                    isinstance(rstd, torch.Tensor) and rstd.shape == mean_sub.shape and torch.allclose(rstd, mean_sub)
-                    else "rstd = 1 / sqrt(mean(x**2 over the last dim) + eps) in fp32 (shape [rows]); "
-                         "y = x * rstd[:, None] * weight")
-            _fail(name, f"{what} row {row}", b[row] if b.dim() > 1 else b,
-                  a[row] if isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[0] > row else a, hint)
+            hint = (
+                "row 2 is all zeros: rstd = 1/sqrt(0 + eps), so eps goes inside the square root"
+                if row == 2
+                else "this looks like LayerNorm: RMSNorm does not subtract the mean"
+                if isinstance(rstd, torch.Tensor)
+                and rstd.shape == mean_sub.shape
+                and torch.allclose(rstd, mean_sub)
+                else "rstd = 1 / sqrt(mean(x**2 over the last dim) + eps) in fp32 (shape [rows]); "
+                "y = x * rstd[:, None] * weight"
+            )
+            _fail(
+                name,
+                f"{what} row {row}",
+                b[row] if b.dim() > 1 else b,
+                a[row] if isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[0] > row else a,
+                hint,
+            )
     return _ok(name, "y and rstd equal the reference RMSNorm (the fused kernel's output and saved statistic)")
 
 
@@ -64,15 +87,26 @@ def causal_k_tiles(fn) -> bool:
             if got == want:
                 continue
             q0, q1 = i * bm, min((i + 1) * bm, T) - 1
-            what = (f"query tile {i} (queries {q0}..{q1}) with block_m {bm}, block_n {bn}, "
-                    f"seq_len {T}")
+            what = f"query tile {i} (queries {q0}..{q1}) with block_m {bm}, block_n {bn}, seq_len {T}"
             if not isinstance(got, dict) or got.get("visit") != want["visit"]:
-                hint = ("key tile j holds keys j*block_n .. (j+1)*block_n - 1; visit it unless its "
-                        f"first key is after the tile's last query ({q1}), i.e. tiles 0 .. "
-                        f"{q1} // block_n.")
-                _fail(name, f"{what}: key tiles visited", want["visit"],
-                      got.get("visit") if isinstance(got, dict) else got, hint)
-            _fail(name, f"{what}: key tiles that need the causal mask", want["masked"], got.get("masked"),
-                  f"a visited tile needs the mask if its last key (clipped to seq_len) is after the "
-                  f"tile's first query ({q0}); tiles wholly at or below the diagonal need none.")
+                hint = (
+                    "key tile j holds keys j*block_n .. (j+1)*block_n - 1; visit it unless its "
+                    f"first key is after the tile's last query ({q1}), i.e. tiles 0 .. "
+                    f"{q1} // block_n."
+                )
+                _fail(
+                    name,
+                    f"{what}: key tiles visited",
+                    want["visit"],
+                    got.get("visit") if isinstance(got, dict) else got,
+                    hint,
+                )
+            _fail(
+                name,
+                f"{what}: key tiles that need the causal mask",
+                want["masked"],
+                got.get("masked"),
+                f"a visited tile needs the mask if its last key (clipped to seq_len) is after the "
+                f"tile's first query ({q0}); tiles wholly at or below the diagonal need none.",
+            )
     return _ok(name, "visited and masked key tiles match for 5 tilings (the rest are skipped)")

@@ -21,6 +21,7 @@ exclusively (``O_EXCL|O_NOFOLLOW``) and renamed over the old one, under the lock
 one learner cannot lose each other's records. A failure to write is reported on stderr and never
 fails the check.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -40,8 +41,9 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
 
 def learner() -> str:
     """Who is running the checks: ``LLMLAB_LEARNER``, ``JUPYTERHUB_USER`` or the login name."""
-    return folder_name(os.environ.get("LLMLAB_LEARNER") or os.environ.get("JUPYTERHUB_USER")
-                       or getpass.getuser())
+    return folder_name(
+        os.environ.get("LLMLAB_LEARNER") or os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+    )
 
 
 def results_file() -> Path | None:
@@ -53,17 +55,19 @@ def results_file() -> Path | None:
 def _own_folder(folder: Path) -> int:
     """An fd of ``folder``, made (0700) if missing. Raises ``PermissionError`` when it is a link,
     not a folder, or another user's (someone took the name: the instructor removes it)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)   # a results folder of one's own (no hub)
+    folder.parent.mkdir(parents=True, exist_ok=True)  # a results folder of one's own (no hub)
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
         pass
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _OPEN)   # a link: ELOOP
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _OPEN)  # a link: ELOOP
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
-        raise PermissionError(f"{folder} belongs to uid {st.st_uid}, not to this learner (uid "
-                              f"{os.geteuid()}): ask the instructor to remove it")
+        raise PermissionError(
+            f"{folder} belongs to uid {st.st_uid}, not to this learner (uid "
+            f"{os.geteuid()}): ask the instructor to remove it"
+        )
     return fd
 
 
@@ -113,7 +117,9 @@ def record(exercise: str, ok: bool, message: str = "") -> None:
                 rows = data.setdefault("exercises", {})
                 row = rows.setdefault(exercise, {"solved": False, "attempts": 0, "first_solved": None})
                 row["attempts"] += 1
-                row.update(last=now, last_ok=bool(ok), message="" if ok else message.strip().split("\n")[0][:300])
+                row.update(
+                    last=now, last_ok=bool(ok), message="" if ok else message.strip().split("\n")[0][:300]
+                )
                 if ok and not row["solved"]:
                     row.update(solved=True, first_solved=now)
                 data.update(learner=learner(), updated=now)

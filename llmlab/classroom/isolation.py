@@ -15,6 +15,7 @@ over TLS. This module holds the checks and file operations the recipe
 * :func:`folder_name`, :func:`results_folder`: the learner's own folder of the room's results, made by the hub, so that
   no learner can make, squat or replace another's (:mod:`llmlab.check.results` writes into it).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -27,8 +28,8 @@ import time
 from pathlib import Path
 
 UID_MIN = 1000  # the first uid of a person's account (login.defs); below: root and system accounts
-RECORD = "results.json"   # a learner's record in their results folder (llmlab.check.results)
-MAX_BYTES = 1 << 20       # a record never grows past this (llmlab classroom results skips a larger one)
+RECORD = "results.json"  # a learner's record in their results folder (llmlab.check.results)
+MAX_BYTES = 1 << 20  # a record never grows past this (llmlab classroom results skips a larger one)
 
 
 def folder_name(name: str) -> str:
@@ -64,13 +65,17 @@ def bind_error(mode: str, host: str, tls: bool) -> str | None:
     if is_loopback(host):
         return None
     if mode == "demo":
-        return (f"demo mode cannot isolate learners (every server runs as the hub's user and can read "
-                f"the hub's secrets), so it listens on loopback only, not {host or 'every interface'}: "
-                f"use LLMLAB_HUB_MODE=system for a room, or reach this hub through an SSH tunnel")
+        return (
+            f"demo mode cannot isolate learners (every server runs as the hub's user and can read "
+            f"the hub's secrets), so it listens on loopback only, not {host or 'every interface'}: "
+            f"use LLMLAB_HUB_MODE=system for a room, or reach this hub through an SSH tunnel"
+        )
     if not tls:
-        return (f"the hub would send learners' passwords in clear on {host or 'every interface'}: give "
-                f"LLMLAB_HUB_SSL_CERT and LLMLAB_HUB_SSL_KEY (TLS), or bind 127.0.0.1 behind a reverse "
-                f"proxy that serves TLS (docs/workshop.md, section 3)")
+        return (
+            f"the hub would send learners' passwords in clear on {host or 'every interface'}: give "
+            f"LLMLAB_HUB_SSL_CERT and LLMLAB_HUB_SSL_KEY (TLS), or bind 127.0.0.1 behind a reverse "
+            f"proxy that serves TLS (docs/workshop.md, section 3)"
+        )
     return None
 
 
@@ -92,9 +97,11 @@ def learner_account(name: str) -> pwd.struct_passwd:
     account (uid below 1000): a learner's server never runs as one; ``KeyError`` when there is none."""
     pw = pwd.getpwnam(name)
     if pw.pw_uid < UID_MIN:
-        raise PermissionError(f"refusing to start a learner's server as {name!r} (uid {pw.pw_uid}): "
-                              f"learners are person accounts (uid >= {UID_MIN}), never root or a "
-                              f"system account")
+        raise PermissionError(
+            f"refusing to start a learner's server as {name!r} (uid {pw.pw_uid}): "
+            f"learners are person accounts (uid >= {UID_MIN}), never root or a "
+            f"system account"
+        )
     return pw
 
 
@@ -103,7 +110,9 @@ def private_home(pw: pwd.struct_passwd) -> None:
     folder owned by the learner is touched; anything else is refused with ``PermissionError``."""
     st = os.lstat(pw.pw_dir)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != pw.pw_uid:
-        raise PermissionError(f"{pw.pw_dir} is not a folder owned by {pw.pw_name}: not starting a server there")
+        raise PermissionError(
+            f"{pw.pw_dir} is not a folder owned by {pw.pw_name}: not starting a server there"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(pw.pw_dir, stat.S_IMODE(st.st_mode) & 0o700)
 
@@ -118,8 +127,10 @@ def results_folder(root: str | Path, folder: str, uid: int, gid: int) -> Path:
     root = Path(root)
     st = os.lstat(root)
     if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
-        raise PermissionError(f"the results folder {root} must belong to the hub's user and be writable "
-                              f"by it alone (it is mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})")
+        raise PermissionError(
+            f"the results folder {root} must belong to the hub's user and be writable "
+            f"by it alone (it is mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})"
+        )
     path = root / folder
     try:
         old = os.lstat(path)

@@ -15,6 +15,7 @@ through a link and never waiting on a FIFO, at most :data:`~llmlab.check.results
 anything else (a link, a FIFO, an oversized, malformed or foreign record) is named on stderr and
 skipped, and the table is printed anyway. Names are printed with control characters escaped.
 """
+
 from __future__ import annotations
 
 import errno
@@ -64,10 +65,18 @@ def _rows(data) -> dict[str, dict]:
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:
             raise ValueError(f"exercise {name!r}: attempts {attempts!r} is not a count")
         last_ok = row.get("last_ok", solved)
-        if not all(isinstance(v, t) for v, t in ((solved, bool), (last_ok, bool), (row.get("message", ""), str))):
+        if not all(
+            isinstance(v, t) for v, t in ((solved, bool), (last_ok, bool), (row.get("message", ""), str))
+        ):
             raise ValueError(f"exercise {name!r}: 'solved', 'last_ok' or 'message' has the wrong type")
-        rows[name] = {"solved": solved, "attempts": attempts, "first_solved": _time(row.get("first_solved")),
-                      "last": _time(row.get("last")), "last_ok": last_ok, "message": row.get("message", "")}
+        rows[name] = {
+            "solved": solved,
+            "attempts": attempts,
+            "first_solved": _time(row.get("first_solved")),
+            "last": _time(row.get("last")),
+            "last_ok": last_ok,
+            "message": row.get("message", ""),
+        }
     return rows
 
 
@@ -78,20 +87,29 @@ def _read_folder(root_fd: int, name: str, trusted_uid: int) -> dict[str, dict]:
         dfd = os.open(name, _OPEN | os.O_DIRECTORY, dir_fd=root_fd)
     except OSError as e:
         kind = os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode
-        what = "a link" if stat.S_ISLNK(kind) else "not a learner's folder" if not stat.S_ISDIR(kind) else e.strerror
+        what = (
+            "a link"
+            if stat.S_ISLNK(kind)
+            else "not a learner's folder"
+            if not stat.S_ISDIR(kind)
+            else e.strerror
+        )
         raise ValueError(what) from None
     try:
         owner = os.fstat(dfd).st_uid
         account = _account(owner)
         if owner != trusted_uid and account != name:
-            raise ValueError(f"foreign: the folder belongs to {printable(account or str(owner))}, "
-                             f"not to {printable(name)}")
+            raise ValueError(
+                f"foreign: the folder belongs to {printable(account or str(owner))}, not to {printable(name)}"
+            )
         try:
             fd = os.open(RECORD, _OPEN, dir_fd=dfd)
         except FileNotFoundError:
             return {}
         except OSError as e:
-            raise ValueError(f"{RECORD} is a link" if e.errno == errno.ELOOP else f"{RECORD}: {e.strerror}") from None
+            raise ValueError(
+                f"{RECORD} is a link" if e.errno == errno.ELOOP else f"{RECORD}: {e.strerror}"
+            ) from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -168,7 +186,9 @@ def format_table(room: dict[str, dict]) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("dir", help="the room's results directory (LLMLAB_RESULTS_DIR of the learners)")
-    p.add_argument("--json", action="store_true", help="print the room as JSON instead of a table (default: off)")
+    p.add_argument(
+        "--json", action="store_true", help="print the room as JSON instead of a table (default: off)"
+    )
 
 
 def run(args) -> int:

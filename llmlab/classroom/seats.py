@@ -11,6 +11,7 @@ back to CPU ranks (:func:`llmlab.runtime.hardware.lab_size`); on a CPU-only node
 :class:`SeatAllocator` hands seats to learners as their servers start and takes them back when
 they stop (the hub's ``pre_spawn_hook`` / ``post_stop_hook``, ``classroom/jupyterhub_config.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,12 @@ class Seat:
         """The variables the learner's server starts with: ``CUDA_VISIBLE_DEVICES`` (empty on a
         seat without GPUs of a GPU node, so no GPU is shared by accident), the cores to pin to
         (``LLMLAB_CPU_CORES``) and the thread counts of OpenMP/MKL (one per core)."""
-        env = {"LLMLAB_SEAT": str(self.index), "LLMLAB_CPU_CORES": ",".join(map(str, self.cores)),
-               "OMP_NUM_THREADS": str(len(self.cores)), "MKL_NUM_THREADS": str(len(self.cores))}
+        env = {
+            "LLMLAB_SEAT": str(self.index),
+            "LLMLAB_CPU_CORES": ",".join(map(str, self.cores)),
+            "OMP_NUM_THREADS": str(len(self.cores)),
+            "MKL_NUM_THREADS": str(len(self.cores)),
+        }
         if node_has_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
         return env
@@ -52,11 +57,16 @@ class RoomPlan:
     reason: str = ""
 
     def describe(self) -> str:
-        each = (f"{self.gpus_per_learner} GPU{'s' if self.gpus_per_learner != 1 else ''} and "
-                if self.node_gpus else "")
-        return (f"{self.learners} learner{'s' if self.learners != 1 else ''} on this node, "
-                f"{each}{self.cores_per_learner} CPU core{'s' if self.cores_per_learner != 1 else ''} "
-                f"each ({self.reason})")
+        each = (
+            f"{self.gpus_per_learner} GPU{'s' if self.gpus_per_learner != 1 else ''} and "
+            if self.node_gpus
+            else ""
+        )
+        return (
+            f"{self.learners} learner{'s' if self.learners != 1 else ''} on this node, "
+            f"{each}{self.cores_per_learner} CPU core{'s' if self.cores_per_learner != 1 else ''} "
+            f"each ({self.reason})"
+        )
 
 
 def node_inventory() -> dict:
@@ -66,9 +76,13 @@ def node_inventory() -> dict:
     import psutil
 
     from llmlab.runtime.hardware import hardware
+
     inv = hardware()
-    inv["usable_cores"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+    inv["usable_cores"] = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
         else list(range(os.cpu_count() or 1))
+    )
     inv["memory_bytes"] = psutil.virtual_memory().total
     return inv
 
@@ -78,6 +92,7 @@ def ranks_per_learner(labs: list[str] | None = None) -> tuple[int, str]:
     :data:`~llmlab.lab_sizes.LAB_SIZES`) runs at its smallest size on them: the largest
     ``min_ranks``, and the lab that sets it. Raises ``KeyError`` naming the labs for an unknown one."""
     from llmlab.lab_sizes import LAB_SIZES
+
     labs = list(LAB_SIZES) if labs is None else labs
     unknown = [lab for lab in labs if lab not in LAB_SIZES]
     if unknown:
@@ -87,8 +102,12 @@ def ranks_per_learner(labs: list[str] | None = None) -> tuple[int, str]:
     return need[lab], lab
 
 
-def plan_room(inventory: dict, labs: list[str] | None = None, gpus_per_learner: int | None = None,
-              cores_per_learner: int | None = None) -> RoomPlan:
+def plan_room(
+    inventory: dict,
+    labs: list[str] | None = None,
+    gpus_per_learner: int | None = None,
+    cores_per_learner: int | None = None,
+) -> RoomPlan:
     """Share the node of ``inventory`` (:func:`node_inventory`) among learners.
 
     GPU node with G GPUs: each learner gets ``gpus_per_learner`` (default: :func:`ranks_per_learner`
@@ -109,22 +128,28 @@ def plan_room(inventory: dict, labs: list[str] | None = None, gpus_per_learner: 
     if gpus:
         per = gpus_per_learner or min(need, len(gpus))  # a node with fewer: one learner, every GPU
         if per > len(gpus):
-            raise ValueError(f"{per} GPUs per learner but this node has {len(gpus)}: set "
-                             f"gpus_per_learner (LLMLAB_HUB_GPUS_PER_LEARNER) to at most {len(gpus)}")
+            raise ValueError(
+                f"{per} GPUs per learner but this node has {len(gpus)}: set "
+                f"gpus_per_learner (LLMLAB_HUB_GPUS_PER_LEARNER) to at most {len(gpus)}"
+            )
         learners = len(gpus) // per
         core_each = cores_per_learner or max(1, len(cores) // learners)
         learners = min(learners, max(1, len(cores) // core_each))
-        why = (f"{len(gpus)} GPUs / {per} per learner" + ("" if gpus_per_learner else
-               f", lab {lab} needs {need} ranks"))
+        why = f"{len(gpus)} GPUs / {per} per learner" + (
+            "" if gpus_per_learner else f", lab {lab} needs {need} ranks"
+        )
     else:
         per = 0
         core_each = min(cores_per_learner or need, len(cores))
         learners = max(1, len(cores) // core_each)
-        why = (f"{len(cores)} CPU cores / {core_each} per learner" + ("" if cores_per_learner else
-               f", lab {lab} runs {need} gloo ranks"))
+        why = f"{len(cores)} CPU cores / {core_each} per learner" + (
+            "" if cores_per_learner else f", lab {lab} runs {need} gloo ranks"
+        )
     mem = int(inventory.get("memory_bytes", 0)) // learners
-    seats = [Seat(i, tuple(gpus[i * per:(i + 1) * per]), tuple(cores[i * core_each:(i + 1) * core_each]), mem)
-             for i in range(learners)]
+    seats = [
+        Seat(i, tuple(gpus[i * per : (i + 1) * per]), tuple(cores[i * core_each : (i + 1) * core_each]), mem)
+        for i in range(learners)
+    ]
     return RoomPlan(learners, per, core_each, len(gpus), seats, why)
 
 
@@ -144,8 +169,10 @@ class SeatAllocator:
         held = set(self.holders.values())
         free = [s for s in self.plan.seats if s.index not in held]
         if not free:
-            raise RuntimeError(f"the room is full: all {self.plan.learners} seats of this node are "
-                               f"in use ({', '.join(sorted(self.holders))}); try again when one stops")
+            raise RuntimeError(
+                f"the room is full: all {self.plan.learners} seats of this node are "
+                f"in use ({', '.join(sorted(self.holders))}); try again when one stops"
+            )
         self.holders[learner] = free[0].index
         return free[0]
 

@@ -8,6 +8,7 @@ It runs as the learner, before ``jupyterhub-singleuser`` (which it then becomes,
 * copies the labs (``LLMLAB_LABS_SOURCE``) into ``~/labs`` the first time, and never again, so a
   learner's edits survive a restart.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ The corpus is split once, by position: the last tenth of its bytes is held out
 (:func:`corpus_tokens` ``("heldout")``) and the loader draws training windows only from the first
 nine tenths, so a model trained with ``llmlab train`` can be evaluated on text it never saw.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -22,7 +23,7 @@ def load_corpus() -> str:
     return resources.files(__package__).joinpath(CORPUS_FILE).read_text(encoding="ascii")
 
 
-HELDOUT_FRACTION = 0.1   # the last tenth of the corpus is never trained on
+HELDOUT_FRACTION = 0.1  # the last tenth of the corpus is never trained on
 
 
 def corpus_tokens(split: str = "train") -> torch.Tensor:
@@ -70,8 +71,14 @@ class BatchLoader:
     not divide the local batch, or the corpus is shorter than one window.
     """
 
-    def __init__(self, tokens: torch.Tensor | None = None, *, global_batch_size: int = 16,
-                 seq_len: int = 64, seed: int = 0):
+    def __init__(
+        self,
+        tokens: torch.Tensor | None = None,
+        *,
+        global_batch_size: int = 16,
+        seq_len: int = 64,
+        seed: int = 0,
+    ):
         if tokens is None:
             tokens = corpus_tokens("train")
         if tokens.numel() <= seq_len + 1:
@@ -81,7 +88,7 @@ class BatchLoader:
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.tokens.numel() - self.L - 1, (self.B,), generator=g)
-        win = torch.stack([self.tokens[s: s + self.L + 1] for s in starts.tolist()])
+        win = torch.stack([self.tokens[s : s + self.L + 1] for s in starts.tolist()])
         return win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
     def local_batch(self, step: int, dp_rank: int = 0, dp_size: int = 1):
@@ -89,11 +96,13 @@ class BatchLoader:
             raise ValueError(f"dp={dp_size} must divide global batch size {self.B}")
         n = self.B // dp_size
         x, y = self.global_batch(step)
-        return x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+        return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
 
     def microbatches(self, step: int, dp_rank: int = 0, dp_size: int = 1, num_microbatches: int = 1):
         x, y = self.local_batch(step, dp_rank, dp_size)
         if x.shape[0] % num_microbatches:
-            raise ValueError(f"num_microbatches={num_microbatches} must divide the per-rank batch "
-                             f"{x.shape[0]} (global batch {self.B} / dp {dp_size})")
+            raise ValueError(
+                f"num_microbatches={num_microbatches} must divide the per-rank batch "
+                f"{x.shape[0]} (global batch {self.B} / dp {dp_size})"
+            )
         return list(zip(x.chunk(num_microbatches), y.chunk(num_microbatches)))

@@ -23,6 +23,7 @@ Bad input raises ``ValueError`` naming the file and line: not JSON, not an objec
 ``text`` nor ``messages``, a wrong type, an empty example, an example longer than ``seq_len + 1``
 tokens, an empty file; checked by :func:`read_examples` in the caller before any rank starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,6 +62,7 @@ def data_files(path: str | Path) -> list[Path]:
 def _chat_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns: the text each
     assistant message adds to the prompt that asks for it (``add_generation_prompt``)."""
+
     def render(msgs: list[dict[str, str]], prompt: bool) -> str:
         return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt))
 
@@ -68,18 +70,22 @@ def _chat_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, li
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = render(messages[:i], True), render(messages[:i + 1], False)
+        start, end = render(messages[:i], True), render(messages[: i + 1], False)
         if not (text.startswith(end) and end.startswith(start)):
-            raise ValueError("the chat template does not render conversations incrementally, so "
-                             "the assistant tokens cannot be found (use --loss-tokens all)")
+            raise ValueError(
+                "the chat template does not render conversations incrementally, so "
+                "the assistant tokens cannot be found (use --loss-tokens all)"
+            )
         spans.append((len(start), len(end)))
     return text, spans
 
 
 def _encode_chat(tokenizer: Any, messages: list[dict[str, str]], all_tokens: bool) -> Example:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("a chat example needs a tokenizer with a chat template, and this one "
-                         "(a preset's bytes, or the checkpoint's) has none; write {\"text\"} lines")
+        raise ValueError(
+            "a chat example needs a tokenizer with a chat template, and this one "
+            "(a preset's bytes, or the checkpoint's) has none; write {\"text\"} lines"
+        )
     text, spans = _chat_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -91,7 +97,7 @@ def _encode_text(tokenizer: Any, text: str) -> Example:
     ids = list(tokenizer.encode(text))
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)            # the model learns where a text ends
+        ids.append(eos)  # the model learns where a text ends
     return Example(tuple(ids), (True,) * len(ids))
 
 
@@ -99,8 +105,7 @@ def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
     for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f'every message needs a string "role" and "content", got {m!r:.80}')
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError('the conversation has no "assistant" message (nothing to train)')
@@ -113,7 +118,7 @@ def encode_line(line: str, tokenizer: Any, all_tokens: bool = False) -> Example:
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"expected an object with \"text\" or \"messages\", got {type(obj).__name__}")
+        raise ValueError(f'expected an object with "text" or "messages", got {type(obj).__name__}')
     if "messages" in obj:
         _check_messages(obj["messages"])
         return _encode_chat(tokenizer, obj["messages"], all_tokens)
@@ -138,8 +143,10 @@ def read_examples(path: str | Path, tokenizer: Any, seq_len: int, all_tokens: bo
             except ValueError as e:
                 raise ValueError(f"--data {f}:{n}: {e}") from None
             if len(ex.ids) > seq_len + 1:
-                raise ValueError(f"--data {f}:{n}: the example is {len(ex.ids)} tokens, longer than "
-                                 f"--seq-len {seq_len} + 1; shorten it or raise --seq-len")
+                raise ValueError(
+                    f"--data {f}:{n}: the example is {len(ex.ids)} tokens, longer than "
+                    f"--seq-len {seq_len} + 1; shorten it or raise --seq-len"
+                )
             if not any(ex.trained[1:]):
                 raise ValueError(f"--data {f}:{n}: no token of the example is trained")
             out.append(ex)
@@ -149,16 +156,19 @@ def read_examples(path: str | Path, tokenizer: Any, seq_len: int, all_tokens: bo
     return out
 
 
-def split_examples(examples: list[Example], eval_fraction: float,
-                   seed: int) -> tuple[list[Example], list[Example]]:
+def split_examples(
+    examples: list[Example], eval_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
     """``(train, held_out)``: a seeded shuffle, the last ``eval_fraction`` (at least one example
     when the fraction is > 0) held out. ``ValueError`` when nothing is left to train on."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
     order = torch.randperm(len(examples), generator=g).tolist()
     n_eval = max(1, round(len(examples) * eval_fraction)) if eval_fraction > 0 else 0
     if n_eval >= len(examples):
-        raise ValueError(f"--data has {len(examples)} examples: too few to hold out "
-                         f"--eval-fraction {eval_fraction} and train on the rest")
+        raise ValueError(
+            f"--data has {len(examples)} examples: too few to hold out "
+            f"--eval-fraction {eval_fraction} and train on the rest"
+        )
     cut = len(examples) - n_eval
     return [examples[i] for i in order[:cut]], [examples[i] for i in order[cut:]]
 
@@ -169,8 +179,8 @@ def rows(examples: list[Example], seq_len: int, pad_id: int) -> tuple[torch.Tens
     x = torch.full((len(examples), seq_len + 1), pad_id, dtype=torch.long)
     keep = torch.zeros((len(examples), seq_len + 1), dtype=torch.bool)
     for i, ex in enumerate(examples):
-        x[i, :len(ex.ids)] = torch.tensor(ex.ids, dtype=torch.long)
-        keep[i, :len(ex.ids)] = torch.tensor(ex.trained, dtype=torch.bool)
+        x[i, : len(ex.ids)] = torch.tensor(ex.ids, dtype=torch.long)
+        keep[i, : len(ex.ids)] = torch.tensor(ex.trained, dtype=torch.bool)
     y = torch.where(keep[:, 1:], x[:, 1:], torch.full_like(x[:, 1:], -100))
     return x[:, :-1].contiguous(), y.contiguous()
 
@@ -180,8 +190,16 @@ class ExampleLoader(BatchLoader):
     step ``s`` is a function of ``(seed, s)`` (module docstring); ``eval_batch(multiple)`` is
     every held-out example, padded with untrained rows to a multiple of ``multiple`` rows."""
 
-    def __init__(self, train: list[Example], held_out: list[Example], *, global_batch_size: int,
-                 seq_len: int, seed: int, pad_id: int):
+    def __init__(
+        self,
+        train: list[Example],
+        held_out: list[Example],
+        *,
+        global_batch_size: int,
+        seq_len: int,
+        seed: int,
+        pad_id: int,
+    ):
         self.train, self.held_out = train, held_out
         self.B, self.L, self.seed, self.pad_id = global_batch_size, seq_len, seed, pad_id
         self._orders: dict[int, list[int]] = {}

@@ -25,6 +25,7 @@ function if the check passed, llmlab's reference if it failed (the check printed
 Run All never stops at an unsolved exercise. With ``LLMLAB_SOLUTIONS=1`` or ``LLMLAB_STRICT=1`` a
 failed check raises instead.
 """
+
 from __future__ import annotations
 
 from llmlab.check import CHECKS

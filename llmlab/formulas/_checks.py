@@ -1,4 +1,5 @@
 """Argument checks shared by the formula modules (``ValueError`` naming the argument)."""
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,15 @@ def check_stage(stage) -> int:
 FLAG_MOST, FLAG_LEAST_POSITIVE = 1e18, 1e-9
 
 
-def check_flag(flag: str, value, *, integer: bool = False, least: float = 0, zero_ok: bool = False,
-               most: float = FLAG_MOST) -> None:
+def check_flag(
+    flag: str,
+    value,
+    *,
+    integer: bool = False,
+    least: float = 0,
+    zero_ok: bool = False,
+    most: float = FLAG_MOST,
+) -> None:
     """``ValueError`` naming ``flag`` unless ``value`` is a finite number (an ``int``, not a bool,
     if ``integer``) in range: integers in ``[least, most]``; reals ``> 0`` (or ``0`` with
     ``zero_ok``), at least :data:`FLAG_LEAST_POSITIVE` when not 0, at most ``most``. Used by the
@@ -43,11 +51,16 @@ def check_flag(flag: str, value, *, integer: bool = False, least: float = 0, zer
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{flag} must be an integer >= {least:g}, got {value!r}")
         if value > most:
-            raise ValueError(f"{flag} must be <= {most:,}, got {value:,}" if isinstance(most, int)
-                             else f"{flag} must be <= {most:g}, got {value}")
+            raise ValueError(
+                f"{flag} must be <= {most:,}, got {value:,}"
+                if isinstance(most, int)
+                else f"{flag} must be <= {most:g}, got {value}"
+            )
         return
     if value < 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{flag} must be {'>= 0' if zero_ok else '> 0'}, got {value:g}")
     if value > most or 0 < value < FLAG_LEAST_POSITIVE:
-        raise ValueError(f"{flag} must be {'0 or ' if zero_ok else ''}between {FLAG_LEAST_POSITIVE:g} "
-                         f"and {most:g}, got {value:g}")
+        raise ValueError(
+            f"{flag} must be {'0 or ' if zero_ok else ''}between {FLAG_LEAST_POSITIVE:g} "
+            f"and {most:g}, got {value:g}"
+        )

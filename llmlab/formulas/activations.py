@@ -13,14 +13,21 @@ Two different things, kept apart:
   by :class:`llmlab.metrics.memory.SavedActivations`; it holds only as long as the block saves
   exactly these tensors.
 """
+
 from __future__ import annotations
 
 from llmlab.formulas._checks import check_count
 
 
-def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size: int,
-                               num_heads: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none") -> int:
+def activation_bytes_per_layer(
+    seq_len: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> int:
     """Bytes of activations one transformer layer saves for backward (16-bit activations).
 
     ``s·b·h·(34 + 5·a·s/h)`` without parallelism; with tensor parallelism t:
@@ -37,8 +44,13 @@ def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size:
 
     Source: Korthikanti et al. 2022 (arXiv 2205.05198), §4.1-4.2, eqs. 1-3, Table 2 and §5.
     """
-    for name, v in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
-                    ("hidden_size", hidden_size), ("num_heads", num_heads), ("tp", tp)):
+    for name, v in (
+        ("seq_len", seq_len),
+        ("micro_batch_size", micro_batch_size),
+        ("hidden_size", hidden_size),
+        ("num_heads", num_heads),
+        ("tp", tp),
+    ):
         check_count(name, v)
     if num_heads % tp:
         raise ValueError(f"tp={tp} must divide num_heads={num_heads}")
@@ -55,9 +67,16 @@ def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size:
     return round(s * b * h * per)
 
 
-def activation_bytes_per_rank(seq_len: int, micro_batch_size: int, hidden_size: int,
-                              num_heads: int, tp: int = 1, sequence_parallel: bool = False,
-                              recompute: str = "none", cp: int = 1) -> int:
+def activation_bytes_per_rank(
+    seq_len: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    cp: int = 1,
+) -> int:
     """Activation bytes one layer saves per rank with context parallelism over ``cp`` ranks.
 
     Every activation of a layer belongs to one token, and each CP rank holds ``s/cp`` tokens, so
@@ -72,13 +91,15 @@ def activation_bytes_per_rank(seq_len: int, micro_batch_size: int, hidden_size: 
     """
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or seq_len % cp:
         raise ValueError(f"cp={cp!r} must be a positive integer dividing seq_len={seq_len}")
-    full = activation_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_heads, tp,
-                                      sequence_parallel, recompute)
+    full = activation_bytes_per_layer(
+        seq_len, micro_batch_size, hidden_size, num_heads, tp, sequence_parallel, recompute
+    )
     return round(full / cp)
 
 
-def llama_block_activation_bytes(b: int, s: int, h: int, f: int, a: int, t: int = 1,
-                                 sequence_parallel: bool = False, dtype_bytes: int = 4) -> int:
+def llama_block_activation_bytes(
+    b: int, s: int, h: int, f: int, a: int, t: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4
+) -> int:
     """Bytes llmlab's Llama block saves for backward on one tensor-parallel rank.
 
     Elements, for ``b`` sequences of ``s`` tokens, hidden ``h``, MLP width ``f``, ``a`` query

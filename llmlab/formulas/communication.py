@@ -23,6 +23,7 @@ Per step: DDP and ZeRO (:func:`zero_comm_bytes_per_step`, ZeRO §7), tensor and 
 parallelism (:func:`tp_block_comm_bytes`, :func:`tp_step_comm_bytes`; Megatron-LM, Shoeybi et
 al. 2019, §3; Korthikanti et al. 2022, §4.2.2).
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,9 @@ def ring_all_reduce_bytes(nbytes: float, world_size: int) -> float:
     return ring_factor(world_size) * nbytes
 
 
-def ring_all_reduce_time(nbytes: float, world_size: int | None, bandwidth: float,
-                         latency: float = 0.0) -> float:
+def ring_all_reduce_time(
+    nbytes: float, world_size: int | None, bandwidth: float, latency: float = 0.0
+) -> float:
     """Seconds for a ring all-reduce of ``nbytes`` bytes over ``world_size`` ranks (α-β model).
 
     ``t = 2(N−1)·(α + S/(N·β))``: 2(N−1) steps, each paying the latency ``latency`` (α, seconds)
@@ -87,8 +89,7 @@ def ring_all_reduce_time(nbytes: float, world_size: int | None, bandwidth: float
     return 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
 
 
-def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float,
-                    latency: float = 0.0) -> float:
+def collective_time(op: str, nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0) -> float:
     """Seconds for one ring ``op`` on ``nbytes`` of payload over ``world_size`` ranks (α-β model).
 
     ``all_reduce`` is :func:`ring_all_reduce_time`, 2(N−1) steps; ``all_gather``,
@@ -121,8 +122,9 @@ def p2p_time(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
 # ------------------------------------------------------------------------------------------
 # Data parallelism and ZeRO
 # ------------------------------------------------------------------------------------------
-def zero_comm_bytes_per_step(num_params: float, stage: int, dp: int | None = None,
-                             dtype: str = "fp32") -> dict:
+def zero_comm_bytes_per_step(
+    num_params: float, stage: int, dp: int | None = None, dtype: str = "fp32"
+) -> dict:
     """Bytes one rank sends per step for the gradient/parameter collectives of DDP or ZeRO.
 
     stage 0 (DDP): one all-reduce of the gradients; stages 1 and 2: reduce-scatter of the
@@ -153,10 +155,16 @@ def zero_comm_bytes_per_step(num_params: float, stage: int, dp: int | None = Non
     return out
 
 
-def communication_wall(num_params: float, num_tokens: float, tokens_per_step: float,
-                       bandwidth_bytes_per_s: float, dtype: str = "fp32",
-                       activation_comm_bytes: float = 0.0, world_size: int | None = None,
-                       latency_s: float = 0.0) -> dict:
+def communication_wall(
+    num_params: float,
+    num_tokens: float,
+    tokens_per_step: float,
+    bandwidth_bytes_per_s: float,
+    dtype: str = "fp32",
+    activation_comm_bytes: float = 0.0,
+    world_size: int | None = None,
+    latency_s: float = 0.0,
+) -> dict:
     """Per-step and total time spent communicating, the source articles' way.
 
     Per step the gradients (Ψ × dtype bytes) plus ``activation_comm_bytes`` go through one ring
@@ -179,16 +187,23 @@ def communication_wall(num_params: float, num_tokens: float, tokens_per_step: fl
     per_step = grads + activation_comm_bytes
     t = ring_all_reduce_time(per_step, world_size, bandwidth_bytes_per_s, latency_s)
     steps = math.ceil(num_tokens / tokens_per_step)
-    return {"grad_bytes": grads, "activation_bytes": activation_comm_bytes,
-            "bytes_per_step": per_step, "ring_factor": ring_factor(world_size),
-            "time_per_step_s": t, "num_steps": steps, "total_time_s": t * steps}
+    return {
+        "grad_bytes": grads,
+        "activation_bytes": activation_comm_bytes,
+        "bytes_per_step": per_step,
+        "ring_factor": ring_factor(world_size),
+        "time_per_step_s": t,
+        "num_steps": steps,
+        "total_time_s": t * steps,
+    }
 
 
 # ------------------------------------------------------------------------------------------
 # Tensor (and sequence) parallelism
 # ------------------------------------------------------------------------------------------
-def tp_block_comm_bytes(b: int, s: int, h: int, t: int, sequence_parallel: bool = False,
-                        dtype_bytes: int = 4) -> dict:
+def tp_block_comm_bytes(
+    b: int, s: int, h: int, t: int, sequence_parallel: bool = False, dtype_bytes: int = 4
+) -> dict:
     """Collectives of one transformer block for one micro-batch on a tensor-parallel rank:
     ``{"forward": {kind: (count, payload_bytes_each)}, "backward": {...}}``.
 
@@ -205,12 +220,15 @@ def tp_block_comm_bytes(b: int, s: int, h: int, t: int, sequence_parallel: bool 
     x = b * s * h * dtype_bytes
     if not sequence_parallel:
         return {"forward": {"all_reduce": (2, x)}, "backward": {"all_reduce": (2, x)}}
-    return {"forward": {"all_gather": (2, x), "reduce_scatter": (2, x)},
-            "backward": {"all_gather": (4, x), "reduce_scatter": (2, x)}}
+    return {
+        "forward": {"all_gather": (2, x), "reduce_scatter": (2, x)},
+        "backward": {"all_gather": (4, x), "reduce_scatter": (2, x)},
+    }
 
 
-def tp_replicated_kv_grad_bytes(num_layers: int, h: int, head_dim: int, kv_heads: int, t: int,
-                                dtype_bytes: int = 4) -> int:
+def tp_replicated_kv_grad_bytes(
+    num_layers: int, h: int, head_dim: int, kv_heads: int, t: int, dtype_bytes: int = 4
+) -> int:
     """Payload of the all-reduce that sums the gradients of replicated key/value heads: when
     ``t`` exceeds ``kv_heads``, each kv head's k and v weights (``head_dim × h`` each, per layer)
     live on several ranks, and their gradients are summed over tp once per step. 0 otherwise."""
@@ -219,9 +237,16 @@ def tp_replicated_kv_grad_bytes(num_layers: int, h: int, head_dim: int, kv_heads
     return kv_heads * head_dim * h * 2 * num_layers * dtype_bytes
 
 
-def tp_step_comm_bytes(b: int, s: int, h: int, num_layers: int, t: int,
-                       sequence_parallel: bool = False, dtype_bytes: int = 4,
-                       replicated_grad_bytes: int = 0) -> dict:
+def tp_step_comm_bytes(
+    b: int,
+    s: int,
+    h: int,
+    num_layers: int,
+    t: int,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 4,
+    replicated_grad_bytes: int = 0,
+) -> dict:
     """Payload bytes per kind of collective, per rank, for one training step of llmlab's Llama
     model under tensor parallelism ``t`` (one micro-batch of ``b`` sequences of ``s`` tokens).
 
@@ -248,12 +273,12 @@ def tp_step_comm_bytes(b: int, s: int, h: int, num_layers: int, t: int,
             out[kind] += num_layers * n * x
     x = b * s * h * dtype_bytes
     if sequence_parallel:
-        out["reduce_scatter"] += 2 * x          # embedding output; LM-head input gradient
-        out["all_gather"] += 3 * x              # embedding backward; LM-head input, re-gathered
-        out["all_reduce"] += (2 * num_layers + 1) * h * 4   # partial norm-weight gradients
+        out["reduce_scatter"] += 2 * x  # embedding output; LM-head input gradient
+        out["all_gather"] += 3 * x  # embedding backward; LM-head input, re-gathered
+        out["all_reduce"] += (2 * num_layers + 1) * h * 4  # partial norm-weight gradients
     else:
-        out["all_reduce"] += 2 * x              # embedding output; LM-head input gradient
-    out["all_reduce"] += 3 * b * s * 4 + replicated_grad_bytes   # vocab-parallel cross-entropy
+        out["all_reduce"] += 2 * x  # embedding output; LM-head input gradient
+    out["all_reduce"] += 3 * b * s * 4 + replicated_grad_bytes  # vocab-parallel cross-entropy
     return out
 
 
@@ -267,8 +292,9 @@ def moe_a2a_bytes(tokens: int, hidden: int, top_k: int, bytes_per_element: int =
     return top_k * tokens * hidden * bytes_per_element
 
 
-def ulysses_bytes_per_layer(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-                            head_dim: int, cp: int, dtype_bytes: int = 4) -> dict:
+def ulysses_bytes_per_layer(
+    batch: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, cp: int, dtype_bytes: int = 4
+) -> dict:
     """Bytes one rank passes to all-to-all for one attention layer under DeepSpeed-Ulysses over
     ``cp`` ranks (its whole local tensors). Forward: q, k, v and out, ``B·(2H + 2H_kv)·(S/N)·D``
     elements; backward the same again. Source: Jacobs et al. 2023, §3."""

@@ -5,6 +5,7 @@ backward). The source articles' 8B model on 2.5e11 tokens: 1.2e22 FLOPs, 3.85e7 
 one 312 TFLOP/s GPU. The per-token count with attention is
 :func:`training_flops_per_token` (it feeds the measured MFU, :mod:`llmlab.metrics.throughput`).
 """
+
 from __future__ import annotations
 
 from llmlab.formulas._checks import check_count
@@ -28,8 +29,9 @@ def training_flops_per_token(num_params: float, num_layers: int, hidden: int, se
     return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
-def ideal_training_time_s(total_flops: float, peak_flops_per_s: float, num_gpus: int = 1,
-                          mfu: float = 1.0) -> float:
+def ideal_training_time_s(
+    total_flops: float, peak_flops_per_s: float, num_gpus: int = 1, mfu: float = 1.0
+) -> float:
     """Seconds to do ``total_flops`` on ``num_gpus`` devices at ``mfu`` × their peak FLOP/s.
 
     ``mfu=1`` is the ideal (the source articles' "theoretical minimum"); real runs reach 0.3-0.55

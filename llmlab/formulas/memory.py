@@ -11,6 +11,7 @@ For Ψ parameters (ZeRO, Rajbhandari et al. 2020, §3.1 and §5, Figure 1):
 
 Activations are in :mod:`llmlab.formulas.activations`.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,14 +56,18 @@ def model_state_bytes(num_params: float, dtype: str = "fp32", optimizer: str = "
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
     master = 0 if dtype == "fp32" else 4  # fp32 master weights in mixed precision
     k = master + 4 * OPTIMIZER_STATES[optimizer]
-    out = {"params": round(b * num_params), "grads": round(b * num_params),
-           "optimizer_states": round(k * num_params)}
+    out = {
+        "params": round(b * num_params),
+        "grads": round(b * num_params),
+        "optimizer_states": round(k * num_params),
+    }
     out["total"] = sum(out.values())
     return out
 
 
-def zero_model_state_bytes(num_params: float, stage: int, dp: int, dtype: str = "fp32",
-                           optimizer: str = "adam") -> dict:
+def zero_model_state_bytes(
+    num_params: float, stage: int, dp: int, dtype: str = "fp32", optimizer: str = "adam"
+) -> dict:
     """Per-rank bytes of model states under ZeRO stage ``stage`` on ``dp`` data-parallel ranks.
 
     With P, G, O the unsharded bytes of :func:`model_state_bytes`:
@@ -84,7 +89,9 @@ def zero_model_state_bytes(num_params: float, stage: int, dp: int, dtype: str = 
     full = model_state_bytes(num_params, dtype, optimizer)
     shard_elems = math.ceil(num_params / dp)
     sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer_states": stage >= 1}
-    out = {cat: round(full[cat] / num_params * shard_elems) if is_sharded else full[cat]
-           for cat, is_sharded in sharded.items()}
+    out = {
+        cat: round(full[cat] / num_params * shard_elems) if is_sharded else full[cat]
+        for cat, is_sharded in sharded.items()
+    }
     out["total"] = sum(out.values())
     return out

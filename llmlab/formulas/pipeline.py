@@ -13,6 +13,7 @@ warm-up, and the ``m`` micro-batches of the step when it does not (``m = p``). T
 (:mod:`llmlab.planner`) uses both; the pipeline runner (:mod:`llmlab.parallel.pipeline_schedules`)
 measures them.
 """
+
 from __future__ import annotations
 
 from llmlab.formulas._checks import check_ranks

@@ -19,6 +19,7 @@ Units: bytes, tokens, seconds, FLOP/s. Sources:
 
 Plain arithmetic, no torch (the package's bottom layer).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,14 +38,19 @@ def serve_dtype_bytes(dtype: str, what: str = "--weight-dtype") -> float:
     return SERVE_DTYPE_BYTES[dtype]
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, kv_bytes: float,
-                       tp: int = 1, pp: int = 1) -> float:
+def kv_bytes_per_token(
+    num_layers: int, kv_heads: int, head_dim: int, kv_bytes: float, tp: int = 1, pp: int = 1
+) -> float:
     """KV-cache bytes one token takes on one GPU: 2 x (layers / pp) x (kv_heads / tp) x head_dim x
     bytes. ``ValueError`` when ``tp`` does not divide ``kv_heads`` (each rank must hold whole KV
     heads, as vLLM's and llmlab's tensor-parallel attention require) or a count is not positive.
     With ``pp`` not dividing the layers, the busiest stage (ceil) is counted."""
-    for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                    ("kv_bytes", kv_bytes)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("kv_heads", kv_heads),
+        ("head_dim", head_dim),
+        ("kv_bytes", kv_bytes),
+    ):
         check_count(name, v)
     check_ranks(tp, "tp")
     check_ranks(pp, "pp")
@@ -74,8 +80,9 @@ def max_concurrency(num_blocks: int, block_size: int, seq_tokens: int) -> int:
     return int(num_blocks) // blocks_for(seq_tokens, block_size)
 
 
-def profile_activation_bytes(num_tokens: int, hidden: int, ffn: int, vocab: int, act_bytes: float,
-                             tp: int = 1, max_num_seqs: int = 256) -> float:
+def profile_activation_bytes(
+    num_tokens: int, hidden: int, ffn: int, vocab: int, act_bytes: float, tp: int = 1, max_num_seqs: int = 256
+) -> float:
     """Peak activations of vLLM's profile forward of ``num_tokens`` tokens (its
     ``max_num_batched_tokens``) on one GPU: the MLP's gate and up outputs (2·ffn/tp) plus four
     hidden-size tensors (residual, normed input, attention output, MLP output) per token, and the
@@ -84,8 +91,14 @@ def profile_activation_bytes(num_tokens: int, hidden: int, ffn: int, vocab: int,
     return num_tokens * per_token + max_num_seqs * vocab * 4
 
 
-def decode_step_time(weight_bytes: float, kv_read_bytes: float, flops: float, hbm_bandwidth: float,
-                     flop_rate: float, comm_s: float = 0.0) -> float:
+def decode_step_time(
+    weight_bytes: float,
+    kv_read_bytes: float,
+    flops: float,
+    hbm_bandwidth: float,
+    flop_rate: float,
+    comm_s: float = 0.0,
+) -> float:
     """Seconds of one decode step on one GPU: the roofline max(bytes read / HBM bandwidth,
     FLOPs / FLOP/s) plus the collectives that cannot overlap (``comm_s``). ``weight_bytes``: the
     GPU's weights (all read once per step); ``kv_read_bytes``: the K/V of every running sequence's
@@ -95,8 +108,9 @@ def decode_step_time(weight_bytes: float, kv_read_bytes: float, flops: float, hb
     return max((weight_bytes + kv_read_bytes) / hbm_bandwidth, flops / flop_rate) + comm_s
 
 
-def decode_flops(active_params: float, batch: int, context_tokens: float, num_layers: int,
-                 hidden: int) -> float:
+def decode_flops(
+    active_params: float, batch: int, context_tokens: float, num_layers: int, hidden: int
+) -> float:
     """FLOPs of one decode step of ``batch`` sequences: 2·N per token for the weights plus the
     attention's 4·layers·hidden per token of context (q·k and p·v), summed over the batch
     (``context_tokens``: the sum of the sequences' context lengths)."""
@@ -106,7 +120,7 @@ def decode_flops(active_params: float, batch: int, context_tokens: float, num_la
 def prefill_flops(active_params: float, prompt_len: int, num_layers: int, hidden: int) -> float:
     """FLOPs of one prompt's prefill: 2·N per token plus causal attention 2·layers·hidden·s²
     (q·k and p·v over half the s x s scores)."""
-    return 2 * active_params * prompt_len + 2 * num_layers * hidden * prompt_len ** 2
+    return 2 * active_params * prompt_len + 2 * num_layers * hidden * prompt_len**2
 
 
 def gpus_for_bytes(total_bytes: float, gpu_memory_bytes: float, usable_fraction: float = 1.0) -> int:
@@ -118,8 +132,13 @@ def gpus_for_bytes(total_bytes: float, gpu_memory_bytes: float, usable_fraction:
     return math.ceil(total_bytes / (gpu_memory_bytes * usable_fraction))
 
 
-def paged_vs_contiguous(lengths: list[int], reserve_len: int, bytes_per_token: float,
-                        block_size: int = 16, weight_bytes: float = 0.0) -> dict:
+def paged_vs_contiguous(
+    lengths: list[int],
+    reserve_len: int,
+    bytes_per_token: float,
+    block_size: int = 16,
+    weight_bytes: float = 0.0,
+) -> dict:
     """KV memory of a batch of requests with ``lengths`` tokens each, stored contiguously (each
     request reserves ``reserve_len`` slots, what systems before PagedAttention did for the longest
     output it might produce) or paged (each holds ceil(length / block_size) blocks).
@@ -136,8 +155,13 @@ def paged_vs_contiguous(lengths: list[int], reserve_len: int, bytes_per_token: f
     contiguous = len(lengths) * reserve_len
     paged = sum(blocks_for(n, block_size) for n in lengths) * block_size
     cu, pu = used / contiguous, used / paged
-    return {"contiguous_bytes": contiguous * bytes_per_token, "paged_bytes": paged * bytes_per_token,
-            "contiguous_utilisation": cu, "paged_utilisation": pu, "utilisation_gain": pu / cu - 1,
-            "kv_ratio": paged / contiguous,
-            "total_ratio": (weight_bytes + paged * bytes_per_token)
-            / (weight_bytes + contiguous * bytes_per_token)}
+    return {
+        "contiguous_bytes": contiguous * bytes_per_token,
+        "paged_bytes": paged * bytes_per_token,
+        "contiguous_utilisation": cu,
+        "paged_utilisation": pu,
+        "utilisation_gain": pu / cu - 1,
+        "kv_ratio": paged / contiguous,
+        "total_ratio": (weight_bytes + paged * bytes_per_token)
+        / (weight_bytes + contiguous * bytes_per_token),
+    }

@@ -9,6 +9,7 @@ attention context (:mod:`~llmlab.inference.model_runner`), the engine step
 (:mod:`~llmlab.inference.engine`) and its settings (:mod:`~llmlab.inference.engine_config`), its outputs (:mod:`~llmlab.inference.outputs`) and the ``LLM``
 API (:mod:`~llmlab.inference.llm`). ``llmlab generate`` is :mod:`~llmlab.inference.cli`.
 """
+
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.engine import LLMEngine
 from llmlab.inference.engine_config import EngineConfig
@@ -18,6 +19,18 @@ from llmlab.inference.sampling import SamplingParams
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig
 from llmlab.inference.sequence import Sequence, SequenceStatus
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics", "StepMetrics", "BlockManager", "Scheduler", "SchedulerConfig",
-           "Sequence", "SequenceStatus"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "StepMetrics",
+    "BlockManager",
+    "Scheduler",
+    "SchedulerConfig",
+    "Sequence",
+    "SequenceStatus",
+]

@@ -12,6 +12,7 @@ A step's tokens are grouped into one or more :class:`AttentionBatch` es, each on
 the runner's ``prepare_prefill`` and ``prepare_decode`` build them (see
 :mod:`llmlab.inference.model_runner`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,12 +58,15 @@ class PagedAttentionContext:
     batches: list[AttentionBatch]
     paged_attention: str = "auto"
     cpu_fused: bool = False
-    slot_mapping: torch.Tensor = field(init=False)     # [N]: every batch's slots, in order
-    plans: dict = field(init=False)                     # (batch, window) -> AttentionPlan
+    slot_mapping: torch.Tensor = field(init=False)  # [N]: every batch's slots, in order
+    plans: dict = field(init=False)  # (batch, window) -> AttentionPlan
 
     def __post_init__(self):
-        self.slot_mapping = (self.batches[0].slot_mapping if len(self.batches) == 1
-                             else torch.cat([b.slot_mapping for b in self.batches]))
+        self.slot_mapping = (
+            self.batches[0].slot_mapping
+            if len(self.batches) == 1
+            else torch.cat([b.slot_mapping for b in self.batches])
+        )
         self.plans = {}
 
     def _attend(self, i: int, q, k_cache, v_cache, sliding_window):
@@ -74,15 +78,30 @@ class PagedAttentionContext:
             key = (i, sliding_window)
             plan = self.plans.get(key)
             if plan is None:
-                plan = self.plans[key] = plan_attention(b.block_tables, b.context_lens, b.query_lens,
-                                                        k_cache.shape[1], sliding_window)
+                plan = self.plans[key] = plan_attention(
+                    b.block_tables, b.context_lens, b.query_lens, k_cache.shape[1], sliding_window
+                )
         with phase("attention", kind="prefill" if b.is_prefill else "decode", tokens=q.shape[0]):
-            return paged_attention(q, k_cache, v_cache, b.block_tables, b.context_lens,
-                                   b.query_lens, sliding_window=sliding_window, plan=plan,
-                                   impl=self.paged_attention)
+            return paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                b.block_tables,
+                b.context_lens,
+                b.query_lens,
+                sliding_window=sliding_window,
+                plan=plan,
+                impl=self.paged_attention,
+            )
 
-    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  sliding_window: int | None = None) -> torch.Tensor:
+    def attention(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         """Write ``k, v [N, Hkv, D]`` into layer ``layer_idx``'s cache, then return the causal
         paged attention of ``q [N, H, D]`` (``[N, H, D]``); with ``sliding_window`` a query sees
         only the last ``sliding_window`` positions, itself included."""
@@ -91,5 +110,6 @@ class PagedAttentionContext:
         if len(self.batches) == 1:
             return self._attend(0, q, k_cache, v_cache, sliding_window)
         sizes = [b.num_tokens for b in self.batches]
-        return torch.cat([self._attend(i, qb, k_cache, v_cache, sliding_window)
-                          for i, qb in enumerate(q.split(sizes))])
+        return torch.cat(
+            [self._attend(i, qb, k_cache, v_cache, sliding_window) for i, qb in enumerate(q.split(sizes))]
+        )

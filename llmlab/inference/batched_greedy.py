@@ -9,6 +9,7 @@ sequence (vLLM's sampler, too, works on the batch). Rows that are not finite are
 per-row path, which reports the error. ``tests/test_engine_fast_paths.py`` checks the tokens equal
 the per-row path's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,19 +18,31 @@ import torch
 def is_plain_greedy(seq) -> bool:
     """Whether ``seq``'s next token is the argmax of its raw logits under the per-row path."""
     p = seq.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty in (None, 1.0)
-            and not p.presence_penalty and not p.frequency_penalty
-            and seq.num_output_tokens >= p.min_tokens and seq.pending_fork <= 1)
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty in (None, 1.0)
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and seq.num_output_tokens >= p.min_tokens
+        and seq.pending_fork <= 1
+    )
 
 
 def _matrix(rows: list[torch.Tensor]) -> torch.Tensor:
     """``rows`` (``[V]`` each) as one ``[S, V]`` tensor: the rows' own base when they are its
     rows in order (what the model runner hands over), else a stacked copy."""
     base = rows[0]._base
-    if (base is not None and base.dim() == 2 and base.shape[0] == len(rows)
-            and all(r._base is base and r.storage_offset() == base.storage_offset() + i * base.stride(0)
-                    for i, r in enumerate(rows))):
+    if (
+        base is not None
+        and base.dim() == 2
+        and base.shape[0] == len(rows)
+        and all(
+            r._base is base and r.storage_offset() == base.storage_offset() + i * base.stride(0)
+            for i, r in enumerate(rows)
+        )
+    ):
         return base
     return torch.stack(rows)
 

@@ -17,6 +17,7 @@ ones, allocated on demand as it grows, so at most one partly filled block per se
 
 Pure Python, no torch: the model runner turns block ids into tensor indices.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,9 @@ from llmlab.inference.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None            # chained hash while registered in the prefix cache
+    hash: int | None = None  # chained hash while registered in the prefix cache
     parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None   # the tokens the hash names (checked on a hit)
+    token_ids: tuple[int, ...] | None = None  # the tokens the hash names (checked on a hit)
 
 
 def _salt(seq: Sequence):
@@ -54,8 +55,9 @@ class BlockManager:
     the pool cannot serve (a scheduler bug, not a user error).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_host_blocks: int = 0):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_host_blocks: int = 0
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -63,11 +65,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self._seq_hashes: dict[int, list[int]] = {}      # seq_id -> chain hashes of full blocks
+        self._seq_hashes: dict[int, list[int]] = {}  # seq_id -> chain hashes of full blocks
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks))
-        self.stats = {"prefix_hit_tokens": 0, "prefix_query_tokens": 0, "cow_copies": 0,
-                      "evictions": 0}
+        self.stats = {"prefix_hit_tokens": 0, "prefix_query_tokens": 0, "cow_copies": 0, "evictions": 0}
 
     # --- counts --------------------------------------------------------------------------------
     @property
@@ -83,9 +84,9 @@ class BlockManager:
 
     # --- pool primitives -------------------------------------------------------------------------
     def _pop_free(self) -> int:
-        block_id, _ = self.free_queue.popitem(last=False)        # least recently freed first
+        block_id, _ = self.free_queue.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
-        if block.hash is not None:                                # evict a cached block
+        if block.hash is not None:  # evict a cached block
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash = block.parent_hash = block.token_ids = None
@@ -113,17 +114,24 @@ class BlockManager:
 
         At least one token is always left to compute, since its logits are needed to sample;
         none is taken for a sequence that must compute its whole prompt (``skip_prefix_cache``)."""
-        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens \
-                or seq.skip_prefix_cache:
+        if (
+            not self.enable_prefix_caching
+            or seq.block_table
+            or seq.num_computed_tokens
+            or seq.skip_prefix_cache
+        ):
             return []
         hits, parent, bs = [], _salt(seq), self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.block_tokens(i * bs, (i + 1) * bs)
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens \
-                    or self.blocks[block_id].parent_hash != parent:
-                break                                             # miss (or a hash collision)
+            if (
+                block_id is None
+                or self.blocks[block_id].token_ids != tokens
+                or self.blocks[block_id].parent_hash != parent
+            ):
+                break  # miss (or a hash collision)
             hits.append(block_id)
             parent = h
         return hits
@@ -146,8 +154,11 @@ class BlockManager:
 
     # --- allocation ----------------------------------------------------------------------------
     def _needs_cow(self, seq: Sequence) -> bool:
-        return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
-                and self.blocks[seq.block_table[-1]].ref_count > 1)
+        return (
+            bool(seq.block_table)
+            and seq.num_computed_tokens % self.block_size != 0
+            and self.blocks[seq.block_table[-1]].ref_count > 1
+        )
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits=()) -> int:
         """Free blocks an :meth:`allocate` of ``num_new_tokens`` would take from the pool."""
@@ -155,7 +166,7 @@ class BlockManager:
         have = len(hits) if hits else len(seq.block_table)
         new = max(0, self.blocks_for(computed + num_new_tokens) - have)
         cow = 0 if hits else int(num_new_tokens > 0 and self._needs_cow(seq))
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)   # hits now in free queue
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits now in free queue
         return new + cow + revived
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=()) -> bool:
@@ -168,8 +179,10 @@ class BlockManager:
         ``hits`` (from :meth:`lookup_prefix`, only for a sequence without blocks) are taken over
         first and advance ``seq.num_computed_tokens``."""
         if not self.can_allocate(seq, num_new_tokens, hits):
-            raise RuntimeError(f"allocate: {self.num_blocks_needed(seq, num_new_tokens, hits)} "
-                               f"blocks needed, {self.num_free_blocks} free")
+            raise RuntimeError(
+                f"allocate: {self.num_blocks_needed(seq, num_new_tokens, hits)} "
+                f"blocks needed, {self.num_free_blocks} free"
+            )
         if self.enable_prefix_caching and not seq.block_table and not seq.num_computed_tokens:
             self.stats["prefix_query_tokens"] += seq.num_tokens
         copies = []
@@ -184,7 +197,7 @@ class BlockManager:
         elif num_new_tokens > 0 and self._needs_cow(seq):
             src = seq.block_table[-1]
             dst = self._pop_free()
-            self.blocks[src].ref_count -= 1                       # stays > 0: others hold it
+            self.blocks[src].ref_count -= 1  # stays > 0: others hold it
             seq.block_table[-1] = dst
             copies.append((src, dst))
             self.stats["cow_copies"] += 1
@@ -212,8 +225,9 @@ class BlockManager:
     # --- swap (device <-> host) ------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         """Only unshared sequences are swapped; a shared one is preempted by recompute."""
-        return (len(seq.block_table) <= len(self.host_free)
-                and all(self.blocks[b].ref_count == 1 for b in seq.block_table))
+        return len(seq.block_table) <= len(self.host_free) and all(
+            self.blocks[b].ref_count == 1 for b in seq.block_table
+        )
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move ``seq`` to host blocks; returns ``(device_block, host_block)`` copy pairs."""
@@ -252,26 +266,30 @@ class BlockManager:
             for b in seq.block_table:
                 refs[b] += 1
             host_used += seq.host_block_table
-            assert len(seq.block_table) >= self.blocks_for(seq.num_computed_tokens) or \
-                seq.host_block_table, f"seq {seq.seq_id}: block table shorter than its computed tokens"
+            assert len(seq.block_table) >= self.blocks_for(seq.num_computed_tokens) or seq.host_block_table, (
+                f"seq {seq.seq_id}: block table shorter than its computed tokens"
+            )
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert used + len(self.free_queue) == self.num_blocks, "free + used != total"
         for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], \
+            assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} references"
-            assert (block.ref_count == 0) == (block.block_id in self.free_queue), \
+            )
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), (
                 f"block {block.block_id}: free iff ref_count == 0 violated"
+            )
         for h, b in self.hash_to_block.items():
             block = self.blocks[b]
-            assert block.hash == h and chain_hash(block.parent_hash, block.token_ids) == h, \
+            assert block.hash == h and chain_hash(block.parent_hash, block.token_ids) == h, (
                 f"cached block {b}: hash does not match its stored tokens"
+            )
         bs = self.block_size
         for seq in live:
             for i, b in enumerate(seq.block_table):
                 block = self.blocks[b]
                 if block.hash is not None:
-                    assert seq.block_tokens(i * bs, (i + 1) * bs) == block.token_ids, \
+                    assert seq.block_tokens(i * bs, (i + 1) * bs) == block.token_ids, (
                         f"seq {seq.seq_id} block {i}: cached tokens differ from the sequence's"
+                    )
         assert len(host_used) == len(set(host_used)), "a host block is used twice"
-        assert len(host_used) + len(self.host_free) == self.num_host_blocks, \
-            "host free + used != total"
+        assert len(host_used) + len(self.host_free) == self.num_host_blocks, "host free + used != total"

@@ -17,6 +17,7 @@ Sampling fields: a request's own value, else the flag's, else the checkpoint's
 request (unreadable line, empty prompt, bad parameters, too long) gets an ``error`` line; the
 others still run; the exit status is then 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,50 +26,108 @@ import sys
 
 from llmlab.inference.engine_config import add_engine_arguments, field_names, from_args
 
-PER_REQUEST = ("n", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-               "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "logprobs", "include_stop_str_in_output",
-               "skip_special_tokens", "prompt_logprobs", "logit_bias")
-CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}     # after the generation config
+PER_REQUEST = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "prompt_logprobs",
+    "logit_bias",
+)
+CLI_DEFAULTS = {"temperature": 0.8, "max_tokens": 128}  # after the generation config
 # The engine flags: EngineConfig's fields, less the engine seed (``--seed`` here seeds the requests).
 ENGINE_FLAGS = [n for n in field_names() if n != "seed"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="shakespeare",
-                   help="checkpoint directory (HF Llama/Qwen2 or llmlab) or a preset with shipped "
-                        "weights (default: shakespeare, bundled)")
+    p.add_argument(
+        "--model",
+        default="shakespeare",
+        help="checkpoint directory (HF Llama/Qwen2 or llmlab) or a preset with shipped "
+        "weights (default: shakespeare, bundled)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt text(s)")
     src.add_argument("--prompts-file", metavar="IN.jsonl", help="one JSON request per line")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="tokens to generate per request (default: the checkpoint's, else 128)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="default: the checkpoint's, else 0.8; 0 = greedy (the tokens Hugging Face "
-                        "generate(do_sample=False) gives)")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="sample among the k most likely tokens (default: the checkpoint's, else "
-                        "0 = all tokens)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling: keep the most likely tokens up to this probability mass "
-                        "(default: the checkpoint's, else 1 = all)")
-    p.add_argument("--min-p", type=float, default=None,
-                   help="drop tokens less likely than this fraction of the most likely one "
-                        "(default: the checkpoint's, else 0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divides the logits of tokens already in prompt or output (> 1 repeats "
-                        "less; default: the checkpoint's, else 1 = off)")
-    p.add_argument("--presence-penalty", type=float, default=None,
-                   help="subtracted from the logits of tokens already generated (default: 0)")
-    p.add_argument("--frequency-penalty", type=float, default=None,
-                   help="subtracted once per time a token was generated (default: 0)")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="top log-probabilities per token (default: none)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate per request (default: the checkpoint's, else 128)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: the checkpoint's, else 0.8; 0 = greedy (the tokens Hugging Face "
+        "generate(do_sample=False) gives)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample among the k most likely tokens (default: the checkpoint's, else 0 = all tokens)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: keep the most likely tokens up to this probability mass "
+        "(default: the checkpoint's, else 1 = all)",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="drop tokens less likely than this fraction of the most likely one "
+        "(default: the checkpoint's, else 0 = off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="divides the logits of tokens already in prompt or output (> 1 repeats "
+        "less; default: the checkpoint's, else 1 = off)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=None,
+        help="subtracted from the logits of tokens already generated (default: 0)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=None,
+        help="subtracted once per time a token was generated (default: 0)",
+    )
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="top log-probabilities per token (default: none)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i uses seed + i)")
-    p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S",
-                   help="stop strings")
-    add_engine_arguments(p, ENGINE_FLAGS, {"tensor_parallel_size": {
-        "help": "ranks the model is sharded over (spawned here, or the ranks torchrun started)"}})
+    p.add_argument("--stop", nargs="+", action="extend", default=None, metavar="S", help="stop strings")
+    add_engine_arguments(
+        p,
+        ENGINE_FLAGS,
+        {
+            "tensor_parallel_size": {
+                "help": "ranks the model is sharded over (spawned here, or the ranks torchrun started)"
+            }
+        },
+    )
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
@@ -107,38 +166,71 @@ def _is_int(v) -> bool:
 
 
 # The JSON type each per-request field must have (JSON numbers: 1 is a valid float).
-FIELD_TYPES = {"n": "int", "max_tokens": "int", "top_k": "int", "seed": "int", "min_tokens": "int",
-               "logprobs": "int", "temperature": "float", "top_p": "float", "min_p": "float",
-               "repetition_penalty": "float", "presence_penalty": "float",
-               "frequency_penalty": "float", "ignore_eos": "bool",
-               "include_stop_str_in_output": "bool", "skip_special_tokens": "bool",
-               "stop": "str or list of str", "stop_token_ids": "list of int",
-               "prompt_logprobs": "int", "logit_bias": "object of token id: number"}
+FIELD_TYPES = {
+    "n": "int",
+    "max_tokens": "int",
+    "top_k": "int",
+    "seed": "int",
+    "min_tokens": "int",
+    "logprobs": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "min_p": "float",
+    "repetition_penalty": "float",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "ignore_eos": "bool",
+    "include_stop_str_in_output": "bool",
+    "skip_special_tokens": "bool",
+    "stop": "str or list of str",
+    "stop_token_ids": "list of int",
+    "prompt_logprobs": "int",
+    "logit_bias": "object of token id: number",
+}
 
 
 def _check_type(name: str, v) -> None:
     """Raise ``ValueError`` naming the field when a request's value has the wrong JSON type."""
     want = FIELD_TYPES[name]
-    ok = {"int": lambda: _is_int(v),
-          "float": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "bool": lambda: isinstance(v, bool),
-          "str or list of str": lambda: isinstance(v, str) or (
-              isinstance(v, list) and all(isinstance(x, str) for x in v)),
-          "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v),
-          "object of token id: number": lambda: isinstance(v, dict) and all(
-              str(k).isdigit() and isinstance(x, (int, float)) and not isinstance(x, bool)
-              for k, x in v.items())}[want]()
-    if not ok and not (v is None and name in ("seed", "logprobs", "stop", "prompt_logprobs",
-                                              "logit_bias")):
+    ok = {
+        "int": lambda: _is_int(v),
+        "float": lambda: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda: isinstance(v, bool),
+        "str or list of str": lambda: (
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        ),
+        "list of int": lambda: isinstance(v, list) and all(_is_int(x) for x in v),
+        "object of token id: number": lambda: (
+            isinstance(v, dict)
+            and all(
+                str(k).isdigit() and isinstance(x, (int, float)) and not isinstance(x, bool)
+                for k, x in v.items()
+            )
+        ),
+    }[want]()
+    if not ok and not (v is None and name in ("seed", "logprobs", "stop", "prompt_logprobs", "logit_bias")):
         raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def _params(args, r: dict, i: int, fallback: dict):
     from llmlab.inference.sampling import SamplingParams
-    kw = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                        "repetition_penalty", "presence_penalty",
-                                        "frequency_penalty", "logprobs", "stop")
-          if getattr(args, k, None) is not None}
+
+    kw = {
+        k: getattr(args, k)
+        for k in (
+            "max_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "logprobs",
+            "stop",
+        )
+        if getattr(args, k, None) is not None
+    }
     kw["seed"] = args.seed + i
     kw.update({k: r[k] for k in PER_REQUEST if k in r})
     unknown = sorted(set(r) - set(PER_REQUEST) - {"prompt", "prompt_token_ids"})
@@ -152,12 +244,19 @@ def _params(args, r: dict, i: int, fallback: dict):
 
 def _row(i: int, o) -> dict:
     c = o.outputs[0]
-    row = {"index": i, "prompt_token_ids": o.prompt_token_ids, "token_ids": c.token_ids,
-           "text": c.text, "finish_reason": c.finish_reason, "error": o.error,
-           "sampling_defaults": o.sampling_defaults}
-    if len(o.outputs) > 1:      # n > 1: every sample; the top-level fields are the first one's
-        row["outputs"] = [{"token_ids": s.token_ids, "text": s.text,
-                           "finish_reason": s.finish_reason} for s in o.outputs]
+    row = {
+        "index": i,
+        "prompt_token_ids": o.prompt_token_ids,
+        "token_ids": c.token_ids,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "error": o.error,
+        "sampling_defaults": o.sampling_defaults,
+    }
+    if len(o.outputs) > 1:  # n > 1: every sample; the top-level fields are the first one's
+        row["outputs"] = [
+            {"token_ids": s.token_ids, "text": s.text, "finish_reason": s.finish_reason} for s in o.outputs
+        ]
     if c.logprobs is not None:
         row["logprobs"] = [_lp_list(d) for d in c.logprobs]
     if o.prompt_logprobs is not None:
@@ -166,8 +265,10 @@ def _row(i: int, o) -> dict:
 
 
 def _lp_list(d: dict) -> list[dict]:
-    return [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "text": lp.decoded_token}
-            for t, lp in d.items()]
+    return [
+        {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "text": lp.decoded_token}
+        for t, lp in d.items()
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,10 +277,11 @@ def run(args: argparse.Namespace) -> int:
     from llmlab.inference.llm import LLM
     from llmlab.inference.outputs import error_output
     from llmlab.inference import tensor_parallel
+
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
     if tensor_parallel.join_torchrun(args.tensor_parallel_size) != 0:
-        tensor_parallel.run_worker(args.model, args.device)   # a torchrun rank other than 0
+        tensor_parallel.run_worker(args.model, args.device)  # a torchrun rank other than 0
         return 0
     reqs = read_requests(args)
     llm = LLM(args.model, config=from_args(args, ENGINE_FLAGS))
@@ -196,11 +298,10 @@ def run(args: argparse.Namespace) -> int:
         todo.append((i, {k: r[k] for k in ("prompt", "prompt_token_ids") if k in r}, params))
     profiling = bool(llm.engine.config.profile_dir) and bool(todo)
     try:
-        if profiling:       # --profile-dir: the whole run as one trace
+        if profiling:  # --profile-dir: the whole run as one trace
             llm.start_profile()
         if todo:
-            for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo],
-                                                       [sp for _, _, sp in todo])):
+            for (i, _, _), o in zip(todo, llm.generate([p for _, p, _ in todo], [sp for _, _, sp in todo])):
                 outs[i] = o
     finally:
         if profiling:
@@ -213,8 +314,11 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output, "w") as f:
             for i, o in enumerate(outs):
                 f.write(json.dumps(_row(i, o)) + "\n")
-        print(f"wrote {len(outs)} result{'s' * (len(outs) != 1)} to {args.output}"
-              + (f" ({len(failed)} with errors)" if failed else ""), file=sys.stderr)
+        print(
+            f"wrote {len(outs)} result{'s' * (len(outs) != 1)} to {args.output}"
+            + (f" ({len(failed)} with errors)" if failed else ""),
+            file=sys.stderr,
+        )
     else:
         for i, o in enumerate(outs):
             c = o.outputs[0]

@@ -16,9 +16,10 @@ difference is new text, emitted only when it does not end in an incomplete chara
 otherwise held back until a later token completes it. :meth:`finish` emits whatever is held.
 Decoding a window of a few tokens keeps each step O(new tokens), not O(sequence).
 """
+
 from __future__ import annotations
 
-CONTEXT_TOKENS = 5      # prompt tokens decoded before the output as context (vLLM uses 5)
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the output as context (vLLM uses 5)
 
 
 class IncrementalDetokenizer:
@@ -40,11 +41,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _delta(self, final: bool) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
-            return ""                   # nothing new yet, or an incomplete UTF-8 character
-        delta = full[len(prefix):]
+            return ""  # nothing new yet, or an incomplete UTF-8 character
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta

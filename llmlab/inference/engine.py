@@ -16,6 +16,7 @@ blocks used, preemptions, ...), ``on_step`` receives each as it is made, and eve
 :class:`RequestOutput` carries :class:`RequestMetrics` (arrival, first scheduled, first token and
 finish times, seconds from ``time.perf_counter``), from which TTFT and TPOT follow.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,10 +34,20 @@ from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig, resolve
 from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner, kv_bytes_per_block
-from llmlab.inference.outputs import (CompletionOutput, Logprob, RequestMetrics,  # noqa: F401
-                                      RequestOutput, StepMetrics)
-from llmlab.inference.sampling import (SamplingParams, make_generator, process_logits,
-                                       sample_token, top_logprobs)
+from llmlab.inference.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,  # noqa: F401
+    RequestOutput,
+    StepMetrics,
+)
+from llmlab.inference.sampling import (
+    SamplingParams,
+    make_generator,
+    process_logits,
+    sample_token,
+    top_logprobs,
+)
 from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
@@ -59,29 +70,29 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs) and (
-            len(self.seqs) == self.params.n
-            or any(s.finish_reason in ("abort", "error") for s in self.seqs))
+            len(self.seqs) == self.params.n or any(s.finish_reason in ("abort", "error") for s in self.seqs)
+        )
 
 
-def default_host_blocks(num_gpu_blocks: int, bytes_per_block: int,
-                        swap_space_bytes: int = SWAP_SPACE_BYTES) -> int:
+def default_host_blocks(
+    num_gpu_blocks: int, bytes_per_block: int, swap_space_bytes: int = SWAP_SPACE_BYTES
+) -> int:
     """Host (swap) blocks by default: ``min(num_gpu_blocks, swap_space_bytes // bytes_per_block)``.
     Raises ``ValueError`` for a negative ``swap_space_bytes`` or a non-positive block size."""
     if swap_space_bytes < 0 or bytes_per_block <= 0:
-        raise ValueError(f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block="
-                         f"{bytes_per_block} > 0")
+        raise ValueError(
+            f"swap_space_bytes={swap_space_bytes} must be >= 0 and bytes_per_block={bytes_per_block} > 0"
+        )
     return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
 
 
-def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int,
-                       device: torch.device) -> int:
+def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int, device: torch.device) -> int:
     """Device blocks when ``num_gpu_blocks`` is not given: room for ``max_num_seqs`` full-length
     sequences, capped by ``kv_cache_memory_bytes`` (64 MiB on CPU, 40% of free memory on CUDA),
     and at least one full-length sequence."""
     budget = cfg.kv_cache_memory_bytes
     if budget is None:
-        budget = (int(0.4 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda"
-                  else 64 * 2**20)
+        budget = int(0.4 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 64 * 2**20
     per_block = kv_bytes_per_block(model_config, cfg.block_size, cfg.dtype)
     one_seq = math.ceil(max_model_len / cfg.block_size)
     return max(one_seq, min(cfg.max_num_seqs * one_seq, budget // per_block))
@@ -128,74 +139,117 @@ class LLMEngine:
     a limit).
     """
 
-    def __init__(self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None,
-                 **engine_args):
-        cfg = resolve(config, engine_args)           # (checked once, when made)
+    def __init__(
+        self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None, **engine_args
+    ):
+        cfg = resolve(config, engine_args)  # (checked once, when made)
         self.config = cfg
-        self.device = torch.device(resolve_device(str(cfg.device)))   # auto: a GPU if any
+        self.device = torch.device(resolve_device(str(cfg.device)))  # auto: a GPU if any
         spec = model
         model, self.tokenizer, eos_token_ids, defaults = loader.load(model, tokenizer)
-        self.generation_defaults = dict(defaults if cfg.generation_defaults is None
-                                        else cfg.generation_defaults)
+        self.generation_defaults = dict(
+            defaults if cfg.generation_defaults is None else cfg.generation_defaults
+        )
         distributed = cfg.pipeline_parallel_size > 1 or cfg.distributed_executor_backend == "ray"
-        if distributed:                          # every rank a worker (pipeline_parallel.py)
+        if distributed:  # every rank a worker (pipeline_parallel.py)
             from llmlab.inference import pipeline_parallel
-            pipeline_parallel.validate(model.config, cfg.tensor_parallel_size,
-                                       cfg.pipeline_parallel_size, cfg.quantization)
+
+            pipeline_parallel.validate(
+                model.config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.quantization
+            )
         elif cfg.tensor_parallel_size != 1:
             from llmlab.inference import tensor_parallel
+
             tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
         if cfg.quantization in ("int8", "int8-weight-only"):
             from llmlab.model.quantize import quantize_int8
-            quantize_int8(model)                 # in place: every linear but lm_head
+
+            quantize_int8(model)  # in place: every linear but lm_head
         self.quantization = cfg.quantization
-        self.mm_config = getattr(model, "mm_config", None)    # a vision-language model's
+        self.mm_config = getattr(model, "mm_config", None)  # a vision-language model's
         if self.mm_config is not None and cfg.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 does not support vision-language models")
         mc = self.model_config = model.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
-        num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, self.max_model_len,
-                                                                  self.device)
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
+            )
+        num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, self.max_model_len, self.device)
         preemption_mode = cfg.preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
         num_host_blocks = cfg.num_host_blocks
         if num_host_blocks is None:
-            num_host_blocks = (default_host_blocks(num_gpu_blocks, kv_bytes_per_block(
-                mc, cfg.block_size, cfg.dtype), cfg.swap_space_bytes) if preemption_mode == "swap" else 0)
+            num_host_blocks = (
+                default_host_blocks(
+                    num_gpu_blocks, kv_bytes_per_block(mc, cfg.block_size, cfg.dtype), cfg.swap_space_bytes
+                )
+                if preemption_mode == "swap"
+                else 0
+            )
         self.block_size = cfg.block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, self.max_model_len),
             enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=preemption_mode)           # (the Scheduler checks it)
-        self.block_manager = BlockManager(num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          num_host_blocks)
+            preemption_mode=preemption_mode,
+        )  # (the Scheduler checks it)
+        self.block_manager = BlockManager(
+            num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching, num_host_blocks
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner: Any          # ModelRunner, TensorParallelRunner or PipelineExecutor
+        self.runner: Any  # ModelRunner, TensorParallelRunner or PipelineExecutor
         if distributed:
             self.runner = pipeline_parallel.launch(
-                model, spec, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, self.device,
-                dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
-                     cpu_fused=cfg.cpu_fused), cfg.distributed_executor_backend)
+                model,
+                spec,
+                cfg.tensor_parallel_size,
+                cfg.pipeline_parallel_size,
+                self.device,
+                dict(
+                    num_blocks=num_gpu_blocks,
+                    block_size=cfg.block_size,
+                    dtype=cfg.dtype,
+                    num_host_blocks=num_host_blocks,
+                    paged_attention=cfg.paged_attention,
+                    cpu_fused=cfg.cpu_fused,
+                ),
+                cfg.distributed_executor_backend,
+            )
         elif cfg.tensor_parallel_size == 1:
-            self.runner = ModelRunner(model, num_gpu_blocks, cfg.block_size, self.device, cfg.dtype,
-                                      num_host_blocks, paged_attention=cfg.paged_attention,
-                                      packed_linear=cfg.packed_linear, cpu_fused=cfg.cpu_fused)
-            if cfg.quantization == "w8a8":      # after the runner fused q/k/v and gate/up
+            self.runner = ModelRunner(
+                model,
+                num_gpu_blocks,
+                cfg.block_size,
+                self.device,
+                cfg.dtype,
+                num_host_blocks,
+                paged_attention=cfg.paged_attention,
+                packed_linear=cfg.packed_linear,
+                cpu_fused=cfg.cpu_fused,
+            )
+            if cfg.quantization == "w8a8":  # after the runner fused q/k/v and gate/up
                 from llmlab.inference.quantize_w8a8 import quantize_w8a8
+
                 quantize_w8a8(self.runner.model)
         else:
             self.runner = tensor_parallel.TensorParallelRunner.launch(
-                model, spec, cfg.tensor_parallel_size, self.device,
-                dict(num_blocks=num_gpu_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                     num_host_blocks=num_host_blocks, paged_attention=cfg.paged_attention,
-                     cpu_fused=cfg.cpu_fused))
+                model,
+                spec,
+                cfg.tensor_parallel_size,
+                self.device,
+                dict(
+                    num_blocks=num_gpu_blocks,
+                    block_size=cfg.block_size,
+                    dtype=cfg.dtype,
+                    num_host_blocks=num_host_blocks,
+                    paged_attention=cfg.paged_attention,
+                    cpu_fused=cfg.cpu_fused,
+                ),
+            )
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.distributed = distributed
-        self._in_flight: list = []     # pipeline: (step plan, handle, t0, cow copies before)
+        self._in_flight: list = []  # pipeline: (step plan, handle, t0, cow copies before)
         self._next_virtual_engine = 0
         self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
@@ -263,12 +317,18 @@ class LLMEngine:
         exceed (``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
         ``max_tokens_limit``), or a token id outside the vocabulary."""
         cfg = self.config
-        checks = [("n", params.n, cfg.max_n, "max_n"),
-                  ("logprobs", params.logprobs or 0, cfg.max_logprobs, "max_logprobs"),
-                  ("prompt_logprobs", params.prompt_logprobs or 0, cfg.max_logprobs, "max_logprobs"),
-                  ("stop", len(params.stop), cfg.max_stop_strings, "max_stop_strings"),
-                  ("stop", max(map(len, params.stop), default=0), cfg.max_stop_string_chars,
-                   "max_stop_string_chars")]
+        checks = [
+            ("n", params.n, cfg.max_n, "max_n"),
+            ("logprobs", params.logprobs or 0, cfg.max_logprobs, "max_logprobs"),
+            ("prompt_logprobs", params.prompt_logprobs or 0, cfg.max_logprobs, "max_logprobs"),
+            ("stop", len(params.stop), cfg.max_stop_strings, "max_stop_strings"),
+            (
+                "stop",
+                max(map(len, params.stop), default=0),
+                cfg.max_stop_string_chars,
+                "max_stop_string_chars",
+            ),
+        ]
         if cfg.max_tokens_limit is not None:
             checks.append(("max_tokens", params.max_tokens, cfg.max_tokens_limit, "max_tokens_limit"))
         for name, value, limit, flag in checks:
@@ -278,16 +338,20 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.tensor_parallel_size != 1:
             raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1")
         if params.prompt_logprobs is not None and not hasattr(self.runner, "execute_with_prompt_logits"):
-            raise ValueError("prompt_logprobs: not supported by this engine's runner "
-                             f"({type(self.runner).__name__})")
+            raise ValueError(
+                f"prompt_logprobs: not supported by this engine's runner ({type(self.runner).__name__})"
+            )
 
     # --- LoRA adapters (llmlab.inference.lora) ---------------------------------------------------
     def enable_lora(self, max_loras: int, max_lora_rank: int = 16) -> None:
         """Serve up to ``max_loras`` LoRA adapters beside the base (one engine, one device)."""
-        if type(self.runner) is not ModelRunner:    # tensor/pipeline runners: other ranks' layers
-            raise ValueError("LoRA adapters are served by the one-device runner only (not with "
-                             "tensor or pipeline parallelism)")
+        if type(self.runner) is not ModelRunner:  # tensor/pipeline runners: other ranks' layers
+            raise ValueError(
+                "LoRA adapters are served by the one-device runner only (not with "
+                "tensor or pipeline parallelism)"
+            )
         from llmlab.inference.lora import enable_lora
+
         self.runner.lora = enable_lora(self.runner.model, max_loras, max_lora_rank)
 
     def add_lora(self, name: str, path) -> None:
@@ -300,23 +364,27 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         """Unload the adapter ``name``: ``KeyError`` when none is loaded by that name,
         ``ValueError`` while unfinished requests use it."""
-        lora = getattr(self.runner, "lora", None)    # only the one-device runner has slots
+        lora = getattr(self.runner, "lora", None)  # only the one-device runner has slots
         if lora is None or name not in lora.by_name:
             raise KeyError(name)
         lid = lora.lora_id(name)
-        if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values()
-               for seq in r.seqs):
+        if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values() for seq in r.seqs):
             raise ValueError(f"adapter {name!r} is in use by unfinished requests")
         lora.unload(name)
 
     def lora_adapters(self) -> dict[str, str]:
         """``{name: folder}`` of the loaded adapters."""
-        lora = getattr(self.runner, "lora", None)    # only the one-device runner has slots
+        lora = getattr(self.runner, "lora", None)  # only the one-device runner has slots
         return {} if lora is None else {n: p for n, (_, _, p) in lora.by_name.items()}
 
-    def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    lora: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        lora: str | None = None,
+    ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` if it can never be served,
         ``KeyError`` when ``lora`` names no loaded adapter.
 
@@ -332,9 +400,11 @@ class LLMEngine:
         self.check_limits(params)
         text, ids = self.encode(prompt)
         mm = None
-        if self.mm_config is not None or (isinstance(prompt, dict) and (
-                prompt.get("multi_modal_data") or prompt.get("multi_modal_state"))):
-            from llmlab.inference import multimodal          # images: expand their placeholders
+        if self.mm_config is not None or (
+            isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("multi_modal_state"))
+        ):
+            from llmlab.inference import multimodal  # images: expand their placeholders
+
             ids, mm = multimodal.from_request(prompt, ids, self.mm_config, self.config)
             if mm is not None and params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs: not supported for prompts with images")
@@ -344,9 +414,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Request(request_id, text, ids, params, RequestMetrics(now), sampling_defaults=used)
-        seq = Sequence(request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm,
-                       lora_id=lora_id)
-        if params.prompt_logprobs is not None:     # filled by the steps computing the prompt
+        seq = Sequence(
+            request_id, ids, params, arrival_time=now, pending_fork=params.n, mm=mm, lora_id=lora_id
+        )
+        if params.prompt_logprobs is not None:  # filled by the steps computing the prompt
             req.prompt_logprobs = [None]
             seq.skip_prefix_cache = True
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -366,20 +437,26 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size={V})")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is longer than the model's context "
+                f"max_model_len={self.max_model_len}"
+            )
         # K/V is stored for every token but the last sampled one, which ends the sequence
         kv_tokens = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
         need = self.block_manager.blocks_for(kv_tokens)
         if need > self.num_gpu_blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                             f"{need} KV blocks of {self.block_size} tokens ({kv_tokens} tokens "
-                             f"with K/V) but the whole cache has num_gpu_blocks="
-                             f"{self.num_gpu_blocks}; lower max_tokens or add blocks")
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{need} KV blocks of {self.block_size} tokens ({kv_tokens} tokens "
+                f"with K/V) but the whole cache has num_gpu_blocks="
+                f"{self.num_gpu_blocks}; lower max_tokens or add blocks"
+            )
         sc = self.scheduler_config
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens="
-                             f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens="
+                f"{sc.max_num_batched_tokens}; enable chunked prefill or raise the budget"
+            )
         if params.n > sc.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={sc.max_num_seqs}")
 
@@ -392,8 +469,9 @@ class LLMEngine:
                 ids.add(seq.seq_id)
         return frozenset(ids)
 
-    def _add_prompt_logprobs(self, out: SchedulerOutput,
-                             prompt_logits: dict[int, tuple[int, torch.Tensor]]) -> None:
+    def _add_prompt_logprobs(
+        self, out: SchedulerOutput, prompt_logits: dict[int, tuple[int, torch.Tensor]]
+    ) -> None:
         """vLLM's ``prompt_logprobs`` from the step's own forward: per prompt token after the
         first, ``{token_id: Logprob}`` of the ``k`` most likely and the actual one under the raw
         log-softmax of the prediction at the previous position. A position computed again
@@ -465,16 +543,18 @@ class LLMEngine:
             fast = greedy_tokens(logits, [s for s, _ in out.scheduled])  # one argmax for plain greedy
         except EngineDeadError:
             raise
-        except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
+        except Exception as e:  # noqa: BLE001  (the step's requests fail, not the engine)
             return self._forward_failed(out, e, t0, cow_before)
         return self._complete(out, logits, fast, t0, cow_before)
 
     def _check_progress(self) -> None:
         sched, bm = self.scheduler, self.block_manager
         if sched.has_unfinished():
-            raise RuntimeError(f"scheduler made no progress: {len(sched.waiting)} waiting, "
-                               f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
-                               f"{bm.num_free_blocks}/{bm.num_blocks} blocks free")
+            raise RuntimeError(
+                f"scheduler made no progress: {len(sched.waiting)} waiting, "
+                f"{len(sched.running)} running, {len(sched.swapped)} swapped, "
+                f"{bm.num_free_blocks}/{bm.num_blocks} blocks free"
+            )
 
     def _mark_scheduled(self, out, t0: float) -> None:
         for seq, _ in out.scheduled:
@@ -516,13 +596,13 @@ class LLMEngine:
             logits = self.runner.collect(handle)
         except EngineDeadError:
             raise
-        except Exception as e:                  # noqa: BLE001  (the step's requests fail, not the engine)
+        except Exception as e:  # noqa: BLE001  (the step's requests fail, not the engine)
             return self._forward_failed(out, e, t0, cow)
         # requests aborted (and maybe released) while their step was in flight: nothing to sample
-        out.scheduled = [(s, n) for s, n in out.scheduled
-                         if not s.is_finished and s.request_id in self.requests]
-        return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]),
-                              t0, cow)
+        out.scheduled = [
+            (s, n) for s, n in out.scheduled if not s.is_finished and s.request_id in self.requests
+        ]
+        return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]), t0, cow)
 
     def _schedule_virtual_engine(self):
         """The next step of a pipeline: the running sequences are split into ``depth`` groups by
@@ -535,14 +615,13 @@ class LLMEngine:
             ve = (self._next_virtual_engine + k) % depth
             others = frozenset(s.seq_id for s in self.scheduler.running if s.seq_id % depth != ve)
             out = self.scheduler.schedule(busy | others)
-            self._block_ops(out)                 # queued; they travel with the next step
+            self._block_ops(out)  # queued; they travel with the next step
             if not out.is_empty:
                 self._next_virtual_engine = ve + 1
                 return out
         return None
 
-    def _complete(self, out, logits: dict, fast: dict, t0: float,
-                  cow_before: int) -> list[RequestOutput]:
+    def _complete(self, out, logits: dict, fast: dict, t0: float, cow_before: int) -> list[RequestOutput]:
         """After the forward: the scheduled tokens are computed; sample, stop, record."""
         sched, bm = self.scheduler, self.block_manager
         sched.update(out)
@@ -551,14 +630,13 @@ class LLMEngine:
         with phase("sampling"):
             for seq, n in out.scheduled:
                 if seq.num_computed_tokens < seq.num_tokens:
-                    continue                                           # mid-prompt chunk: no token
+                    continue  # mid-prompt chunk: no token
                 req = self.requests[seq.request_id]
                 changed[req.request_id] = req
                 group = self._fork(req, seq)
                 try:
-                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now,
-                                                   fast.get(seq.seq_id))
-                except Exception as e:              # noqa: BLE001  (this request fails alone)
+                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now, fast.get(seq.seq_id))
+                except Exception as e:  # noqa: BLE001  (this request fails alone)
                     req.error = f"sampling failed: {type(e).__name__}: {e}"
                     for s in group:
                         if not s.is_finished:
@@ -598,18 +676,29 @@ class LLMEngine:
             group += children
         return group
 
-    def _sample_group(self, req: _Request, group: list[Sequence], row: torch.Tensor,
-                      now: float, greedy_token: int | None = None) -> float:
+    def _sample_group(
+        self,
+        req: _Request,
+        group: list[Sequence],
+        row: torch.Tensor,
+        now: float,
+        greedy_token: int | None = None,
+    ) -> float:
         """Sample the next token of each sequence of ``group`` from ``row [V]`` and check their
         stops; returns the seconds spent sampling. Non-finite logits fail the request.
         ``greedy_token``: the first sequence's token already taken by the step's batched argmax
         (:mod:`llmlab.inference.batched_greedy`; its row was checked finite there)."""
         # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
-        if greedy_token is None and not math.isfinite(float(row.sum())) \
-                and not bool(torch.isfinite(row).all()):
+        if (
+            greedy_token is None
+            and not math.isfinite(float(row.sum()))
+            and not bool(torch.isfinite(row).all())
+        ):
             bad = "nan" if bool(torch.isnan(row).any()) else "inf"
-            req.error = (f"non-finite logits ({bad}) at output position "
-                         f"{group[0].num_output_tokens}; the request was stopped")
+            req.error = (
+                f"non-finite logits ({bad}) at output position "
+                f"{group[0].num_output_tokens}; the request was stopped"
+            )
             for s in group:
                 self._finish(s, "error", now)
             return 0.0
@@ -623,7 +712,7 @@ class LLMEngine:
             else:
                 x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
                 tok = sample_token(x, p, s.generator)
-            if p.logprobs is not None:              # once per new token, never rebuilt
+            if p.logprobs is not None:  # once per new token, never rebuilt
                 lp = self._logprob_entry(top_logprobs(row, tok, p.logprobs))
                 s.logprobs.append(lp)
                 s.cumulative_logprob += lp[tok].logprob
@@ -646,16 +735,25 @@ class LLMEngine:
                 filled[b] = max(filled.get(b, 0), f)
         self._step += 1
         m = StepMetrics(
-            step=self._step, start_time=t0, duration_s=time.perf_counter() - t0,
-            num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
+            step=self._step,
+            start_time=t0,
+            duration_s=time.perf_counter() - t0,
+            num_seqs=len(out.scheduled),
+            num_batched_tokens=out.num_batched_tokens,
             num_prefill_tokens=sum(n for _, n in out.scheduled if n > 1),
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped), num_preemptions=len(out.preempted),
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
-            kv_tokens_stored=sum(filled.values()), block_size=bs,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_preemptions=len(out.preempted),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_tokens_stored=sum(filled.values()),
+            block_size=bs,
             num_cow_copies=bm.stats["cow_copies"] - cow_before,
             num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"],
-            seq_lens=tuple(s.num_computed_tokens for s in sched.running), sample_s=sample_s)
+            seq_lens=tuple(s.num_computed_tokens for s in sched.running),
+            sample_s=sample_s,
+        )
         self.step_metrics.append(m)
         if self.on_step is not None:
             self.on_step(m)
@@ -666,15 +764,28 @@ class LLMEngine:
         m.num_preemptions = sum(s.num_preemptions for s in seqs)
         m.num_prefix_cached_tokens = max(s.num_prefix_cached_tokens for s in seqs)
         m.num_output_tokens = max(s.num_output_tokens for s in seqs)
-        outs = [CompletionOutput(s.sample_index, list(s.output_token_ids),
-                                 self.stopper.visible_text(s),
-                                 s.finish_reason, self._logprobs(s),
-                                 s.cumulative_logprob if s.params.logprobs is not None else None)
-                for s in seqs]
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs,
-                             req.finished, m, error=req.error,
-                             sampling_defaults=dict(req.sampling_defaults),
-                             prompt_logprobs=req.prompt_logprobs)
+        outs = [
+            CompletionOutput(
+                s.sample_index,
+                list(s.output_token_ids),
+                self.stopper.visible_text(s),
+                s.finish_reason,
+                self._logprobs(s),
+                s.cumulative_logprob if s.params.logprobs is not None else None,
+            )
+            for s in seqs
+        ]
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            list(req.prompt_token_ids),
+            outs,
+            req.finished,
+            m,
+            error=req.error,
+            sampling_defaults=dict(req.sampling_defaults),
+            prompt_logprobs=req.prompt_logprobs,
+        )
 
     def _logprob_entry(self, d: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         """One position's ``{token_id: Logprob}`` (with each token's text), built once."""
@@ -687,8 +798,7 @@ class LLMEngine:
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{"<request_id>.<sample>": block_table}`` of the sequences holding device blocks."""
-        return {f"{s.request_id}.{s.sample_index}": list(s.block_table)
-                for s in self.scheduler.running}
+        return {f"{s.request_id}.{s.sample_index}": list(s.block_table) for s in self.scheduler.running}
 
     def get_output(self, request_id: str) -> RequestOutput:
         return self._output(self.requests[str(request_id)])
@@ -696,4 +806,3 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its blocks are already back in the pool)."""
         self.requests.pop(str(request_id), None)
-

@@ -6,6 +6,7 @@ the engine that is gone for good (a tensor-parallel rank that exited) cannot be 
 request: ``LLMEngine.step`` raises this, ``LLM.generate`` raises it to its caller, and the HTTP
 server's engine loop stops (``/health`` answers 503).
 """
+
 from __future__ import annotations
 
 

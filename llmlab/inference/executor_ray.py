@@ -26,6 +26,7 @@ a placement group not ready within :data:`PLACEMENT_TIMEOUT_S` (it is removed): 
 ``RAY_health_check_*`` settings bound how long a lost node takes to be declared dead); the actors
 and placement group are killed and removed on shutdown, or when starting fails.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,9 @@ def _ray() -> Any:
     try:
         import ray
     except ModuleNotFoundError:
-        raise NotImplementedError("distributed_executor_backend='ray' needs Ray: pip install "
-                                  "'llmlab[cluster]' (or pip install ray)") from None
+        raise NotImplementedError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'llmlab[cluster]' (or pip install ray)"
+        ) from None
     return ray
 
 
@@ -64,9 +66,11 @@ def connect(address: str | None = None) -> Any:
         try:
             ray.init(address=address, logging_level="WARNING", configure_logging=True)
         except (ConnectionError, RuntimeError) as e:
-            raise ValueError(f"no Ray cluster at {address!r} ({type(e).__name__}: {e}); start one "
-                             "with `ray start --head` (and `ray start --address HEAD:PORT` on the "
-                             "other nodes), then set RAY_ADDRESS=HEAD:PORT") from None
+            raise ValueError(
+                f"no Ray cluster at {address!r} ({type(e).__name__}: {e}); start one "
+                "with `ray start --head` (and `ray start --address HEAD:PORT` on the "
+                "other nodes), then set RAY_ADDRESS=HEAD:PORT"
+            ) from None
     return ray
 
 
@@ -75,13 +79,15 @@ def _check_reachable(address: str, timeout: float = 10.0) -> None:
     would retry for minutes)."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        return                                    # "auto": ray.init looks on this node itself
+        return  # "auto": ray.init looks on this node itself
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
-        raise ValueError(f"no Ray cluster at {address!r}: {e.strerror or e}; start one with "
-                         "`ray start --head` (and `ray start --address HEAD:PORT` on the other "
-                         "nodes), then set RAY_ADDRESS=HEAD:PORT") from None
+        raise ValueError(
+            f"no Ray cluster at {address!r}: {e.strerror or e}; start one with "
+            "`ray start --head` (and `ray start --address HEAD:PORT` on the other "
+            "nodes), then set RAY_ADDRESS=HEAD:PORT"
+        ) from None
 
 
 def _resource(device: torch.device) -> str:
@@ -92,20 +98,29 @@ def check_capacity(tp: int, pp: int, replicas: int = 1, device: str | torch.devi
     """Raise ``ValueError`` when the cluster cannot hold ``replicas`` x ``pp`` stages of ``tp``
     workers (one CPU, or one GPU, each): too few in all, or no node with room for one stage."""
     ray = connect()
-    dev = torch.device("cuda" if str(device) in ("auto", "cuda") and torch.cuda.is_available()
-                       else str(device) if str(device) != "auto" else "cpu")
+    dev = torch.device(
+        "cuda"
+        if str(device) in ("auto", "cuda") and torch.cuda.is_available()
+        else str(device)
+        if str(device) != "auto"
+        else "cpu"
+    )
     res = _resource(dev)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     have = [float(n["Resources"].get(res, 0)) for n in nodes]
     need = tp * pp * replicas
     sizes = f"{replicas} replica(s) x pipeline_parallel_size {pp} x tensor_parallel_size {tp}"
     if sum(have) < need:
-        raise ValueError(f"{sizes} = {need} workers need {need} {res}s, but the Ray cluster has "
-                         f"{sum(have):g} ({len(nodes)} node(s): {', '.join(f'{h:g}' for h in have)}); "
-                         "add nodes or lower the sizes")
+        raise ValueError(
+            f"{sizes} = {need} workers need {need} {res}s, but the Ray cluster has "
+            f"{sum(have):g} ({len(nodes)} node(s): {', '.join(f'{h:g}' for h in have)}); "
+            "add nodes or lower the sizes"
+        )
     if max(have, default=0) < tp:
-        raise ValueError(f"the {tp} ranks of a pipeline stage go on one node, but no node of the "
-                         f"Ray cluster has {tp} {res}s (nodes: {', '.join(f'{h:g}' for h in have)})")
+        raise ValueError(
+            f"the {tp} ranks of a pipeline stage go on one node, but no node of the "
+            f"Ray cluster has {tp} {res}s (nodes: {', '.join(f'{h:g}' for h in have)})"
+        )
 
 
 def reach_address(gcs_address: str) -> str:
@@ -125,7 +140,7 @@ def interface_of(ip: str) -> str | None:
         for _, name in socket.if_nameindex():
             try:
                 raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:                     # SIOCGIFADDR: no IPv4 address
+            except OSError:  # SIOCGIFADDR: no IPv4 address
                 continue
             if socket.inet_ntoa(raw[20:24]) == ip:
                 return name
@@ -135,8 +150,20 @@ def interface_of(ip: str) -> str | None:
 class StageActor:
     """A Ray actor holding one rank of the pipeline (:func:`~llmlab.inference.pipeline_parallel.build_stage`)."""
 
-    def setup(self, build: Any, rank: int, tp: int, pp: int, host: str, port: int, backend: str,
-              weights: Any, config: Any, runner_args: dict[str, Any], device: str) -> str:
+    def setup(
+        self,
+        build: Any,
+        rank: int,
+        tp: int,
+        pp: int,
+        host: str,
+        port: int,
+        backend: str,
+        weights: Any,
+        config: Any,
+        runner_args: dict[str, Any],
+        device: str,
+    ) -> str:
         """Join the process group on ``host:port`` (gloo on the interface of this node's Ray
         address, unless ``GLOO_SOCKET_IFNAME`` is set) and build the stage with ``build``
         (:func:`~llmlab.inference.pipeline_parallel.build_stage`); returns this node's address."""
@@ -149,7 +176,7 @@ class StageActor:
         torch.set_num_threads(1)
         dev = torch.device(device)
         if backend == "nccl":
-            torch.cuda.set_device(0)                 # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
             dev = torch.device("cuda", 0)
         process.init_process_group(backend, process.join_store(host, port), rank, tp * pp)
         self.runner = build(rank, tp, pp, weights, config, runner_args, dev)
@@ -172,18 +199,28 @@ class RayWorkers:
         self._closed = False
 
     @classmethod
-    def start(cls, build: Any, weights: Any, config: Any, tp: int, pp: int, runner_args: dict[str, Any],
-              device: torch.device) -> RayWorkers:
+    def start(
+        cls,
+        build: Any,
+        weights: Any,
+        config: Any,
+        tp: int,
+        pp: int,
+        runner_args: dict[str, Any],
+        device: torch.device,
+    ) -> RayWorkers:
         """Place and start the actors; each builds its stage with ``build`` (see
         :meth:`StageActor.setup`). Raises ``ValueError`` (see the module docstring)."""
         ray = connect()
         check_capacity(tp, pp, 1, device)
         from ray.util.placement_group import placement_group
+
         res = _resource(device)
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
         strategy = "STRICT_SPREAD" if 1 < pp <= alive else "PACK"
-        group = placement_group([{res: float(tp)}] * pp, strategy=strategy,
-                                name=f"llmlab-{uuid.uuid4().hex[:8]}")
+        group = placement_group(
+            [{res: float(tp)}] * pp, strategy=strategy, name=f"llmlab-{uuid.uuid4().hex[:8]}"
+        )
         workers = cls(ray, [], group, None, tp, pp)
         try:
             workers._place(strategy)
@@ -197,15 +234,19 @@ class RayWorkers:
         try:
             self.ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
-            raise ValueError(f"the Ray cluster could not place {self.pp} stage(s) of "
-                             f"{self.tp} worker(s) ({strategy}: a stage's workers on one node"
-                             f"{', stages on distinct nodes' if strategy == 'STRICT_SPREAD' else ''})"
-                             f" within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower the sizes "
-                             "(LLMLAB_RAY_PLACEMENT_TIMEOUT sets the wait)") from None
+            raise ValueError(
+                f"the Ray cluster could not place {self.pp} stage(s) of "
+                f"{self.tp} worker(s) ({strategy}: a stage's workers on one node"
+                f"{', stages on distinct nodes' if strategy == 'STRICT_SPREAD' else ''})"
+                f" within {PLACEMENT_TIMEOUT_S:g} s; add nodes or lower the sizes "
+                "(LLMLAB_RAY_PLACEMENT_TIMEOUT sets the wait)"
+            ) from None
 
-    def _start_actors(self, build: Any, weights: Any, config: Any, runner_args: dict[str, Any],
-                      device: torch.device) -> None:
+    def _start_actors(
+        self, build: Any, weights: Any, config: Any, runner_args: dict[str, Any], device: torch.device
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         ray, tp, pp = self.ray, self.tp, self.pp
         backend = process.resolve_backend("auto", None, device=device.type)
         host = reach_address(ray.get_runtime_context().gcs_address)
@@ -217,12 +258,22 @@ class RayWorkers:
         for r in range(tp * pp):
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=r // tp)
             self.actors.append(actor.options(scheduling_strategy=strategy).remote())
-        refs = [a.setup.remote(build, r, tp, pp, host, self._store.port, backend, weights, config,
-                               runner_args, device.type) for r, a in enumerate(self.actors)]
+        refs = [
+            a.setup.remote(
+                build, r, tp, pp, host, self._store.port, backend, weights, config, runner_args, device.type
+            )
+            for r, a in enumerate(self.actors)
+        ]
         self.nodes = self.result(refs, all_values=True)
-        print("llmlab: Ray placement: " + "; ".join(
-            f"stage {s} ranks {s * tp}-{s * tp + tp - 1} on {', '.join(sorted(set(self.nodes[s * tp:(s + 1) * tp])))}"
-            for s in range(pp)), file=sys.stderr, flush=True)
+        print(
+            "llmlab: Ray placement: "
+            + "; ".join(
+                f"stage {s} ranks {s * tp}-{s * tp + tp - 1} on {', '.join(sorted(set(self.nodes[s * tp : (s + 1) * tp])))}"
+                for s in range(pp)
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def submit(self, msg: dict[str, Any]) -> list[Any]:
         ref = self.ray.put(msg)
@@ -242,8 +293,10 @@ class RayWorkers:
                 except Exception as e:
                     where = f" on node {self.nodes[r]}" if r < len(self.nodes) else ""
                     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                    raise EngineDeadError(f"pipeline-parallel rank {r} (Ray actor){where} failed: "
-                                          f"{type(e).__name__}: {first}; the engine cannot step") from e
+                    raise EngineDeadError(
+                        f"pipeline-parallel rank {r} (Ray actor){where} failed: "
+                        f"{type(e).__name__}: {first}; the engine cannot step"
+                    ) from e
         return [values[r] for r in range(len(refs))] if all_values else values.get(self.output_rank)
 
     def close(self) -> None:
@@ -252,9 +305,10 @@ class RayWorkers:
             return
         self._closed = True
         from ray.util.placement_group import remove_placement_group
+
         for a in self.actors:
             with contextlib.suppress(Exception):  # gone already
                 self.ray.kill(a)
-        with contextlib.suppress(Exception):      # the cluster is gone
+        with contextlib.suppress(Exception):  # the cluster is gone
             remove_placement_group(self.group)
         self._store = None

@@ -8,6 +8,7 @@
 Both return the same entry as :func:`llmlab.inference.bench.run_llmlab` (throughput, TTFT/TPOT
 percentiles from :mod:`llmlab.inference.metrics`, KV waste, ``token_ids``).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,14 +38,21 @@ class _TimingStreamer:
 def load_hf(path, device: str = "cpu"):
     """``transformers.AutoModelForCausalLM`` for the checkpoint ``path`` (fp32, eval)."""
     from transformers import AutoModelForCausalLM
+
     # safetensors only: a pytorch_model.bin is a pickle, which can run code when loaded
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, use_safetensors=True,
-                                                local_files_only=True).to(device).eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, use_safetensors=True, local_files_only=True
+        )
+        .to(device)
+        .eval()
+    )
 
 
 @torch.no_grad()
-def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int,
-              eos_token_id: int | list[int] | None = None) -> list[list[int]]:
+def hf_greedy(
+    hf_model, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | list[int] | None = None
+) -> list[list[int]]:
     """Hugging Face's greedy tokens (``generate(do_sample=False)``) for each prompt: prompts of one
     length run as one batch (no padding), each output cut after its first end-of-sequence token
     (``eos_token_id``, default the model's generation config's). The reference the engine's
@@ -58,28 +66,41 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int,
     out: list = [None] * len(prompts)
     for n, idx in by_len.items():
         ids = torch.tensor([prompts[i] for i in idx], device=dev)
-        gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=0)
+        gen = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
         for row, i in zip(gen[:, n:].tolist(), idx):
             cut = next((j for j, t in enumerate(row) if t in eos), None)
-            out[i] = row if cut is None else row[:cut + 1]
+            out[i] = row if cut is None else row[: cut + 1]
     return out
 
 
 @torch.no_grad()
-def hf_generate_batch(hf_model, prompts: list[list[int]], num_new: int, pad_token_id: int = 0,
-                      streamer=None) -> list[list[int]]:
+def hf_generate_batch(
+    hf_model, prompts: list[list[int]], num_new: int, pad_token_id: int = 0, streamer=None
+) -> list[list[int]]:
     """Static batch: left-padded ``prompts``, exactly ``num_new`` greedy tokens for every row."""
     dev = next(hf_model.parameters()).device
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), L), dtype=torch.long)
     for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        mask[r, L - len(p):] = 1
-    out = hf_model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
-                            max_new_tokens=num_new, min_new_tokens=num_new,
-                            pad_token_id=pad_token_id, eos_token_id=None, streamer=streamer)
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = 1
+    out = hf_model.generate(
+        input_ids=ids.to(dev),
+        attention_mask=mask.to(dev),
+        do_sample=False,
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        pad_token_id=pad_token_id,
+        eos_token_id=None,
+        streamer=streamer,
+    )
     return out[:, L:].tolist()
 
 
@@ -96,7 +117,7 @@ def run_hf(hf_model, workload: dict, arrivals: list[float], batch_size: int) -> 
     waste_sum, waste_steps = 0.0, 0
     t0 = time.perf_counter()
     for b in range(0, n, batch_size):
-        idx = order[b:b + batch_size]
+        idx = order[b : b + batch_size]
         wait = arrivals[idx[-1]] - (time.perf_counter() - t0)
         if wait > 0:
             time.sleep(wait)
@@ -111,7 +132,7 @@ def run_hf(hf_model, workload: dict, arrivals: list[float], batch_size: int) -> 
             tokens[i] = out[r][:o]
             timings[i] = RequestTiming(t0 + arrivals[i], st.times[0], st.times[o - 1], o)
         alloc = len(idx) * (P + O)
-        for t in range(1, O + 1):           # cache after decode step t
+        for t in range(1, O + 1):  # cache after decode step t
             stored = sum(len(prompts[i]) + min(t, olens[i]) for i in idx)
             waste_sum += 1.0 - stored / alloc
             waste_steps += 1
@@ -127,19 +148,29 @@ def hf_continuous_available(hf_model) -> str | None:
     transformers >= 5), else the reason it is skipped."""
     if not hasattr(hf_model, "init_continuous_batching"):
         import transformers
-        return (f"transformers {transformers.__version__} has no continuous batching "
-                f"(model.init_continuous_batching / generate_batch)")
+
+        return (
+            f"transformers {transformers.__version__} has no continuous batching "
+            f"(model.init_continuous_batching / generate_batch)"
+        )
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
-    except ImportError as e:                                      # pragma: no cover - old versions
+    except ImportError as e:  # pragma: no cover - old versions
         return f"transformers has no ContinuousBatchingConfig ({e})"
     return None
 
 
 @torch.no_grad()
-def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_blocks: int,
-                      block_size: int = 16, max_batch_tokens: int = 2048,
-                      max_num_seqs: int = 256) -> dict:
+def run_hf_continuous(
+    hf_model,
+    workload: dict,
+    arrivals: list[float],
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    max_batch_tokens: int = 2048,
+    max_num_seqs: int = 256,
+) -> dict:
     """Serve ``workload`` with transformers' own continuous batching (the engine behind
     ``model.generate_batch``: ``init_continuous_batching`` -> ``ContinuousBatchingManager``, a
     paged cache of ``num_blocks`` whole-model blocks of ``block_size`` tokens, scheduled by a
@@ -152,13 +183,16 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
     ``kv_cache_waste_fraction = None``: HF does not expose its per-step block usage."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     prompts, olens = workload["prompts"], workload["output_lens"]
     n = len(prompts)
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                           max_new_tokens=max(olens))
-    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks,
-                                  max_batch_tokens=max_batch_tokens,
-                                  max_requests_per_batch=max_num_seqs)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(olens))
+    cb = ContinuousBatchingConfig(
+        page_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_num_seqs,
+    )
     manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     order = sorted(range(n), key=lambda i: arrivals[i])
@@ -170,15 +204,23 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
             now = time.perf_counter() - t0
             while k < n and arrivals[order[k]] <= now:
                 i = order[k]
-                manager.add_request(prompts[i], request_id=str(i), max_new_tokens=olens[i],
-                                    record_timestamps=True, eos_token_id=-1, streaming=True)
+                manager.add_request(
+                    prompts[i],
+                    request_id=str(i),
+                    max_new_tokens=olens[i],
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                    streaming=True,
+                )
                 k += 1
             wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
             r = manager.get_result(timeout=min(wait, 60.0))
             if r is None:
                 if k == n:
-                    raise RuntimeError(f"HF continuous batching returned {len(results)}/{n} "
-                                       f"requests (thread running: {manager.is_running()})")
+                    raise RuntimeError(
+                        f"HF continuous batching returned {len(results)}/{n} "
+                        f"requests (thread running: {manager.is_running()})"
+                    )
                 continue
             if r.generated_tokens and r.request_id not in first_seen:
                 first_seen[r.request_id] = time.perf_counter()
@@ -194,8 +236,10 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
     for i in range(n):
         r = results[str(i)]
         if len(r.generated_tokens) != olens[i]:
-            raise RuntimeError(f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
-                               f"tokens, expected {olens[i]}")
+            raise RuntimeError(
+                f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
+                f"tokens, expected {olens[i]}"
+            )
         # per-token timestamps restart when HF preempts (offloads) a request; then the first
         # token's time is when its stream delivered it
         ts = r.timestamps or []
@@ -206,7 +250,8 @@ def run_hf_continuous(hf_model, workload: dict, arrivals: list[float], *, num_bl
     res = summarize(timings)
     res["kv_cache_waste_fraction"] = None
     res["num_gpu_blocks"] = int(cache.num_blocks) if cache is not None else None
-    res["kv_cache_bytes"] = (int(cache.cache_tensor.numel() - 2 * cache.bytes_per_sector)
-                             if cache is not None else None)
+    res["kv_cache_bytes"] = (
+        int(cache.cache_tensor.numel() - 2 * cache.bytes_per_sector) if cache is not None else None
+    )
     res["token_ids"] = tokens
     return res

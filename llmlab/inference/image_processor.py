@@ -14,6 +14,7 @@
 An image of ``H x W`` pixels after resizing gives ``(H/14)*(W/14)`` patches and
 ``(H/28)*(W/28)`` image tokens: the tokens grow with the pixels, so ``max_pixels`` caps them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,17 +28,18 @@ import torch
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-MIN_PIXELS = 56 * 56                 # Hugging Face's defaults (Qwen2.5-VL's preprocessor_config)
+MIN_PIXELS = 56 * 56  # Hugging Face's defaults (Qwen2.5-VL's preprocessor_config)
 MAX_PIXELS = 28 * 28 * 1280
-MAX_IMAGE_PIXELS = 89_478_485        # Pillow's Image.MAX_IMAGE_PIXELS: refuse bigger files
+MAX_IMAGE_PIXELS = 89_478_485  # Pillow's Image.MAX_IMAGE_PIXELS: refuse bigger files
 
 
 class ImageError(ValueError):
     """An image that cannot be used; the message names the problem (a 400 for a server)."""
 
 
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+) -> tuple[int, int]:
     """``(height, width)`` after resizing: multiples of ``factor``, area in ``[min_pixels,
     max_pixels]`` (rounded to the nearest multiple, then scaled down or up by
     ``sqrt(area ratio)`` with floor/ceil when outside). Raises :class:`ImageError` for an aspect
@@ -66,6 +68,7 @@ def load_image(src: Any, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Any:
     more than ``max_image_pixels`` pixels (checked from the header, before decoding), a missing
     file."""
     from PIL import Image
+
     if isinstance(src, Image.Image):
         img = src
         _check_pixels(img.size, max_image_pixels)
@@ -76,7 +79,7 @@ def load_image(src: Any, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Any:
         elif isinstance(src, (str, Path)):
             if not Path(src).is_file():
                 raise ImageError(f"image file {str(src)!r} does not exist")
-            fp, what = open(src, "rb"), f"image file {Path(src).name!r}"   # noqa: SIM115
+            fp, what = open(src, "rb"), f"image file {Path(src).name!r}"  # noqa: SIM115
         else:
             raise ImageError(f"an image must be a PIL image, a path or bytes, not {type(src).__name__}")
         with fp:
@@ -84,22 +87,23 @@ def load_image(src: Any, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Any:
                 img = Image.open(fp)
             except Image.DecompressionBombError as e:
                 raise ImageError(f"{what}: decompression bomb refused ({e})") from None
-            except Exception:               # noqa: BLE001  (UnidentifiedImageError and kin)
+            except Exception:  # noqa: BLE001  (UnidentifiedImageError and kin)
                 raise ImageError(f"{what}: not an image Pillow can decode") from None
             _check_pixels(img.size, max_image_pixels)
             try:
                 img.load()
-            except Exception as e:          # noqa: BLE001  (truncated or corrupt data)
-                raise ImageError(f"{what}: truncated or corrupt image data "
-                                 f"({type(e).__name__})") from None
+            except Exception as e:  # noqa: BLE001  (truncated or corrupt data)
+                raise ImageError(f"{what}: truncated or corrupt image data ({type(e).__name__})") from None
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _check_pixels(size: tuple[int, int], limit: int) -> None:
     w, h = size
     if w * h > limit:
-        raise ImageError(f"image of {w}x{h} = {w * h} pixels is over the limit of {limit} pixels "
-                         f"(decompression-bomb guard, max_image_pixels)")
+        raise ImageError(
+            f"image of {w}x{h} = {w * h} pixels is over the limit of {limit} pixels "
+            f"(decompression-bomb guard, max_image_pixels)"
+        )
 
 
 def patchify(pixels: torch.Tensor, patch: int = 14, merge: int = 2, temporal: int = 2) -> torch.Tensor:
@@ -109,7 +113,7 @@ def patchify(pixels: torch.Tensor, patch: int = 14, merge: int = 2, temporal: in
     C, H, W = pixels.shape
     gh, gw = H // patch, W // patch
     x = pixels.reshape(C, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)                      # gh', gw', mh, mw, C, ph, pw
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # gh', gw', mh, mw, C, ph, pw
     x = x[:, :, :, :, :, None].expand(*x.shape[:5], temporal, patch, patch)
     return x.reshape(gh * gw, C * temporal * patch * patch)
 
@@ -124,17 +128,25 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     content_hash: str
-    size: tuple[int, int]            # the resized (width, height), pixels
+    size: tuple[int, int]  # the resized (width, height), pixels
 
 
-def process_image(img: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                  patch: int = 14, merge: int = 2, temporal: int = 2) -> ProcessedImage:
+def process_image(
+    img: Any,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    patch: int = 14,
+    merge: int = 2,
+    temporal: int = 2,
+) -> ProcessedImage:
     """Resize (:func:`smart_resize`, bicubic), normalise and :func:`patchify` a decoded RGB
     ``PIL.Image``. Raises :class:`ImageError` for bad pixel bounds."""
     from PIL import Image
+
     if not 0 < min_pixels <= max_pixels:
-        raise ImageError(f"min_pixels={min_pixels} and max_pixels={max_pixels} must satisfy "
-                         f"0 < min_pixels <= max_pixels")
+        raise ImageError(
+            f"min_pixels={min_pixels} and max_pixels={max_pixels} must satisfy 0 < min_pixels <= max_pixels"
+        )
     factor = patch * merge
     if max_pixels < factor * factor:
         raise ImageError(f"max_pixels={max_pixels} is below one image token ({factor}x{factor} pixels)")

@@ -1,10 +1,11 @@
 """``LLM``: vLLM's offline API over :class:`~llmlab.inference.engine.LLMEngine`.
 
-    from llmlab.inference import LLM, SamplingParams
-    llm = LLM("shakespeare")                      # the model shipped with llmlab
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
-    print(out[0].outputs[0].text)
+from llmlab.inference import LLM, SamplingParams
+llm = LLM("shakespeare")                      # the model shipped with llmlab
+out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.8, seed=0, max_tokens=64))
+print(out[0].outputs[0].text)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,9 @@ class LLM:
         """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
         long, bad ids or parameters) becomes a finished error output in its place, so one bad
         request never fails the batch. Returns request ids and error outputs, in order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -63,7 +65,7 @@ class LLM:
     def _release(self, entries) -> None:
         for rid in entries:
             if isinstance(rid, str):
-                self.engine.abort_request(rid)     # no-op when finished; frees on early exit
+                self.engine.abort_request(rid)  # no-op when finished; frees on early exit
                 self.engine.release(rid)
 
     def stream(self, prompts, sampling_params=None):
@@ -88,6 +90,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(entries), desc="generate")
         try:
             while self.engine.has_unfinished_requests():

@@ -13,6 +13,7 @@ Tokenizer: the checkpoint's own (``transformers.AutoTokenizer``) when it has tok
 otherwise llmlab's :class:`~llmlab.data.ByteTokenizer` for a 256-symbol vocabulary, otherwise none
 (then prompts must be token ids).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def resolve_model_path(spec: str) -> Path:
     p = Path(spec).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{p} has no config.json: not a model directory (expected a "
-                                    "Hugging Face checkpoint or `llmlab train --save-model` output)")
+            raise FileNotFoundError(
+                f"{p} has no config.json: not a model directory (expected a "
+                "Hugging Face checkpoint or `llmlab train --save-model` output)"
+            )
         return p
     shipped = shipped_model_dir(spec)
     if shipped is not None:
@@ -47,17 +50,19 @@ def resolve_model_path(spec: str) -> Path:
         raise FileNotFoundError(
             f"no trained weights ship for preset {spec!r}; train them with `llmlab train --model "
             f"{spec} --save-model DIR` and pass --model DIR (weights ship for: "
-            f"{', '.join(n for n in PRESETS if shipped_model_dir(n)) or 'none'})")
-    raise FileNotFoundError(f"--model {spec!r} is neither a directory nor a preset "
-                            f"({', '.join(PRESETS)})")
+            f"{', '.join(n for n in PRESETS if shipped_model_dir(n)) or 'none'})"
+        )
+    raise FileNotFoundError(f"--model {spec!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
 
 
 def load_tokenizer(path: Path, vocab_size: int):
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if vocab_size == 256:
         from llmlab.data import ByteTokenizer
+
         return ByteTokenizer()
     return None
 
@@ -74,9 +79,14 @@ def eos_token_id(path: Path) -> list[int]:
 
 
 # generation_config.json key -> SamplingParams field (those vLLM's generation_config="auto" reads)
-GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                           "max_new_tokens": "max_tokens"}
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def generation_defaults(path: Path) -> dict:
@@ -87,14 +97,14 @@ def generation_defaults(path: Path) -> dict:
     if not f.is_file():
         return {}
     cfg = json.loads(f.read_text())
-    return {field: cfg[key] for key, field in GENERATION_DEFAULT_KEYS.items()
-            if cfg.get(key) is not None}
+    return {field: cfg[key] for key, field in GENERATION_DEFAULT_KEYS.items() if cfg.get(key) is not None}
 
 
 def load(model, tokenizer=None):
     """Returns ``(LlamaForCausalLM, tokenizer or None, eos ids, generation defaults)`` for any
     accepted ``model`` (see :func:`generation_defaults`; ``{}`` for model objects)."""
     from llmlab.data import ByteTokenizer
+
     if isinstance(model, LlamaForCausalLM):
         tok = tokenizer or (ByteTokenizer() if model.config.vocab_size == 256 else None)
         return model, tok, [], {}
@@ -103,8 +113,13 @@ def load(model, tokenizer=None):
         return LlamaForCausalLM(model, seed=0), tok, [], {}
     from llmlab.model.hf import load_hf_model
     from llmlab.model.qwen2_5_vl import MODEL_TYPES, load_qwen2_5_vl
+
     path = resolve_model_path(str(model))
     vision = json.loads((path / "config.json").read_text()).get("model_type") in MODEL_TYPES
     m = load_qwen2_5_vl(path) if vision else load_hf_model(path)
-    return (m, tokenizer or load_tokenizer(path, m.config.vocab_size), eos_token_id(path),
-            generation_defaults(path))
+    return (
+        m,
+        tokenizer or load_tokenizer(path, m.config.vocab_size),
+        eos_token_id(path),
+        generation_defaults(path),
+    )

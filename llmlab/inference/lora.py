@@ -14,6 +14,7 @@ different adapters and of the base share one forward. The wrapped layers are no 
 tensor's shape matches the layer, its rank fits ``max_lora_rank``) and raises ``ValueError``
 naming the mismatch; ``max_loras`` adapters fit at once.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,8 @@ from llmlab.model.lora import TARGETS, load_peft_adapter
 class MultiLoRALinear(nn.Module):
     """``base(x) + (B[s] A[s] x)`` for each token's slot ``s``. ``x [..., in] -> [..., out]``."""
 
-    lora_A: torch.Tensor       # [max_loras + 1, max_lora_rank, in] (buffers: not trained here)
-    lora_B: torch.Tensor       # [max_loras + 1, out, max_lora_rank], alpha / r folded in
+    lora_A: torch.Tensor  # [max_loras + 1, max_lora_rank, in] (buffers: not trained here)
+    lora_B: torch.Tensor  # [max_loras + 1, out, max_lora_rank], alpha / r folded in
 
     def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: "LoRASlots") -> None:
         super().__init__()
@@ -47,7 +48,7 @@ class MultiLoRALinear(nn.Module):
         if token_slots is None or not self.slots.active:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        for s in self.slots.active:          # the adapters present in this step
+        for s in self.slots.active:  # the adapters present in this step
             rows = self.slots.rows[s]
             flat_y[rows] += (flat_x[rows] @ self.lora_A[s].T) @ self.lora_B[s].T
         return y
@@ -59,11 +60,12 @@ class LoRASlots:
 
     def __init__(self, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError(f"--max-loras and --max-lora-rank must be >= 1, got {max_loras}, "
-                             f"{max_lora_rank}")
+            raise ValueError(
+                f"--max-loras and --max-lora-rank must be >= 1, got {max_loras}, {max_lora_rank}"
+            )
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.layers: dict[str, MultiLoRALinear] = {}
-        self.by_name: dict[str, tuple[int, int, str]] = {}   # name -> (lora id, slot, path)
+        self.by_name: dict[str, tuple[int, int, str]] = {}  # name -> (lora id, slot, path)
         self._ids = itertools.count(1)
         self.token_slots: torch.Tensor | None = None
         self.active: list[int] = []
@@ -73,24 +75,28 @@ class LoRASlots:
     def _check(self, path: str | Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
         r = int(config.get("r", 0))
         if not 1 <= r <= self.max_lora_rank:
-            raise ValueError(f"adapter {path}: rank {r} is outside 1..--max-lora-rank "
-                             f"{self.max_lora_rank}")
+            raise ValueError(f"adapter {path}: rank {r} is outside 1..--max-lora-rank {self.max_lora_rank}")
         targets = config.get("target_modules") or []
         targets = [targets] if isinstance(targets, str) else list(targets)
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
-            raise ValueError(f"adapter {path} targets {unknown}, which the base model has no "
-                             f"linear layer for (an adapter for another base?)")
+            raise ValueError(
+                f"adapter {path} targets {unknown}, which the base model has no "
+                f"linear layer for (an adapter for another base?)"
+            )
         for n, t in state.items():
             module, which = n.rsplit(".", 2)[0], n.rsplit(".", 2)[1]
             layer = self.layers.get(module)
             if layer is None:
-                raise ValueError(f"adapter {path}: no layer {module!r} in the base model "
-                                 f"(an adapter for another base?)")
+                raise ValueError(
+                    f"adapter {path}: no layer {module!r} in the base model (an adapter for another base?)"
+                )
             want = (r, layer.in_features) if which == "lora_A" else (layer.out_features, r)
             if tuple(t.shape) != want:
-                raise ValueError(f"adapter {path}: {n} has shape {tuple(t.shape)}, the base model's "
-                                 f"layer needs {want} (an adapter for another base)")
+                raise ValueError(
+                    f"adapter {path}: {n} has shape {tuple(t.shape)}, the base model's "
+                    f"layer needs {want} (an adapter for another base)"
+                )
 
     @torch.no_grad()
     def load(self, name: str, path: str | Path) -> int:
@@ -149,15 +155,16 @@ def enable_lora(model: nn.Module, max_loras: int, max_lora_rank: int) -> LoRASlo
     slots = LoRASlots(max_loras, max_lora_rank)
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
-        if leaf not in TARGETS or isinstance(module, MultiLoRALinear) \
-                or not name.startswith("model.layers."):    # the decoder's, not a vision tower's
+        if (
+            leaf not in TARGETS or isinstance(module, MultiLoRALinear) or not name.startswith("model.layers.")
+        ):  # the decoder's, not a vision tower's
             continue
         w = getattr(module, "weight", None)
         if w is None:
             continue
         out_f, in_f = w.shape
         parent = model.get_submodule(parent_name)
-        for fused in ("fused_qkv", "fused_gate_up"):   # separate matmuls, adapters after each
+        for fused in ("fused_qkv", "fused_gate_up"):  # separate matmuls, adapters after each
             if hasattr(parent, fused):
                 setattr(parent, fused, None)
         wrapped = MultiLoRALinear(module, in_f, out_f, slots)

@@ -10,6 +10,7 @@ Definitions (as in vLLM's ``benchmark_serving`` and the Orca / PagedAttention ev
 
 Percentiles interpolate linearly between order statistics (numpy's default ``"linear"`` method).
 """
+
 from __future__ import annotations
 
 import math
@@ -83,8 +84,11 @@ def summarize(timings: list[RequestTiming]) -> dict:
     end = max(t.finish for t in timings)
     tokens = sum(t.num_output_tokens for t in timings)
     dur = end - start
-    return {"throughput_tokens_per_s": tokens / dur if dur > 0 else float("inf"),
-            "ttft_s": p50_p99(t.ttft for t in timings),
-            "tpot_s": p50_p99(t.tpot for t in timings),
-            "e2e_s": p50_p99(t.e2e for t in timings),
-            "duration_s": dur, "num_output_tokens": tokens}
+    return {
+        "throughput_tokens_per_s": tokens / dur if dur > 0 else float("inf"),
+        "ttft_s": p50_p99(t.ttft for t in timings),
+        "tpot_s": p50_p99(t.tpot for t in timings),
+        "e2e_s": p50_p99(t.e2e for t in timings),
+        "duration_s": dur,
+        "num_output_tokens": tokens,
+    }

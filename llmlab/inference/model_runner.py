@@ -19,6 +19,7 @@ by length (:mod:`llmlab.inference.padding_buckets`).
 Cache layout: ``kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]``; a host copy of
 the same layout serves swap preemption.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -53,17 +54,27 @@ class ModelRunner:
     (on a CPU device the linear weights are packed once, :mod:`llmlab.kernels.cpu_linear`) and
     ``cpu_fused`` (the step's forward context tells the model to use the C++ operators)."""
 
-    lora: Any = None    # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora); subclasses too
+    lora: Any = None  # LoRASlots after LLMEngine.enable_lora (llmlab.inference.lora); subclasses too
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True, paged_attention: str = "auto",
-                 packed_linear: bool = False, cpu_fused: bool = False):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_host_blocks: int = 0,
+        padding_buckets: bool = True,
+        paged_attention: str = "auto",
+        packed_linear: bool = False,
+        cpu_fused: bool = False,
+    ):
         self.model = model.to(device=device, dtype=dtype).eval().fuse_projections()
         self.paged_attention, self.cpu_fused = paged_attention, cpu_fused
         if packed_linear and device.type == "cpu":
             from llmlab.kernels.cpu_linear import pack_linears
-            pack_linears(self.model)          # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
+
+            pack_linears(self.model)  # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
@@ -102,7 +113,7 @@ class ModelRunner:
         for seq, n in group:
             c = seq.num_computed_tokens
             pos = range(c, c + n)
-            ids += seq.token_ids[c:c + n]
+            ids += seq.token_ids[c : c + n]
             positions += pos
             slots += slot_mapping(seq.block_table, pos, bs)
             ctx.append(c + n)
@@ -110,11 +121,14 @@ class ModelRunner:
             tables.append(seq.block_table)
         width = max(len(t) for t in tables)
         return AttentionBatch(
-            input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
-            context_lens=torch.tensor(ctx, device=dev), query_lens=torch.tensor(qlens, device=dev),
-            is_prefill=is_prefill)
+            context_lens=torch.tensor(ctx, device=dev),
+            query_lens=torch.tensor(qlens, device=dev),
+            is_prefill=is_prefill,
+        )
 
     def prepare_prefill(self, group: list[tuple]) -> AttentionBatch:
         """The batch of ``(seq, n)`` pairs computing ``n`` tokens each from their
@@ -153,8 +167,9 @@ class ModelRunner:
         return self.execute_with_prompt_logits(out, frozenset())[0]
 
     @torch.no_grad()
-    def execute_with_prompt_logits(self, out: SchedulerOutput, seq_ids: frozenset[int]
-                                   ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
+    def execute_with_prompt_logits(
+        self, out: SchedulerOutput, seq_ids: frozenset[int]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]]]:
         """:meth:`execute`, and in the same forward the logits of every position this step
         computes that predicts a prompt token, for the sequences in ``seq_ids`` (vLLM's
         ``prompt_logprobs``, gathered in the batched step): ``{seq_id: (first position,
@@ -168,26 +183,29 @@ class ModelRunner:
             logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
         if mm_inputs:
             from llmlab.inference import multimodal
+
             multimodal.release_done(order)
         if not sample_rows and not extra:
             return {}, {}
         logits = logits.float().cpu()
-        sampled = dict(zip(sample_seqs, logits[:len(sample_rows)]))
+        sampled = dict(zip(sample_seqs, logits[: len(sample_rows)]))
         prompt: dict[int, tuple[int, torch.Tensor]] = {}
         at = len(sample_rows)
         for sid, first, rows in prompt_rows:
-            prompt[sid] = (first, logits[at:at + len(rows)])
+            prompt[sid] = (first, logits[at : at + len(rows)])
             at += len(rows)
         return sampled, prompt
 
-    def _multimodal_inputs(self, out: SchedulerOutput
-                           ) -> tuple[list[tuple[Sequence, int]], dict[str, torch.Tensor]]:
+    def _multimodal_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[list[tuple[Sequence, int]], dict[str, torch.Tensor]]:
         """A vision-language model's extra forward inputs (M-RoPE ids, image-token embeddings;
         :func:`llmlab.inference.multimodal.step_inputs`) and the step's ``(seq, n)`` order;
         ``([], {})`` for a text model."""
         if not getattr(self.model, "is_multimodal", False):
             return [], {}
         from llmlab.inference import multimodal
+
         order = [x for g in self.attention_groups(out.scheduled) for x in g]
         return order, multimodal.step_inputs(self.model, order, self.device)
 
@@ -195,10 +213,11 @@ class ModelRunner:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
         (each sequence's last token, when it is its last to compute) and their sequence ids."""
         groups = self.attention_groups(out.scheduled)
-        if self.lora is not None:    # each token's adapter slot (llmlab.inference.lora)
+        if self.lora is not None:  # each token's adapter slot (llmlab.inference.lora)
             self.lora.set_tokens([(seq.lora_id, n) for g in groups for seq, n in g], self.device)
-        batches = [self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g)
-                   for g in groups]
+        batches = [
+            self.prepare_decode(g) if all(n == 1 for _, n in g) else self.prepare_prefill(g) for g in groups
+        ]
         sample_rows, sample_seqs, row = [], [], 0
         for seq, n in (x for g in groups for x in g):
             row += n
@@ -224,8 +243,9 @@ class ModelRunner:
         return found
 
     @torch.no_grad()
-    def forward(self, batches: list[AttentionBatch], sample_rows: list[int],
-                **extra: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, batches: list[AttentionBatch], sample_rows: list[int], **extra: torch.Tensor
+    ) -> torch.Tensor:
         """The model's own forward over the step's tokens ``[1, N]`` with the paged-attention
         context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``.
         ``extra``: a multimodal model's ``positions [3, N]`` (replacing the batches'),
@@ -237,6 +257,7 @@ class ModelRunner:
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
         positions = extra.pop("positions", positions)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
-                                                   self.cpu_fused)):
+        with forward_context(
+            PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
+        ):
             return self.model(ids[None], positions=positions, logits_indices=rows, **extra)

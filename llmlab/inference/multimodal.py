@@ -16,6 +16,7 @@ that drops the K/V). Prefix caching names a block by its tokens and, for each im
 the image's content hash (:meth:`MultimodalState.block_key`): two prompts with the same image
 share blocks; different images behind the same placeholder ids never do.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,15 @@ from typing import Any
 
 import torch
 
-from llmlab.inference.image_processor import (MAX_IMAGE_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageError,
-                                              ProcessedImage, load_image, process_image)
+from llmlab.inference.image_processor import (
+    MAX_IMAGE_PIXELS,
+    MAX_PIXELS,
+    MIN_PIXELS,
+    ImageError,
+    ProcessedImage,
+    load_image,
+    process_image,
+)
 from llmlab.model.mrope import mrope_positions
 
 
@@ -49,7 +57,7 @@ class MultimodalState:
     spans: list[ImageSpan]
     positions: torch.Tensor
     delta: int
-    encoder_runs: int = 0                    # vision-tower calls so far (tests, metrics)
+    encoder_runs: int = 0  # vision-tower calls so far (tests, metrics)
     _keys: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     @property
@@ -61,14 +69,24 @@ class MultimodalState:
         caching: ``(content_hash, first image token in the block)`` of each image it overlaps."""
         key = (start, end)
         if key not in self._keys:
-            self._keys[key] = tuple((s.image.content_hash, max(start, s.offset) - s.offset)
-                                    for s in self.spans if s.offset < end and s.end > start)
+            self._keys[key] = tuple(
+                (s.image.content_hash, max(start, s.offset) - s.offset)
+                for s in self.spans
+                if s.offset < end and s.end > start
+            )
         return self._keys[key]
 
 
-def prepare(ids: list[int], images: list[Any], mm_config: Any, *, min_pixels: int = MIN_PIXELS,
-            max_pixels: int = MAX_PIXELS, max_image_pixels: int = MAX_IMAGE_PIXELS,
-            limit: int | None = None) -> tuple[list[int], MultimodalState]:
+def prepare(
+    ids: list[int],
+    images: list[Any],
+    mm_config: Any,
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    limit: int | None = None,
+) -> tuple[list[int], MultimodalState]:
     """Expand the prompt ``ids`` (one ``image_token_id`` per image) and process ``images``
     (PIL images, paths, bytes, or :class:`ProcessedImage`). Returns the expanded ids and the
     sequence's :class:`MultimodalState`.
@@ -77,20 +95,30 @@ def prepare(ids: list[int], images: list[Any], mm_config: Any, *, min_pixels: in
     (``mm_config`` None), there are more images than ``limit``, or the placeholders and the
     images differ in number."""
     if mm_config is None:
-        raise ValueError("this model is text-only: it takes no images (image_url parts / "
-                         "multi_modal_data)")
+        raise ValueError("this model is text-only: it takes no images (image_url parts / multi_modal_data)")
     if limit is not None and len(images) > limit:
-        raise ValueError(f"{len(images)} images in one prompt are over the limit "
-                         f"limit_mm_per_prompt={limit}")
+        raise ValueError(f"{len(images)} images in one prompt are over the limit limit_mm_per_prompt={limit}")
     tok = mm_config.image_token_id
     n_slots = sum(1 for t in ids if t == tok)
     if n_slots != len(images):
-        raise ValueError(f"the prompt has {n_slots} image placeholders (token {tok}, "
-                         f"<|image_pad|>) for {len(images)} images; put one per image")
+        raise ValueError(
+            f"the prompt has {n_slots} image placeholders (token {tok}, "
+            f"<|image_pad|>) for {len(images)} images; put one per image"
+        )
     v = mm_config.vision
-    done = [im if isinstance(im, ProcessedImage) else process_image(
-        load_image(im, max_image_pixels), min_pixels, max_pixels, v.patch_size,
-        v.spatial_merge_size, v.temporal_patch_size) for im in images]
+    done = [
+        im
+        if isinstance(im, ProcessedImage)
+        else process_image(
+            load_image(im, max_image_pixels),
+            min_pixels,
+            max_pixels,
+            v.patch_size,
+            v.spatial_merge_size,
+            v.temporal_patch_size,
+        )
+        for im in images
+    ]
     out: list[int] = []
     spans = []
     it = iter(done)
@@ -101,8 +129,9 @@ def prepare(ids: list[int], images: list[Any], mm_config: Any, *, min_pixels: in
             out += [tok] * im.num_tokens
         else:
             out.append(t)
-    positions, delta = mrope_positions(len(out), [(s.offset, s.image.grid_thw) for s in spans],
-                                       v.spatial_merge_size)
+    positions, delta = mrope_positions(
+        len(out), [(s.offset, s.image.grid_thw) for s in spans], v.spatial_merge_size
+    )
     return out, MultimodalState(spans, positions, delta)
 
 
@@ -114,14 +143,15 @@ def _positions(seq: Any, c: int, n: int) -> torch.Tensor:
     L = mm.positions.shape[1]
     parts = []
     if c < L:
-        parts.append(mm.positions[:, c:min(c + n, L)])
+        parts.append(mm.positions[:, c : min(c + n, L)])
     if c + n > L:
         parts.append(torch.arange(max(c, L), c + n).expand(3, -1) + mm.delta)
     return torch.cat(parts, dim=1)
 
 
-def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list[int],
-                embeds: list[torch.Tensor]) -> None:
+def _image_rows(
+    model: Any, seq: Any, c: int, n: int, row0: int, rows: list[int], embeds: list[torch.Tensor]
+) -> None:
     """Append the step's image-token rows of ``seq`` (tokens ``[c, c + n)`` at flat rows from
     ``row0``) and their embeddings, running the encoder for an image not yet encoded."""
     for s in seq.mm.spans:
@@ -133,7 +163,7 @@ def _image_rows(model: Any, seq: Any, c: int, n: int, row0: int, rows: list[int]
             s.embeds = model.encode_images(im.pixel_values, torch.tensor([im.grid_thw]))
             seq.mm.encoder_runs += 1
         rows.extend(range(row0 + a - c, row0 + b - c))
-        embeds.append(s.embeds[a - s.offset:b - s.offset])
+        embeds.append(s.embeds[a - s.offset : b - s.offset])
 
 
 def step_inputs(model: Any, order: list[tuple[Any, int]], device: torch.device) -> dict[str, torch.Tensor]:
@@ -173,7 +203,9 @@ def release_done(order: list[tuple[Any, int]]) -> None:
 __all__ = ["ImageError", "ImageSpan", "MultimodalState", "prepare", "step_inputs", "release_done"]
 
 
-def from_request(prompt: Any, ids: list[int], mm_config: Any, cfg: Any) -> tuple[list[int], MultimodalState | None]:
+def from_request(
+    prompt: Any, ids: list[int], mm_config: Any, cfg: Any
+) -> tuple[list[int], MultimodalState | None]:
     """The engine's hook: a ``multi_modal_state`` made by :func:`prepare` for these (expanded)
     ``ids``, or ``prompt``'s images (``multi_modal_data["image"]``: one image or a
     list) under the engine config ``cfg``'s pixel bounds and limits, overridden per request by
@@ -181,9 +213,12 @@ def from_request(prompt: Any, ids: list[int], mm_config: Any, cfg: Any) -> tuple
     prompt without images. Raises ``ValueError`` as :func:`prepare`, and for unknown
     ``mm_processor_kwargs`` or modalities."""
     state = prompt.get("multi_modal_state") if isinstance(prompt, dict) else None
-    if state is not None:                      # already processed and expanded (the server)
-        if mm_config is None or not isinstance(state, MultimodalState) or \
-                sum(1 for t in ids if t == mm_config.image_token_id) != state.num_image_tokens:
+    if state is not None:  # already processed and expanded (the server)
+        if (
+            mm_config is None
+            or not isinstance(state, MultimodalState)
+            or sum(1 for t in ids if t == mm_config.image_token_id) != state.num_image_tokens
+        ):
             raise ValueError("multi_modal_state does not match the prompt's image tokens")
         return ids, state
     data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
@@ -192,8 +227,9 @@ def from_request(prompt: Any, ids: list[int], mm_config: Any, cfg: Any) -> tuple
         raise ValueError(f"multi_modal_data: only 'image' is supported, not {sorted(set(data) - {'image'})}")
     if images is None:
         if mm_config is not None and mm_config.image_token_id in ids:
-            raise ValueError(f"the prompt has image placeholders (token {mm_config.image_token_id}) "
-                             f"but no images")
+            raise ValueError(
+                f"the prompt has image placeholders (token {mm_config.image_token_id}) but no images"
+            )
         return ids, None
     if not isinstance(images, (list, tuple)):
         images = [images]
@@ -204,7 +240,15 @@ def from_request(prompt: Any, ids: list[int], mm_config: Any, cfg: Any) -> tuple
     hi = int(kw.get("max_pixels", cfg.max_pixels))
     lo = int(kw.get("min_pixels", min(cfg.min_pixels, hi)))
     if hi > cfg.max_pixels:
-        raise ValueError(f"mm_processor_kwargs max_pixels={hi} is over the engine's "
-                         f"max_pixels={cfg.max_pixels}")
-    return prepare(ids, list(images), mm_config, min_pixels=lo, max_pixels=hi,
-                   max_image_pixels=cfg.max_image_pixels, limit=cfg.limit_mm_per_prompt)
+        raise ValueError(
+            f"mm_processor_kwargs max_pixels={hi} is over the engine's max_pixels={cfg.max_pixels}"
+        )
+    return prepare(
+        ids,
+        list(images),
+        mm_config,
+        min_pixels=lo,
+        max_pixels=hi,
+        max_image_pixels=cfg.max_image_pixels,
+        limit=cfg.limit_mm_per_prompt,
+    )

@@ -5,6 +5,7 @@
 :class:`RequestMetrics` holds a request's times, :class:`StepMetrics` one engine step; TTFT and
 TPOT are those of :mod:`llmlab.inference.metrics`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None     # None while running, then "stop" | "length" | "abort" | "error"
+    finish_reason: str | None  # None while running, then "stop" | "length" | "abort" | "error"
     logprobs: list[dict] | None = None
     cumulative_logprob: float | None = None
 
@@ -80,11 +81,17 @@ class RequestOutput:
 
 def error_output(request_id: str, prompt, message: str, now: float) -> RequestOutput:
     """The finished output of a request refused before it ran (``finish_reason="error"``)."""
-    text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict)
-                                                   else None)
+    text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
     text = text if isinstance(text, str) else None
-    return RequestOutput(str(request_id), text, [], [CompletionOutput(0, [], None, "error")], True,
-                         RequestMetrics(now, finish_time=now), error=message)
+    return RequestOutput(
+        str(request_id),
+        text,
+        [],
+        [CompletionOutput(0, [], None, "error")],
+        True,
+        RequestMetrics(now, finish_time=now),
+        error=message,
+    )
 
 
 @dataclass
@@ -102,19 +109,19 @@ class StepMetrics:
     step: int
     start_time: float
     duration_s: float
-    num_seqs: int                 # batch size: sequences computed this step
+    num_seqs: int  # batch size: sequences computed this step
     num_batched_tokens: int
-    num_prefill_tokens: int       # tokens of sequences that computed more than one token
+    num_prefill_tokens: int  # tokens of sequences that computed more than one token
     num_running: int
     num_waiting: int
     num_swapped: int
-    num_preemptions: int          # preempted in this step
+    num_preemptions: int  # preempted in this step
     kv_blocks_used: int
     kv_blocks_total: int
     kv_tokens_stored: int
     block_size: int
     num_cow_copies: int
-    num_prefix_hit_tokens: int    # cumulative
+    num_prefix_hit_tokens: int  # cumulative
     seq_lens: tuple = ()
     sample_s: float = 0.0
 

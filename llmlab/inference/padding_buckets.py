@@ -8,9 +8,10 @@ default where the reference runs) cut each of its prefill and decode groups into
 similar length with :func:`buckets`; the Triton kernel pads nothing, so where it runs the whole
 step is one call. Each row's result is the same maths either way.
 """
+
 from __future__ import annotations
 
-CALL_COST = 32768       # one more attention call, in padded (query, key) pairs; rough CPU figure
+CALL_COST = 32768  # one more attention call, in padded (query, key) pairs; rough CPU figure
 
 
 def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
@@ -21,21 +22,21 @@ def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
     do not). Greedy: split the bucket where one cut saves the most, while it saves more than a
     call costs."""
     g = sorted(group, key=lambda x: x[0].num_computed_tokens + x[1])
-    ctx = [s.num_computed_tokens + n for s, n in g]              # ascending
+    ctx = [s.num_computed_tokens + n for s, n in g]  # ascending
     ql = [n for _, n in g]
 
-    def cost(lo, hi, qmax):       # bucket g[lo:hi]: keys gathered (each counted like 16 queries)
-        return (hi - lo) * ctx[hi - 1] * (qmax + 16)             # plus (query, key) pairs
+    def cost(lo, hi, qmax):  # bucket g[lo:hi]: keys gathered (each counted like 16 queries)
+        return (hi - lo) * ctx[hi - 1] * (qmax + 16)  # plus (query, key) pairs
 
-    def best_cut(lo, hi):         # (gain, cut) of the best single cut of g[lo:hi], O(hi - lo)
+    def best_cut(lo, hi):  # (gain, cut) of the best single cut of g[lo:hi], O(hi - lo)
         pre, m = [], 0
         for i in range(lo, hi):
             m = max(m, ql[i])
-            pre.append(m)                                        # max query of g[lo:i+1]
+            pre.append(m)  # max query of g[lo:i+1]
         suf, m = [0] * (hi - lo + 1), 0
         for i in range(hi - 1, lo - 1, -1):
             m = max(m, ql[i])
-            suf[i - lo] = m                                      # max query of g[i:hi]
+            suf[i - lo] = m  # max query of g[i:hi]
         whole = cost(lo, hi, pre[-1])
         best = (0, None)
         for i in range(lo + 1, hi):
@@ -52,5 +53,5 @@ def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
             break
         _, cut, k = max(cuts)
         lo, hi = bounds[k]
-        bounds[k:k + 1] = [(lo, cut), (cut, hi)]
+        bounds[k : k + 1] = [(lo, cut), (cut, hi)]
     return [g[lo:hi] for lo, hi in bounds]

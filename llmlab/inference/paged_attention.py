@@ -16,6 +16,7 @@ default: ``llmlab.kernels.enable(paged_attention=...)`` or ``LLMLAB_KERNELS=page
 ``LLMLAB_KERNELS=0``: no kernel); ``"cpu"`` is the C++ kernel for CPU tensors
 (:mod:`llmlab.kernels.cpu_paged_attention`), which walks the block tables in place too.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,9 @@ def slot_mapping(block_table: list[int], positions, block_size: int) -> list[int
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store ``k, v [N, kv_heads, D]`` at flat ``slots [N]`` of the caches
     ``[num_blocks, block_size, kv_heads, D]`` (in place)."""
     kvh, D = k_cache.shape[-2:]
@@ -43,7 +45,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 @functools.cache
 def _triton_installed() -> bool:
-    return K.triton_available()          # find_spec once, not once per layer and step
+    return K.triton_available()  # find_spec once, not once per layer and step
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -70,6 +72,7 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, impl: str | None = None) 
         return "reference"
     if impl == "cpu" and q.device.type == "cpu":
         from llmlab.kernels.cpu_paged_attention import HEAD_DIMS
+
         return "cpu" if q.shape[-1] in HEAD_DIMS else "reference"
     if not _triton_installed():
         return "reference"
@@ -85,11 +88,18 @@ def walks_block_tables(q: torch.Tensor, k_cache: torch.Tensor, impl: str | None 
     return kernel_for(q, k_cache, impl) != "reference"
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_lens: torch.Tensor, scale: float | None = None,
-                    sliding_window: int | None = None, plan: "AttentionPlan | None" = None,
-                    impl: str | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    plan: "AttentionPlan | None" = None,
+    impl: str | None = None,
+) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache: the kernel
     :func:`kernel_for` names (the Triton kernel,
     :func:`llmlab.kernels.paged_attention.paged_attention_triton`, which takes no
@@ -101,14 +111,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     impl = kernel_for(q, k_cache, impl)
     if impl == "cpu":
         from llmlab.kernels.cpu_paged_attention import paged_attention_cpu
-        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_lens,
-                                   scale, sliding_window)
+
+        return paged_attention_cpu(
+            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window
+        )
     if impl == "triton" and sliding_window is None:
         from llmlab.kernels.paged_attention import paged_attention_triton
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                      query_lens, scale)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
-                                     query_lens, scale, sliding_window, plan)
+
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, plan
+    )
 
 
 @dataclass
@@ -126,8 +139,13 @@ class AttentionPlan:
     rows: torch.Tensor | None
 
 
-def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
-                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
+def plan_attention(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> AttentionPlan:
     """The :class:`AttentionPlan` of one call (arguments as :func:`paged_attention_reference`)."""
     dev = block_tables.device
     max_ctx, max_q = int(context_lens.max()), int(query_lens.max())
@@ -136,23 +154,29 @@ def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query
     t = torch.arange(T, device=dev)
     rows = None
     if max_q == 1:  # a decode-only step: one query per sequence, no padding
-        pos = (context_lens - 1)[:, None]                                      # [S, 1]
-    else:           # pad the queries: row s holds its query_lens[s] tokens, then padding
+        pos = (context_lens - 1)[:, None]  # [S, 1]
+    else:  # pad the queries: row s holds its query_lens[s] tokens, then padding
         j = torch.arange(max_q, device=dev)
-        valid = j[None, :] < query_lens[:, None]                               # [S, max_q]
+        valid = j[None, :] < query_lens[:, None]  # [S, max_q]
         rows = valid.flatten().nonzero().squeeze(1)
-        pos = (context_lens - query_lens)[:, None] + j[None, :]                # [S, max_q]
-    mask = t[None, None, :] <= pos[:, :, None]                                 # [S, max_q, T]
+        pos = (context_lens - query_lens)[:, None] + j[None, :]  # [S, max_q]
+    mask = t[None, None, :] <= pos[:, :, None]  # [S, max_q, T]
     if sliding_window is not None:
         mask &= t[None, None, :] > pos[:, :, None] - sliding_window
     return AttentionPlan(block_tables[:, :nb].reshape(-1), T, max_q, mask, rows)
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              query_lens: torch.Tensor, scale: float | None = None,
-                              sliding_window: int | None = None,
-                              plan: AttentionPlan | None = None) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache, in PyTorch (gathers the
     blocks into a padded ``[S, H, max_context, D]`` copy).
 
@@ -173,16 +197,21 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if plan is None:
         plan = plan_attention(block_tables, context_lens, query_lens, k_cache.shape[1], sliding_window)
     T, max_q = plan.T, plan.max_q
-    k = k_cache.index_select(0, plan.tables).view(S, T, Hkv, D).transpose(1, 2)   # [S, Hkv, T, D]
+    k = k_cache.index_select(0, plan.tables).view(S, T, Hkv, D).transpose(1, 2)  # [S, Hkv, T, D]
     v = v_cache.index_select(0, plan.tables).view(S, T, Hkv, D).transpose(1, 2)
-    if plan.rows is None:   # decode-only: one query per sequence
+    if plan.rows is None:  # decode-only: one query per sequence
         qp = q[:, None]
-    else:                   # padded queries [S, max_q, H, D]: row s holds its tokens, then zeros
+    else:  # padded queries [S, max_q, H, D]: row s holds its tokens, then zeros
         qp = q.new_zeros(S * max_q, H, D).index_copy_(0, plan.rows, q).view(S, max_q, H, D)
     # grouped-query attention: SDPA maps H/Hkv query heads to each kv head (no copies of K/V)
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=plan.mask[:, None], scale=scale,
-                                         enable_gqa=Hkv != H)                  # [S, H, max_q, D]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=plan.mask[:, None],
+        scale=scale,
+        enable_gqa=Hkv != H,
+    )  # [S, H, max_q, D]
     out = out.transpose(1, 2)
     return out[:, 0] if plan.rows is None else out.reshape(S * max_q, H, D).index_select(0, plan.rows)
 

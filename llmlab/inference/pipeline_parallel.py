@@ -27,6 +27,7 @@ tokens equal the one-process engine's (the same maths, only the tensor-parallel 
 Source: Huang et al. 2019 (GPipe) for the stage split; vLLM's ``pipeline_parallel_size`` and
 virtual engines (``--pipeline-parallel-size``, ``PPMissingLayer``) for inference.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -59,8 +60,10 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
     if pp < 1:
         raise ValueError(f"pipeline_parallel_size={pp} must be >= 1")
     if num_layers % pp:
-        raise ValueError(f"pipeline_parallel_size={pp} must divide the model's num_hidden_layers="
-                         f"{num_layers} (each stage holds the same number of layers)")
+        raise ValueError(
+            f"pipeline_parallel_size={pp} must divide the model's num_hidden_layers="
+            f"{num_layers} (each stage holds the same number of layers)"
+        )
     n = num_layers // pp
     return [range(s * n, (s + 1) * n) for s in range(pp)]
 
@@ -69,11 +72,11 @@ def validate(config: Any, tp: int, pp: int, quantization: str | None = None) -> 
     """Raise ``ValueError`` naming the constraint when ``tp`` x ``pp`` ranks cannot hold ``config``
     (``pp`` divides the layers; ``tp`` as :func:`llmlab.inference.tensor_parallel.validate`)."""
     from llmlab.inference import tensor_parallel
+
     split_layers(config.num_hidden_layers, pp)
     tensor_parallel.validate(config, tp, quantization)
     if quantization is not None:
-        raise ValueError("quantization with pipeline_parallel_size > 1 or the ray backend is not "
-                         "supported")
+        raise ValueError("quantization with pipeline_parallel_size > 1 or the ray backend is not supported")
     if config.num_experts:
         raise ValueError("pipeline-parallel inference of a mixture-of-experts model is not supported")
 
@@ -82,11 +85,23 @@ def validate(config: Any, tp: int, pp: int, quantization: str | None = None) -> 
 def step_message(out: SchedulerOutput, ops: dict[str, list[list[int]]]) -> dict[str, Any]:
     """The step every worker is sent: per scheduled sequence ``[seq_id, computed, n, num_tokens,
     new token ids, block table]``, and the block ``copies``, ``swap_out``, ``swap_in`` to apply first."""
-    seqs = [[s.seq_id, s.num_computed_tokens, n, s.num_tokens,
-             s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n], list(s.block_table)]
-            for s, n in out.scheduled]
-    return {"seqs": seqs, "copies": ops.get("copies", []), "swap_out": ops.get("swap_out", []),
-            "swap_in": ops.get("swap_in", [])}
+    seqs = [
+        [
+            s.seq_id,
+            s.num_computed_tokens,
+            n,
+            s.num_tokens,
+            s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n],
+            list(s.block_table),
+        ]
+        for s, n in out.scheduled
+    ]
+    return {
+        "seqs": seqs,
+        "copies": ops.get("copies", []),
+        "swap_out": ops.get("swap_out", []),
+        "swap_in": ops.get("swap_in", []),
+    }
 
 
 class _Tokens:
@@ -96,7 +111,7 @@ class _Tokens:
         self.start, self.ids = start, ids
 
     def __getitem__(self, s: slice) -> list[int]:
-        return self.ids[s.start - self.start:s.stop - self.start]
+        return self.ids[s.start - self.start : s.stop - self.start]
 
 
 @dataclass
@@ -112,8 +127,9 @@ class _SeqView:
 
 def scheduled_of(msg: dict[str, Any]) -> SchedulerOutput:
     """The worker's :class:`SchedulerOutput` of a :func:`step_message` (views, not sequences)."""
-    scheduled: list[Any] = [(_SeqView(i, c, t, _Tokens(c, ids), table), n)
-                            for i, c, n, t, ids, table in msg["seqs"]]
+    scheduled: list[Any] = [
+        (_SeqView(i, c, t, _Tokens(c, ids), table), n) for i, c, n, t, ids, table in msg["seqs"]
+    ]
     return SchedulerOutput(scheduled=scheduled)
 
 
@@ -124,10 +140,21 @@ class StageRunner(ModelRunner):
     hidden states (unless first) and sends its own to the next stage (unless last, which returns
     the sampled rows' logits ``[K, vocab]``)."""
 
-    def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, pp: int, num_blocks: int,
-                 block_size: int, device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True, paged_attention: str = "auto",
-                 cpu_fused: bool = False) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        rank: int,
+        tp: int,
+        pp: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_host_blocks: int = 0,
+        padding_buckets: bool = True,
+        paged_attention: str = "auto",
+        cpu_fused: bool = False,
+    ) -> None:
         self.rank, self.tp, self.pp = rank, tp, pp
         self.stage, tp_rank = divmod(rank, tp)
         self.first, self.last = self.stage == 0, self.stage == pp - 1
@@ -139,9 +166,10 @@ class StageRunner(ModelRunner):
         model.model.layers = nn.ModuleList(model.model.layers[i] for i in layers)
         for local, layer in enumerate(model.model.layers):
             attention: Any = layer.self_attn
-            attention.layer_idx = local                   # this stage's KV cache holds only its layers
+            attention.layer_idx = local  # this stage's KV cache holds only its layers
         if tp > 1:
             from llmlab.inference.tensor_parallel import shard_model
+
             shard_model(model, groups[self.stage])
         self.model = model.to(device=device, dtype=dtype).eval()
         if tp == 1:
@@ -149,8 +177,8 @@ class StageRunner(ModelRunner):
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
-        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused   # the engine's kernel choices
-        kv_heads = int(getattr(model.model.layers[0].self_attn, "num_kv_heads"))   # this rank's
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused  # the engine's kernel choices
+        kv_heads = int(getattr(model.model.layers[0].self_attn, "num_kv_heads"))  # this rank's
         shape = (len(layers), 2, num_blocks, block_size, kv_heads, self.config.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
@@ -166,11 +194,12 @@ class StageRunner(ModelRunner):
         else:
             h = torch.empty(1, ids.numel(), self.config.hidden_size, device=self.device, dtype=self.dtype)
             dist.recv(h, src=self.prev)
-        with forward_context(PagedAttentionContext(self.kv_cache, batches, self.paged_attention,
-                                                   self.cpu_fused)):
+        with forward_context(
+            PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
+        ):
             h = self.model.run_layers(h, positions=positions)
         if not self.last:
-            while len(self.sends) > self.pp:              # bound what is still being sent
+            while len(self.sends) > self.pp:  # bound what is still being sent
                 self.sends.popleft()[0].wait()
             self.sends.append((dist.isend(h.contiguous(), dst=self.next), h))
             return None
@@ -197,12 +226,14 @@ class StageRunner(ModelRunner):
         self.sends.clear()
 
 
-def build_stage(rank: int, tp: int, pp: int, weights: Any, config: Any, runner_args: dict[str, Any],
-                device: torch.device) -> StageRunner:
+def build_stage(
+    rank: int, tp: int, pp: int, weights: Any, config: Any, runner_args: dict[str, Any], device: torch.device
+) -> StageRunner:
     """Load the model (``weights``: a path or preset name, else a state dict of ``config``'s
     model) and keep rank ``rank``'s stage and shard of it."""
     if isinstance(weights, str):
         from llmlab.inference import loader
+
         model, _, _, _ = loader.load(weights)
     else:
         model = LlamaForCausalLM(config, seed=None)
@@ -224,7 +255,7 @@ class PipelineExecutor:
         self.workers, self.tp, self.pp = workers, tp, pp
         self._ops: dict[str, list[list[int]]] = {"copies": [], "swap_out": [], "swap_in": []}
         self._stopped = False
-        atexit.register(self.shutdown)      # a notebook kernel that exits stops its workers too
+        atexit.register(self.shutdown)  # a notebook kernel that exits stops its workers too
 
     @property
     def depth(self) -> int:
@@ -264,8 +295,15 @@ class PipelineExecutor:
             self.workers.close()
 
 
-def launch(model: LlamaForCausalLM, spec: Any, tp: int, pp: int, device: torch.device,
-           runner_args: dict[str, Any], backend: str = "mp") -> PipelineExecutor:
+def launch(
+    model: LlamaForCausalLM,
+    spec: Any,
+    tp: int,
+    pp: int,
+    device: torch.device,
+    runner_args: dict[str, Any],
+    backend: str = "mp",
+) -> PipelineExecutor:
     """Start ``tp * pp`` workers with ``backend`` (``"mp"``: local processes; ``"ray"``: Ray
     actors, :mod:`llmlab.inference.executor_ray`) and return the engine's runner over them. Each
     loads ``spec`` itself when it is a path or preset name, else ``model``'s weights."""
@@ -274,8 +312,10 @@ def launch(model: LlamaForCausalLM, spec: Any, tp: int, pp: int, device: torch.d
     workers: Any
     if backend == "ray":
         from llmlab.inference import executor_ray
-        workers = executor_ray.RayWorkers.start(build_stage, weights, model.config, tp, pp,
-                                                 runner_args, device)
+
+        workers = executor_ray.RayWorkers.start(
+            build_stage, weights, model.config, tp, pp, runner_args, device
+        )
     elif backend == "mp":
         workers = ProcessWorkers.start(weights, model.config, tp, pp, runner_args, device)
     else:
@@ -291,28 +331,47 @@ class ProcessWorkers:
 
     def __init__(self, procs: list[Any], conns: list[Any], store: Any, output_rank: int) -> None:
         self.procs, self.conns, self._store = procs, conns, store
-        self.output_rank = output_rank                   # the last stage's rank 0: the logits
+        self.output_rank = output_rank  # the last stage's rank 0: the logits
         self.replies: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in conns]
         for r, c in enumerate(conns):
-            threading.Thread(target=_read_replies, args=(c, self.replies[r]), daemon=True,
-                             name=f"llmlab-pp-reader{r}").start()
+            threading.Thread(
+                target=_read_replies, args=(c, self.replies[r]), daemon=True, name=f"llmlab-pp-reader{r}"
+            ).start()
         self._closed = False
 
     @classmethod
-    def start(cls, weights: Any, config: Any, tp: int, pp: int, runner_args: dict[str, Any],
-              device: torch.device) -> ProcessWorkers:
+    def start(
+        cls, weights: Any, config: Any, tp: int, pp: int, runner_args: dict[str, Any], device: torch.device
+    ) -> ProcessWorkers:
         world = tp * pp
         backend = process.resolve_backend("auto", world, device=device.type)
         store = process.loopback_store()
         env = process.local_env(backend)
-        threads = process.child_threads(world, backend)     # the seat's usable cores, shared
+        threads = process.child_threads(world, backend)  # the seat's usable cores, shared
         procs, conns = [], []
         try:
             for r in range(world):
                 mine, theirs = process.context().Pipe()
-                procs.append(process.start(_mp_worker, (r, tp, pp, store.port, backend, weights, config,
-                                                        runner_args, str(device), threads, env, theirs),
-                                           name=f"llmlab-pp-rank{r}"))
+                procs.append(
+                    process.start(
+                        _mp_worker,
+                        (
+                            r,
+                            tp,
+                            pp,
+                            store.port,
+                            backend,
+                            weights,
+                            config,
+                            runner_args,
+                            str(device),
+                            threads,
+                            env,
+                            theirs,
+                        ),
+                        name=f"llmlab-pp-rank{r}",
+                    )
+                )
                 theirs.close()
                 conns.append(mine)
             workers = cls(procs, conns, store, (pp - 1) * tp)
@@ -340,8 +399,10 @@ class ProcessWorkers:
             raise EngineDeadError(f"pipeline-parallel rank {r} failed; the engine cannot step:\n{value}")
         if kind == "dead":
             self.procs[r].join(5)
-            raise EngineDeadError(f"pipeline-parallel rank {r} exited with code {self.procs[r].exitcode}"
-                                  " (its traceback, if any, is on stderr); the engine cannot step")
+            raise EngineDeadError(
+                f"pipeline-parallel rank {r} exited with code {self.procs[r].exitcode}"
+                " (its traceback, if any, is on stderr); the engine cannot step"
+            )
         return value
 
     def submit(self, msg: dict[str, Any]) -> None:
@@ -349,7 +410,7 @@ class ProcessWorkers:
             try:
                 c.send(("step", msg))
             except OSError:
-                self._reply(r)                      # raises naming the dead rank
+                self._reply(r)  # raises naming the dead rank
                 raise
 
     def result(self, handle: Any) -> Any:
@@ -370,7 +431,7 @@ class ProcessWorkers:
                 c.send(("stop", None))
             except OSError:
                 pass
-        end = time.monotonic() + 10               # all together: a rank stuck in a recv is stopped
+        end = time.monotonic() + 10  # all together: a rank stuck in a recv is stopped
         for p in self.procs:
             p.join(max(0.0, end - time.monotonic()))
         process.stop(self.procs)
@@ -399,13 +460,24 @@ def serve_messages(runner: StageRunner, recv: Any, send: Any) -> None:
         send(("ok", runner.execute_message(msg)))
 
 
-def _mp_worker(rank: int, tp: int, pp: int, port: int, backend: str, weights: Any, config: Any,
-               runner_args: dict[str, Any], device: str, threads: int, env: dict[str, str],
-               conn: Any) -> None:
+def _mp_worker(
+    rank: int,
+    tp: int,
+    pp: int,
+    port: int,
+    backend: str,
+    weights: Any,
+    config: Any,
+    runner_args: dict[str, Any],
+    device: str,
+    threads: int,
+    env: dict[str, str],
+    conn: Any,
+) -> None:
     """A local worker: dies with its parent, joins the store, builds its stage, serves steps; a
     failure is sent back with its traceback (and printed) and the process exits 1."""
     try:
-        process.setup_child(env, threads, backend, rank)    # the same first lines as launch's ranks
+        process.setup_child(env, threads, backend, rank)  # the same first lines as launch's ranks
         dev = torch.device(device)
         if backend == "nccl":
             dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -414,7 +486,7 @@ def _mp_worker(rank: int, tp: int, pp: int, port: int, backend: str, weights: An
         conn.send(("ok", None))
         serve_messages(runner, conn.recv, conn.send)
         dist.destroy_process_group()
-    except BaseException:                              # noqa: BLE001 - the engine must hear of it
+    except BaseException:  # noqa: BLE001 - the engine must hear of it
         tb = traceback.format_exc()
         print(f"llmlab pipeline-parallel rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
         try:

@@ -12,6 +12,7 @@ small models). The float weights of the quantised layers are released.
 
 The weight-only mode (``"int8-weight-only"``, alias ``"int8"``) is :mod:`llmlab.model.quantize`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,7 @@ def _stub(layer: W8A8Linear) -> torch.Tensor:
     """An empty tensor standing for a fused weight: :func:`llmlab.kernels.linear` finds ``layer``
     on it (``_packed``) and calls it."""
     stub = torch.empty(0)
-    stub._packed = layer                     # type: ignore[attr-defined]
+    stub._packed = layer  # type: ignore[attr-defined]
     return stub
 
 
@@ -70,7 +71,7 @@ def _quantize_fused(parent: nn.Module, attr: str, views: tuple[str, ...]) -> int
     setattr(parent, attr, (_stub(layer), None, split))
     r = 0
     for name, n in zip(views, split):
-        sub = W8A8Linear(layer.qw[r:r + n], layer.sw[r:r + n], None if b is None else b[r:r + n])
+        sub = W8A8Linear(layer.qw[r : r + n], layer.sw[r : r + n], None if b is None else b[r : r + n])
         setattr(parent, name, sub)
         r += n
     return 1
@@ -91,9 +92,14 @@ def quantize_w8a8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int
                 done.update(views)
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if (child_name in done or any(s in full for s in skip) or isinstance(child, W8A8Linear)
-                    or not type(child).__name__.endswith("Linear")
-                    or getattr(child, "weight", None) is None or child.weight.dim() != 2):
+            if (
+                child_name in done
+                or any(s in full for s in skip)
+                or isinstance(child, W8A8Linear)
+                or not type(child).__name__.endswith("Linear")
+                or getattr(child, "weight", None) is None
+                or child.weight.dim() != 2
+            ):
                 continue
             setattr(parent, child_name, W8A8Linear.from_weight(child.weight, child.bias))
             n += 1

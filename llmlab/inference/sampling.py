@@ -21,6 +21,7 @@ logits to inf) is refused like a NaN, naming the field.
 the sample index when ``n > 1``), so a seeded request produces the same tokens whatever else
 shares its batch and however often it is preempted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,15 +32,26 @@ import torch
 
 # Fields a checkpoint's generation_config.json may fill when a request leaves them unset, with
 # the value used when neither sets them (vLLM's defaults).
-DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-            "repetition_penalty": 1.0, "max_tokens": 16}
+DEFAULTS = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "max_tokens": 16,
+}
 
-MIN_TEMPERATURE = 1e-5   # vLLM's _SAMPLING_EPS; below it (but 0) refused: use 0 for greedy
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS; below it (but 0) refused: use 0 for greedy
 # field -> (lowest, highest) allowed, both finite and inclusive
-RANGES = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
-          "repetition_penalty": (0.01, 100.0), "presence_penalty": (-2.0, 2.0),
-          "frequency_penalty": (-2.0, 2.0)}
-MAX_LOGIT_BIAS = 100.0   # the OpenAI API's range for a logit_bias value
+RANGES = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 100.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
+MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range for a logit_bias value
 
 
 def _check_float(name: str, v, lo: float, hi: float) -> None:
@@ -127,8 +139,10 @@ class SamplingParams:
         for name, (lo, hi) in RANGES.items():
             _check_float(name, getattr(self, name), lo, hi)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature={self.temperature} must be 0 (greedy) or in "
-                             f"[{MIN_TEMPERATURE:g}, {RANGES['temperature'][1]:g}]")
+            raise ValueError(
+                f"temperature={self.temperature} must be 0 (greedy) or in "
+                f"[{MIN_TEMPERATURE:g}, {RANGES['temperature'][1]:g}]"
+            )
         if self.top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1, 0 (all tokens) or a positive count")
         if self.top_p == 0.0:
@@ -136,8 +150,7 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens="
-                             f"{self.max_tokens}]")
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -150,12 +163,13 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``ValueError`` for ``stop_token_ids`` or ``logit_bias`` ids outside [0, V)."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias", list(self.logit_bias or ()))):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+        ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"{name}: token ids {bad[:8]} are outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise ValueError(f"{name}: token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
 
     def is_set(self, name: str) -> bool:
         """Whether ``name`` was given (not left to the defaults)."""
@@ -183,8 +197,7 @@ def make_generator(seed: int, device) -> torch.Generator:
 
 
 # --- logits processors (each [V] fp32 -> [V]) --------------------------------------------------
-def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int,
-                     stop_ids) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids) -> torch.Tensor:
     """Mask ``stop_ids`` (EOS and stop token ids) to -inf while ``num_output_tokens < min_tokens``
     (HF's ``MinNewTokensLengthLogitsProcessor``)."""
     ids = [t for t in stop_ids if 0 <= t < logits.shape[-1]]
@@ -204,8 +217,14 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict | None) -> torch.Ten
     return logits.index_add(0, ids, bias)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids, output_ids, repetition_penalty: float = 1.0,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids,
+    output_ids,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> torch.Tensor:
     """vLLM's penalties: ``repetition_penalty`` on every token of prompt or output (divide a
     positive logit, multiply a negative one: HF's ``RepetitionPenaltyLogitsProcessor``), then
     ``logit -= frequency_penalty * count_in_output + presence_penalty * (count_in_output > 0)``."""
@@ -246,18 +265,24 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids,
-                   stop_ids) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids, stop_ids
+) -> torch.Tensor:
     """Steps 1-2 of the module docstring: ``min_tokens`` masking and ``logit_bias``, then the
     penalties. ``logits`` ``[V]`` (any float dtype) -> fp32 ``[V]``."""
     logits = apply_min_tokens(logits.float(), len(output_ids), params.min_tokens, stop_ids)
     logits = apply_logit_bias(logits, params.logit_bias)
-    return apply_penalties(logits, prompt_ids, output_ids, params.repetition_penalty,
-                           params.presence_penalty, params.frequency_penalty)
+    return apply_penalties(
+        logits,
+        prompt_ids,
+        output_ids,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+    )
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> int:
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from (processed) ``logits [V]`` under ``params``: step 3."""
     logits = logits.float()
     if params.greedy:

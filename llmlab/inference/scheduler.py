@@ -16,6 +16,7 @@ Every engine step the scheduler decides which sequences advance and by how many 
 A sequence only tracks ``num_computed_tokens`` (vLLM v1), so all of these are one mechanism.
 Pure Python: the returned :class:`SchedulerOutput` is what the model runner needs.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -8,6 +8,7 @@ cache, a sequence resumed after preemption, and a decode step (``k = 1``) are th
 
 Pure Python: nothing here knows about torch.
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # in the waiting queue (new, or preempted by recompute)
-    RUNNING = "running"      # holds blocks in the device cache
-    SWAPPED = "swapped"      # preempted by swapping its blocks to host memory
-    FINISHED = "finished"    # done (stop, length or abort); owns no blocks
+    WAITING = "waiting"  # in the waiting queue (new, or preempted by recompute)
+    RUNNING = "running"  # holds blocks in the device cache
+    SWAPPED = "swapped"  # preempted by swapping its blocks to host memory
+    FINISHED = "finished"  # done (stop, length or abort); owns no blocks
 
 
 _seq_counter = itertools.count()
@@ -37,21 +38,21 @@ class Sequence:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: object                       # SamplingParams (kept opaque here)
+    params: object  # SamplingParams (kept opaque here)
     arrival_time: float = 0.0
-    sample_index: int = 0                # which of the request's n samples this is
+    sample_index: int = 0  # which of the request's n samples this is
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    host_block_table: list[int] = field(default_factory=list)   # while SWAPPED
+    host_block_table: list[int] = field(default_factory=list)  # while SWAPPED
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
-    pending_fork: int = 1                # > 1: fork into this many samples after the prompt
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    pending_fork: int = 1  # > 1: fork into this many samples after the prompt
     num_preemptions: int = 0
-    num_prefix_cached_tokens: int = 0    # tokens found in the prefix cache at admission
-    skip_prefix_cache: bool = False      # compute every prompt token (its prompt logprobs)
-    lora_id: int = 0                     # the LoRA adapter it runs with (0: the base; inference/lora.py)
+    num_prefix_cached_tokens: int = 0  # tokens found in the prefix cache at admission
+    skip_prefix_cache: bool = False  # compute every prompt token (its prompt logprobs)
+    lora_id: int = 0  # the LoRA adapter it runs with (0: the base; inference/lora.py)
     # Timestamps (seconds, time.perf_counter): first_scheduled/first_token/finish.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -84,7 +85,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -118,11 +119,20 @@ class Sequence:
 
     def fork(self, sample_index: int) -> "Sequence":
         """A copy sharing every token so far (the caller shares the blocks and ref-counts them)."""
-        child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
-                         sample_index=sample_index, token_ids=list(self.token_ids),
-                         num_computed_tokens=self.num_computed_tokens,
-                         block_table=list(self.block_table), status=self.status,
-                         pending_fork=1, num_prefix_cached_tokens=self.num_prefix_cached_tokens,
-                         first_scheduled_time=self.first_scheduled_time, mm=self.mm,
-                         lora_id=self.lora_id)
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            self.arrival_time,
+            sample_index=sample_index,
+            token_ids=list(self.token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            block_table=list(self.block_table),
+            status=self.status,
+            pending_fork=1,
+            num_prefix_cached_tokens=self.num_prefix_cached_tokens,
+            first_scheduled_time=self.first_scheduled_time,
+            mm=self.mm,
+            lora_id=self.lora_id,
+        )
         return child

@@ -12,6 +12,7 @@ Stop strings are matched by one Knuth-Morris-Pratt automaton per string (Knuth, 
 number of stop strings, which ``EngineConfig.max_stop_strings`` bounds), never in the text so far
 or in a stop string's length squared, and the automaton's state is also the tail to hold back.
 """
+
 from __future__ import annotations
 
 from llmlab.inference.detokenizer import IncrementalDetokenizer
@@ -77,8 +78,9 @@ class StopChecker:
     def start(self, seq) -> None:
         """Give a new sequence (or a forked sample) its detokenizer, before its first token."""
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                     seq.params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+            )
             seq.stop_matcher = StopMatcher(seq.params.stop) if seq.params.stop else None
 
     def check(self, seq) -> str | None:
@@ -86,8 +88,7 @@ class StopChecker:
         p = seq.params
         tok = seq.token_ids[-1]
         early = seq.num_output_tokens < p.min_tokens
-        stop_tok = not early and (tok in p.stop_token_ids
-                                  or (not p.ignore_eos and tok in self.eos_token_ids))
+        stop_tok = not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids))
         det = seq.detokenizer
         if det is not None and not (stop_tok and not p.include_stop_str_in_output):
             before = len(det.text)
@@ -98,8 +99,8 @@ class StopChecker:
                 found = m.feed(det.text, before, report=not early)
                 if found:
                     i, s = found
-                    seq.text = det.text[:i + len(s) if p.include_stop_str_in_output else i]
-                    seq.detokenizer = None                  # the text is final
+                    seq.text = det.text[: i + len(s) if p.include_stop_str_in_output else i]
+                    seq.detokenizer = None  # the text is final
                     return "stop"
         if stop_tok:
             return "stop"
@@ -123,4 +124,4 @@ class StopChecker:
         m = getattr(seq, "stop_matcher", None)
         if seq.is_finished or m is None:
             return text
-        return text[:len(text) - m.held]
+        return text[: len(text) - m.held]

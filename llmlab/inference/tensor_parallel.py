@@ -25,6 +25,7 @@ GPUs, rank ``r`` on ``cuda:r``), or, when
 finds: there every rank other than 0 calls :func:`run_worker` instead of building an engine.
 One tensor-parallel engine per process (it owns the default process group).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -57,7 +58,7 @@ def validate(config, tp: int, quantization=None) -> None:
         return
     if config.num_experts:
         raise ValueError("tensor-parallel inference of a mixture-of-experts model is not supported")
-    check_shardable(config, tp, name="tensor_parallel_size")   # heads, kv heads, FFN, vocabulary
+    check_shardable(config, tp, name="tensor_parallel_size")  # heads, kv heads, FFN, vocabulary
     if quantization is not None:
         raise ValueError("quantization with tensor_parallel_size > 1 is not supported")
 
@@ -95,12 +96,21 @@ class TensorParallelRunner(ModelRunner):
     """A :class:`ModelRunner` over this rank's shard and KV slice. On rank 0 every operation is
     first broadcast to the other ranks (which run :meth:`serve`); ``shutdown`` stops them."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0,
-                 padding_buckets: bool = True, group=None, paged_attention: str = "auto",
-                 cpu_fused: bool = False):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_host_blocks: int = 0,
+        padding_buckets: bool = True,
+        group=None,
+        paged_attention: str = "auto",
+        cpu_fused: bool = False,
+    ):
         self.group = group if group is not None else dist.group.WORLD
-        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused   # (no packing: TP layers)
+        self.paged_attention, self.cpu_fused = paged_attention, cpu_fused  # (no packing: TP layers)
         self.rank, self.tp = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.config = model.config
@@ -120,8 +130,7 @@ class TensorParallelRunner(ModelRunner):
     def _send(self, msg) -> None:
         if self.rank == 0 and self.tp > 1:
             try:
-                broadcast_message(msg, src=0, group=self.group,
-                                  device=_comm_device(self.group, self.device))
+                broadcast_message(msg, src=0, group=self.group, device=_comm_device(self.group, self.device))
             except Exception as e:
                 raise self._rank_error(e) from e
 
@@ -132,10 +141,14 @@ class TensorParallelRunner(ModelRunner):
         for r, p in enumerate(self.procs, start=1):
             code = p.exitcode
             if code is not None:
-                return EngineDeadError(f"tensor-parallel rank {r} exited with code {code} (its "
-                                       f"traceback, if any, is on stderr); the engine cannot step")
-        return EngineDeadError(f"tensor-parallel step failed on rank 0 ({type(err).__name__}: "
-                               f"{err}); the ranks are out of step, the engine cannot go on")
+                return EngineDeadError(
+                    f"tensor-parallel rank {r} exited with code {code} (its "
+                    f"traceback, if any, is on stderr); the engine cannot step"
+                )
+        return EngineDeadError(
+            f"tensor-parallel step failed on rank 0 ({type(err).__name__}: "
+            f"{err}); the ranks are out of step, the engine cannot go on"
+        )
 
     def copy_blocks(self, pairs):
         if pairs:
@@ -166,8 +179,9 @@ class TensorParallelRunner(ModelRunner):
     def serve(self) -> None:
         """Run rank 0's operations until it says stop (ranks other than 0)."""
         while True:
-            op, *args = broadcast_message(None, src=0, group=self.group,
-                                          device=_comm_device(self.group, self.device))
+            op, *args = broadcast_message(
+                None, src=0, group=self.group, device=_comm_device(self.group, self.device)
+            )
             if op == "step":
                 ModelRunner.forward(self, [_from_dict(b, self.device) for b in args[0]], args[1])
             elif op == "copy":
@@ -188,7 +202,7 @@ class TensorParallelRunner(ModelRunner):
         atexit.unregister(self.shutdown)
         try:
             self._send(("stop",))
-        except Exception:                      # a rank is gone already: nothing to stop there
+        except Exception:  # a rank is gone already: nothing to stop there
             pass
         for p in self.procs:
             p.join(30)
@@ -198,8 +212,9 @@ class TensorParallelRunner(ModelRunner):
         self._store = None
 
     @classmethod
-    def launch(cls, model: LlamaForCausalLM, spec, tp: int, device: torch.device,
-               runner_args: dict) -> "TensorParallelRunner":
+    def launch(
+        cls, model: LlamaForCausalLM, spec, tp: int, device: torch.device, runner_args: dict
+    ) -> "TensorParallelRunner":
         """Rank 0's runner over ``tp`` ranks: spawn ``tp - 1`` workers (each loads ``spec``, the
         engine's ``model`` argument, itself when it is a path or preset name) unless
         ``torch.distributed`` is initialised already with ``tp`` ranks (``torchrun``)."""
@@ -207,17 +222,22 @@ class TensorParallelRunner(ModelRunner):
         procs, store, owns = [], None, False
         if dist.is_initialized():
             if dist.get_world_size() != tp or dist.get_rank() != 0:
-                raise ValueError(f"tensor_parallel_size={tp} under an initialised process group of "
-                                 f"{dist.get_world_size()} ranks: build the engine on rank 0 and "
-                                 "call run_worker on the others, with as many ranks as tp")
-            broadcast_message(runner_args, src=0,                   # the cache sizes rank 0 chose
-                              device=_comm_device(None, _rank_device(device, 0)))
+                raise ValueError(
+                    f"tensor_parallel_size={tp} under an initialised process group of "
+                    f"{dist.get_world_size()} ranks: build the engine on rank 0 and "
+                    "call run_worker on the others, with as many ranks as tp"
+                )
+            broadcast_message(
+                runner_args,
+                src=0,  # the cache sizes rank 0 chose
+                device=_comm_device(None, _rank_device(device, 0)),
+            )
         else:
             procs, store = _start_workers(model, spec, tp, device, runner_args)
             owns = True
         runner = cls(shard_model(model, dist.group.WORLD), device=_rank_device(device, 0), **runner_args)
         runner.procs, runner._owns_group = procs, owns
-        runner._store = store       # the rendezvous store lives as long as the process group
+        runner._store = store  # the rendezvous store lives as long as the process group
         atexit.register(runner.shutdown)
         return runner
 
@@ -227,17 +247,21 @@ def _start_workers(model, spec, tp: int, device: torch.device, runner_args: dict
     a path or preset name, else ``model``'s weights; join them in this process's default group as
     rank 0. Returns ``(processes, the rendezvous store)``; on a failed rendezvous they are stopped and the error raised."""
     backend = process.resolve_backend("auto", tp, device=device.type)
-    store = process.loopback_store()          # bound before any worker starts: no port race
+    store = process.loopback_store()  # bound before any worker starts: no port race
     weights = spec if isinstance(spec, str) else model.state_dict()
     payload = cloudpickle.dumps((weights, model.config, runner_args))
-    threads = process.child_threads(tp, backend)    # the seat's usable cores, shared
+    threads = process.child_threads(tp, backend)  # the seat's usable cores, shared
     env = process.local_env(backend)
     procs = []
     try:
         for r in range(1, tp):
-            procs.append(process.start(_worker_entry, (r, tp, store.port, backend, payload,
-                                                       str(device), threads, env),
-                                       name=f"llmlab-tp-rank{r}"))
+            procs.append(
+                process.start(
+                    _worker_entry,
+                    (r, tp, store.port, backend, payload, str(device), threads, env),
+                    name=f"llmlab-tp-rank{r}",
+                )
+            )
         process.init_process_group(backend, store, 0, tp)
     except BaseException:
         process.stop(procs)
@@ -264,11 +288,15 @@ def run_worker(spec, device="auto") -> None:
     preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
     ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
     from llmlab.inference import loader
+
     dev = torch.device(resolve_device(device))
-    runner_args = broadcast_message(None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank())))
+    runner_args = broadcast_message(
+        None, src=0, device=_comm_device(None, _rank_device(dev, dist.get_rank()))
+    )
     model, _, _, _ = loader.load(spec)
-    runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
-                                  device=_rank_device(dev, dist.get_rank()), **runner_args)
+    runner = TensorParallelRunner(
+        shard_model(model, dist.group.WORLD), device=_rank_device(dev, dist.get_rank()), **runner_args
+    )
     runner.serve()
 
 
@@ -282,22 +310,29 @@ def _worker_entry(rank, tp, port, backend, payload, device, threads, env) -> Non
     """A started rank > 0: it dies with its parent, joins rank 0's store, loads the model and
     serves rank 0's steps; a failure prints its traceback to stderr and exits 1."""
     try:
-        process.setup_child(env, threads, backend, rank)   # the same first lines as launch's ranks
+        process.setup_child(env, threads, backend, rank)  # the same first lines as launch's ranks
         process.init_process_group(backend, process.join_store("127.0.0.1", port), rank, tp)
         weights, config, runner_args = cloudpickle.loads(payload)
         if isinstance(weights, str):
             from llmlab.inference import loader
+
             model, _, _, _ = loader.load(weights)
         else:
             model = LlamaForCausalLM(config, seed=None)
             model.load_state_dict(weights)
-        runner = TensorParallelRunner(shard_model(model, dist.group.WORLD),
-                                      device=_rank_device(torch.device(device), rank), **runner_args)
+        runner = TensorParallelRunner(
+            shard_model(model, dist.group.WORLD),
+            device=_rank_device(torch.device(device), rank),
+            **runner_args,
+        )
         runner.serve()
         dist.destroy_process_group()
-    except BaseException:                              # noqa: BLE001 - rank 0 must hear of it
-        print(f"llmlab tensor-parallel rank {rank} failed:\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+    except BaseException:  # noqa: BLE001 - rank 0 must hear of it
+        print(
+            f"llmlab tensor-parallel rank {rank} failed:\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
     sys.stdout.flush()
-    os._exit(0)          # no interpreter teardown racing the process group's threads
+    os._exit(0)  # no interpreter teardown racing the process group's threads

@@ -6,15 +6,23 @@
   holding no token when every sequence owns whole blocks (PagedAttention, Kwon et al. 2023 §2.3),
   for one step, averaged over a trace, and the trace an offline run would make.
 """
+
 from __future__ import annotations
 
 import math
 import random
 
 
-def sharegpt_workload(num_requests: int, *, seed: int = 0, max_len: int = 512,
-                      prompt_len_median: float = 32.0, output_len_median: float = 32.0,
-                      sigma: float = 0.9, vocab_size: int = 256) -> dict:
+def sharegpt_workload(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    max_len: int = 512,
+    prompt_len_median: float = 32.0,
+    output_len_median: float = 32.0,
+    sigma: float = 0.9,
+    vocab_size: int = 256,
+) -> dict:
     """A seeded ShareGPT-like workload: lognormal prompt and output lengths (median
     ``*_median`` tokens, shape ``sigma``: a heavy right tail, as the ShareGPT conversations vLLM
     benchmarks with), clipped so that prompt >= 4, output >= 2 and prompt + output <= ``max_len``.
@@ -30,6 +38,7 @@ def sharegpt_workload(num_requests: int, *, seed: int = 0, max_len: int = 512,
     corpus = None
     if vocab_size == 256:
         from llmlab.data import load_corpus
+
         corpus = load_corpus().encode("utf-8")
     prompts, plens, olens = [], [], []
     for _ in range(num_requests):
@@ -39,7 +48,7 @@ def sharegpt_workload(num_requests: int, *, seed: int = 0, max_len: int = 512,
         o = max(2, min(o, max_len - p))
         if corpus is not None:
             s = rng.randrange(0, len(corpus) - p)
-            ids = list(corpus[s:s + p])
+            ids = list(corpus[s : s + p])
         else:
             ids = [rng.randrange(vocab_size) for _ in range(p)]
         prompts.append(ids)
@@ -84,8 +93,9 @@ def concurrent_trace(prompt_lens, output_lens) -> list[list[int]]:
     """The per-step cached lengths if every request runs from step 1 (offline, cache large
     enough): after step ``k`` a request with prompt ``p`` and output ``o > k`` holds ``p + k - 1``
     tokens (its newest sampled token is written at the next step)."""
-    return [[p + k - 1 for p, o in zip(prompt_lens, output_lens) if o > k]
-            for k in range(1, max(output_lens))]
+    return [
+        [p + k - 1 for p, o in zip(prompt_lens, output_lens) if o > k] for k in range(1, max(output_lens))
+    ]
 
 
 WASTE_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)

@@ -53,6 +53,7 @@ C++ operators of :mod:`~llmlab.kernels.cpu_fused` on CPU tensors. ``LLMLAB_KERNE
 
 Triton is optional: importing this package never imports it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,10 +66,19 @@ import torch
 import torch.nn.functional as F
 
 from llmlab.kernels.cpu_linear import linear  # noqa: F401  (F.linear, or the packed weight's)
-from llmlab.kernels.online_softmax import (merge_softmax_partials, online_softmax, online_softmax_matmul,
-                                          online_softmax_steps, softmax_partial)
-from llmlab.kernels.reference import (attention_reference, flash_attention_reference,
-                                      rms_norm_reference, swiglu_reference)
+from llmlab.kernels.online_softmax import (
+    merge_softmax_partials,
+    online_softmax,
+    online_softmax_matmul,
+    online_softmax_steps,
+    softmax_partial,
+)
+from llmlab.kernels.reference import (
+    attention_reference,
+    flash_attention_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
 
 ATTENTION_IMPLS = ("sdpa", "eager", "reference", "triton")
 PAGED_ATTENTION_IMPLS = ("auto", "triton", "reference", "cpu")
@@ -107,8 +117,8 @@ def triton_platform() -> bool:
     a missing triton is an installation error, elsewhere the Triton kernels cannot exist."""
     import platform
     import sys
-    return (sys.version_info >= (3, 11) and platform.system() == "Linux"
-            and platform.machine() == "x86_64")
+
+    return sys.version_info >= (3, 11) and platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
 def triton_available() -> bool:
@@ -133,9 +143,14 @@ def settings() -> KernelSettings:
     return dataclasses.replace(_settings)
 
 
-def enable(attention: str | None = None, rmsnorm: bool | None = None,
-           swiglu: bool | None = None, paged_attention: str | None = None,
-           packed_linear: bool | None = None, cpu_fused: bool | None = None) -> KernelSettings:
+def enable(
+    attention: str | None = None,
+    rmsnorm: bool | None = None,
+    swiglu: bool | None = None,
+    paged_attention: str | None = None,
+    packed_linear: bool | None = None,
+    cpu_fused: bool | None = None,
+) -> KernelSettings:
     """Choose the kernels the model uses from now on (``None`` leaves a field unchanged).
 
     Returns the previous settings. Raises ``ValueError`` for an unknown attention or
@@ -155,31 +170,36 @@ def enable(attention: str | None = None, rmsnorm: bool | None = None,
         new.swiglu = bool(swiglu)
     if paged_attention is not None:
         if paged_attention not in PAGED_ATTENTION_IMPLS:
-            raise ValueError(f"paged_attention={paged_attention!r} must be one of "
-                             f"{PAGED_ATTENTION_IMPLS}")
+            raise ValueError(f"paged_attention={paged_attention!r} must be one of {PAGED_ATTENTION_IMPLS}")
         if paged_attention == "cpu":
             from llmlab.kernels.cpu_paged_attention import available
+
             if not available():
-                raise RuntimeError("paged_attention='cpu' needs a C++ compiler and the ninja "
-                                   "package (pip install ninja)")
+                raise RuntimeError(
+                    "paged_attention='cpu' needs a C++ compiler and the ninja package (pip install ninja)"
+                )
         new.paged_attention = paged_attention
     if packed_linear is not None:
         from llmlab.kernels.cpu_linear import available as packing_available
+
         if packed_linear and not packing_available():
             raise RuntimeError("packed_linear needs PyTorch built with oneDNN (mkldnn)")
         new.packed_linear = bool(packed_linear)
     if cpu_fused is not None:
         from llmlab.kernels.cpu_build import available
+
         if cpu_fused and not available():
             raise RuntimeError("cpu_fused needs a C++ compiler and the ninja package (pip install ninja)")
         new.cpu_fused = bool(cpu_fused)
-    wants_triton = (new.attention == "triton" or new.rmsnorm or new.swiglu
-                    or new.paged_attention == "triton")
+    wants_triton = new.attention == "triton" or new.rmsnorm or new.swiglu or new.paged_attention == "triton"
     if wants_triton and not triton_available():
         raise RuntimeError(f"the Triton kernels need the triton package: {TRITON_PIP}")
     if wants_triton and not torch.cuda.is_available() and not triton_interpreted():
-        warnings.warn("Triton kernels enabled but no CUDA device and TRITON_INTERPRET is not set: "
-                      "CPU tensors keep the PyTorch implementations", stacklevel=2)
+        warnings.warn(
+            "Triton kernels enabled but no CUDA device and TRITON_INTERPRET is not set: "
+            "CPU tensors keep the PyTorch implementations",
+            stacklevel=2,
+        )
     old, _settings = _settings, new
     return old
 
@@ -193,9 +213,14 @@ def disable() -> KernelSettings:
 
 
 @contextlib.contextmanager
-def use(attention: str | None = None, rmsnorm: bool | None = None, swiglu: bool | None = None,
-        paged_attention: str | None = None, packed_linear: bool | None = None,
-        cpu_fused: bool | None = None):
+def use(
+    attention: str | None = None,
+    rmsnorm: bool | None = None,
+    swiglu: bool | None = None,
+    paged_attention: str | None = None,
+    packed_linear: bool | None = None,
+    cpu_fused: bool | None = None,
+):
     """Context manager: :func:`enable` on entry, previous settings restored on exit."""
     global _settings
     old = enable(attention, rmsnorm, swiglu, paged_attention, packed_linear, cpu_fused)
@@ -230,8 +255,9 @@ def use_fused(kind: str, t: torch.Tensor, cpu_fused: bool | None = None) -> bool
     raise ValueError(f"kind={kind!r} must be one of {FUSED_KINDS}")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              impl: str | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, impl: str | None = None
+) -> torch.Tensor:
     """Attention ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]`` with the implementation
     ``impl`` (default: the current setting). ``"triton"`` needs CUDA tensors or the
     interpreter (``RuntimeError`` otherwise)."""
@@ -247,24 +273,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return flash_attention_reference(q, k, v, causal)
     if impl == "triton":
         from llmlab.kernels.flash_attention import flash_attention
+
         return flash_attention(q, k, v, causal)
     raise ValueError(f"impl={impl!r} must be one of {ATTENTION_IMPLS}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-             residual: torch.Tensor | None = None, cpu_fused: bool | None = None):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    cpu_fused: bool | None = None,
+):
     """RMSNorm of ``x [..., h]``: the C++ operator on CPU tensors when ``cpu_fused`` is on, the
     fused Triton kernel where it can run (:func:`triton_runs_on`), else the PyTorch one. With
     ``residual``: normalises ``x + residual`` and returns ``(normed, x + residual)`` (one pass
     in the C++ operator). ``cpu_fused``: as :func:`use_fused`."""
     if _cpu_fused(x, cpu_fused):
         from llmlab.kernels.cpu_fused import rms_norm as fused_cpu
+
         return fused_cpu(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         return rms_norm(x, weight, eps, cpu_fused=cpu_fused), x
     if triton_runs_on(x):
         from llmlab.kernels.fused_rmsnorm import rms_norm as fused
+
         return fused(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -274,15 +308,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, cpu_fused: bool | None = None) 
     :func:`use_fused`), the fused Triton kernel where it can run, else the PyTorch one."""
     if _cpu_fused(gate, cpu_fused):
         from llmlab.kernels.cpu_fused import silu_mul
+
         return silu_mul(gate, up)
     if triton_runs_on(gate):
         from llmlab.kernels.fused_swiglu import swiglu as fused
+
         return fused(gate, up)
     return swiglu_reference(gate, up)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           cpu_fused: bool | None = None) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_fused: bool | None = None
+) -> torch.Tensor:
     """Rotary embedding (RoPE, Su et al. 2021) of ``x [N, heads, D]`` by ``cos, sin [N, D]``,
     ``x * cos + rotate_half(x) * sin`` (the arithmetic of :func:`llmlab.model.llama.apply_rotary`
     in token-major layout). The C++ operator on CPU tensors when ``cpu_fused`` is on
@@ -290,38 +327,69 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     PyTorch otherwise (a new tensor). ``cpu_fused``: as :func:`use_fused`."""
     if _cpu_fused(x, cpu_fused):
         from llmlab.kernels.cpu_fused import rotary_ as fused_cpu
+
         return fused_cpu(x, cos, sin)
     D = x.shape[-1]
     c, s = cos[:, None], sin[:, None]
-    s = torch.cat([-s[..., :D // 2], s[..., D // 2:]], dim=-1)     # rotate_half's signs
+    s = torch.cat([-s[..., : D // 2], s[..., D // 2 :]], dim=-1)  # rotate_half's signs
     return x * c + x.roll(D // 2, dims=-1) * s
 
 
 def _from_env(spec: str) -> KernelSettings:
     s = KernelSettings()
     if spec.strip().lower() in ("0", "off", "false", "none"):
-        return KernelSettings(paged_attention="reference")      # PyTorch everywhere
+        return KernelSettings(paged_attention="reference")  # PyTorch everywhere
     for item in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = item.partition("=")
         if key == "attention" and val in ATTENTION_IMPLS:
             s.attention = val
         elif key == "paged_attention" and val in PAGED_ATTENTION_IMPLS:
             s.paged_attention = val
-        elif key in ("rmsnorm", "swiglu", "packed_linear", "cpu_fused") and val in ("", "1", "true", "0", "false"):
+        elif key in ("rmsnorm", "swiglu", "packed_linear", "cpu_fused") and val in (
+            "",
+            "1",
+            "true",
+            "0",
+            "false",
+        ):
             setattr(s, key, val in ("", "1", "true"))
         else:
-            raise ValueError(f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
-                             f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1], "
-                             f"swiglu[=0|1], packed_linear[=0|1] or cpu_fused[=0|1] (or LLMLAB_KERNELS=0: no kernel)")
+            raise ValueError(
+                f"LLMLAB_KERNELS item {item!r} must be attention=<{'|'.join(ATTENTION_IMPLS)}>, "
+                f"paged_attention=<{'|'.join(PAGED_ATTENTION_IMPLS)}>, rmsnorm[=0|1], "
+                f"swiglu[=0|1], packed_linear[=0|1] or cpu_fused[=0|1] (or LLMLAB_KERNELS=0: no kernel)"
+            )
     return s
 
 
 if os.environ.get("LLMLAB_KERNELS"):
     _settings = _from_env(os.environ["LLMLAB_KERNELS"])
 
-__all__ = ["KernelSettings", "ATTENTION_IMPLS", "PAGED_ATTENTION_IMPLS", "enable", "disable", "use", "settings",
-           "use_fused", "FUSED_KINDS", "attention", "linear", "rms_norm", "swiglu", "rotary", "triton_available",
-           "triton_interpreted", "triton_runs_on", "attention_reference",
-           "flash_attention_reference", "rms_norm_reference", "swiglu_reference",
-           "online_softmax", "online_softmax_steps", "online_softmax_matmul", "merge_softmax_partials",
-           "softmax_partial"]
+__all__ = [
+    "KernelSettings",
+    "ATTENTION_IMPLS",
+    "PAGED_ATTENTION_IMPLS",
+    "enable",
+    "disable",
+    "use",
+    "settings",
+    "use_fused",
+    "FUSED_KINDS",
+    "attention",
+    "linear",
+    "rms_norm",
+    "swiglu",
+    "rotary",
+    "triton_available",
+    "triton_interpreted",
+    "triton_runs_on",
+    "attention_reference",
+    "flash_attention_reference",
+    "rms_norm_reference",
+    "swiglu_reference",
+    "online_softmax",
+    "online_softmax_steps",
+    "online_softmax_matmul",
+    "merge_softmax_partials",
+    "softmax_partial",
+]

@@ -13,6 +13,7 @@ FLOPs of attention (FlashAttention-2 paper's convention, Dao 2023, §4.1): forwa
 ``4·B·H·T²·D`` (two matmuls), halved when causal; backward 2.5× the forward (five matmuls with
 the recomputation), so forward + backward is 3.5× the forward.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,8 +27,15 @@ from llmlab.metrics.throughput import peak_flops
 
 # Peak HBM bandwidth in bytes/s by device name fragment (vendor data sheets).
 PEAK_BANDWIDTH = {
-    "H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10": 0.6e12,
-    "V100": 0.9e12, "T4": 0.32e12, "4090": 1.008e12, "3090": 0.936e12,
+    "H200": 4.8e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "L40S": 0.864e12,
+    "A10": 0.6e12,
+    "V100": 0.9e12,
+    "T4": 0.32e12,
+    "4090": 1.008e12,
+    "3090": 0.936e12,
 }
 
 
@@ -39,16 +47,21 @@ def peak_bandwidth(device=None) -> float | None:
     return next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
 
 
-def attention_flops(B: int, H: int, T: int, D: int, causal: bool = True,
-                    backward: bool = False) -> float:
+def attention_flops(B: int, H: int, T: int, D: int, causal: bool = True, backward: bool = False) -> float:
     """FLOPs of attention's matmuls: forward ``4·B·H·T²·D`` (/2 causal), ×3.5 with backward."""
     f = 4.0 * B * H * T * T * D * (0.5 if causal else 1.0)
     return f * 3.5 if backward else f
 
 
-def attention_memory(seq_lens, batch: int = 1, heads: int = 4, head_dim: int = 32,
-                     impls=("eager", "reference"), device="cpu",
-                     dtype: torch.dtype = torch.float32) -> list[dict]:
+def attention_memory(
+    seq_lens,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 32,
+    impls=("eager", "reference"),
+    device="cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """Memory of one attention forward + backward per implementation and sequence length.
 
     Returns rows ``{"impl", "seq_len", "saved_bytes", "formula_bytes", "peak_bytes"}``:
@@ -65,8 +78,10 @@ def attention_memory(seq_lens, batch: int = 1, heads: int = 4, head_dim: int = 3
     e = torch.empty((), dtype=dtype).element_size()
     for T in seq_lens:
         g = torch.Generator().manual_seed(T)
-        q, k, v = [torch.randn(batch, heads, T, head_dim, generator=g).to(device, dtype)
-                   .requires_grad_() for _ in range(3)]
+        q, k, v = [
+            torch.randn(batch, heads, T, head_dim, generator=g).to(device, dtype).requires_grad_()
+            for _ in range(3)
+        ]
         for impl in impls:
             if cuda:
                 torch.cuda.synchronize()
@@ -80,10 +95,20 @@ def attention_memory(seq_lens, batch: int = 1, heads: int = 4, head_dim: int = 3
             q.grad = k.grad = v.grad = None
             flash = impl in ("reference", "triton", "sdpa")
             bhtd = batch * heads * T * head_dim
-            formula = (4 * bhtd * e + 4 * batch * heads * T if flash          # q, k, v, out, lse
-                       else 4 * batch * heads * T * T + T * T + 3 * bhtd * 4)  # p, mask, fp32 q k v
-            rows.append({"impl": impl, "seq_len": T, "saved_bytes": act.peak,
-                         "formula_bytes": formula, "peak_bytes": peak})
+            formula = (
+                4 * bhtd * e + 4 * batch * heads * T
+                if flash  # q, k, v, out, lse
+                else 4 * batch * heads * T * T + T * T + 3 * bhtd * 4
+            )  # p, mask, fp32 q k v
+            rows.append(
+                {
+                    "impl": impl,
+                    "seq_len": T,
+                    "saved_bytes": act.peak,
+                    "formula_bytes": formula,
+                    "peak_bytes": peak,
+                }
+            )
     return rows
 
 
@@ -113,11 +138,15 @@ def _fwd_bwd(fn, inputs):
         out.backward(torch.ones_like(out))
         for t in inputs:
             t.grad = None
+
     return run
 
 
-def bench_attention(shapes=((4, 16, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 128)),
-                    impls=("eager", "sdpa", "triton"), dtype=torch.bfloat16) -> list[dict]:
+def bench_attention(
+    shapes=((4, 16, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 128)),
+    impls=("eager", "sdpa", "triton"),
+    dtype=torch.bfloat16,
+) -> list[dict]:
     """Time causal attention ``(B, H, T, D)`` forward and forward + backward on CUDA.
 
     Rows: ``impl, shape, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops, fwd_peak_frac,
@@ -128,8 +157,7 @@ def bench_attention(shapes=((4, 16, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 
     peak = peak_flops()
     rows = []
     for B, H, T, D in shapes:
-        q, k, v = [torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True)
-                   for _ in range(3)]
+        q, k, v = [torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
         base = None
         for impl in impls:
             if impl == "eager" and B * H * T * T * 4 > 8 * 2**30:
@@ -141,11 +169,18 @@ def bench_attention(shapes=((4, 16, 1024, 64), (4, 16, 4096, 64), (1, 16, 8192, 
             t_fb = time_cuda(_fwd_bwd(fn, (q, k, v)))
             f, fb = attention_flops(B, H, T, D), attention_flops(B, H, T, D, backward=True)
             base = t_fb if impl == "eager" else base
-            rows.append({"impl": impl, "shape": (B, H, T, D), "fwd_ms": t_f * 1e3,
-                         "fwd_bwd_ms": t_fb * 1e3, "fwd_tflops": f / t_f / 1e12,
-                         "fwd_bwd_tflops": fb / t_fb / 1e12,
-                         "fwd_peak_frac": f / t_f / peak if peak else None,
-                         "speedup_vs_eager": base / t_fb if base else None})
+            rows.append(
+                {
+                    "impl": impl,
+                    "shape": (B, H, T, D),
+                    "fwd_ms": t_f * 1e3,
+                    "fwd_bwd_ms": t_fb * 1e3,
+                    "fwd_tflops": f / t_f / 1e12,
+                    "fwd_bwd_tflops": fb / t_fb / 1e12,
+                    "fwd_peak_frac": f / t_f / peak if peak else None,
+                    "speedup_vs_eager": base / t_fb if base else None,
+                }
+            )
     return rows
 
 
@@ -162,11 +197,19 @@ def _bench_memory_bound(name, impls, make_inputs, bytes_fwd, bytes_fwd_bwd, shap
             t_fb = time_cuda(_fwd_bwd(fn, inputs))
             base = t_fb if base is None else base
             bf, bfb = bytes_fwd(shape), bytes_fwd_bwd(shape)
-            rows.append({"op": name, "impl": impl, "shape": tuple(shape), "fwd_ms": t_f * 1e3,
-                         "fwd_bwd_ms": t_fb * 1e3, "fwd_gbps": bf / t_f / 1e9,
-                         "fwd_bwd_gbps": bfb / t_fb / 1e9,
-                         "fwd_peak_frac": bf / t_f / bw if bw else None,
-                         "speedup_vs_eager": base / t_fb})
+            rows.append(
+                {
+                    "op": name,
+                    "impl": impl,
+                    "shape": tuple(shape),
+                    "fwd_ms": t_f * 1e3,
+                    "fwd_bwd_ms": t_fb * 1e3,
+                    "fwd_gbps": bf / t_f / 1e9,
+                    "fwd_bwd_gbps": bfb / t_fb / 1e9,
+                    "fwd_peak_frac": bf / t_f / bw if bw else None,
+                    "speedup_vs_eager": base / t_fb,
+                }
+            )
     return rows
 
 
@@ -179,17 +222,23 @@ def bench_rmsnorm(shapes=((8192, 4096), (16384, 8192)), dtype=torch.bfloat16) ->
     """
     _need_cuda()
     from llmlab.kernels.fused_rmsnorm import rms_norm
+
     e = torch.empty((), dtype=dtype).element_size()
 
     def make(shape):
-        return (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),
-                torch.ones(shape[-1], device="cuda", dtype=dtype, requires_grad=True))
+        return (
+            torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),
+            torch.ones(shape[-1], device="cuda", dtype=dtype, requires_grad=True),
+        )
 
-    impls = {"eager": lambda x, w: rms_norm_reference(x, w, 1e-5),
-             "F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5),
-             "triton": lambda x, w: rms_norm(x, w, 1e-5)}
-    return _bench_memory_bound("rmsnorm", impls, make, lambda s: 2 * s[0] * s[1] * e,
-                               lambda s: 5 * s[0] * s[1] * e, shapes)
+    impls = {
+        "eager": lambda x, w: rms_norm_reference(x, w, 1e-5),
+        "F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5),
+        "triton": lambda x, w: rms_norm(x, w, 1e-5),
+    }
+    return _bench_memory_bound(
+        "rmsnorm", impls, make, lambda s: 2 * s[0] * s[1] * e, lambda s: 5 * s[0] * s[1] * e, shapes
+    )
 
 
 def bench_swiglu(shapes=((8192, 11008), (16384, 14336)), dtype=torch.bfloat16) -> list[dict]:
@@ -200,34 +249,61 @@ def bench_swiglu(shapes=((8192, 11008), (16384, 14336)), dtype=torch.bfloat16) -
     """
     _need_cuda()
     from llmlab.kernels.fused_swiglu import swiglu
+
     e = torch.empty((), dtype=dtype).element_size()
 
     def make(shape):
-        return tuple(torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
-                     for _ in range(2))
+        return tuple(torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
 
     n = lambda s: s[0] * s[1]  # noqa: E731
-    return _bench_memory_bound("swiglu", {"eager": swiglu_reference, "triton": swiglu}, make,
-                               lambda s: 3 * n(s) * e, lambda s: 8 * n(s) * e, shapes)
+    return _bench_memory_bound(
+        "swiglu",
+        {"eager": swiglu_reference, "triton": swiglu},
+        make,
+        lambda s: 3 * n(s) * e,
+        lambda s: 8 * n(s) * e,
+        shapes,
+    )
 
 
 def format_rows(rows: list[dict], columns: list[str]) -> str:
     """A plain-text table of ``rows`` (floats with 3 significant digits, ``None`` as ``-``)."""
+
     def cell(x):
         if x is None:
             return "-"
         if isinstance(x, float):
             return f"{x:.3g}"
         return str(x)
+
     table = [columns] + [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
 
 
 # ATen ops that only allocate or re-view memory: no GPU kernel is launched for them.
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "view", "_unsafe_view", "reshape",
-              "as_strided", "detach", "t", "transpose", "expand", "alias", "unsqueeze", "squeeze",
-              "permute", "slice", "select", "split", "lift_fresh", "_to_copy_noop"}
+_NO_KERNEL = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "as_strided",
+    "detach",
+    "t",
+    "transpose",
+    "expand",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "permute",
+    "slice",
+    "select",
+    "split",
+    "lift_fresh",
+    "_to_copy_noop",
+}
 
 
 def count_aten_kernels(fn, *args) -> int:

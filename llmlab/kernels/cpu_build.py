@@ -12,6 +12,7 @@ target (``avx512``: ``x86-64-v4``, ``avx2``: ``x86-64-v3``, ``generic``: ``x86-6
 build. Each module's ``isa()`` names the vector code it was compiled with
 (:func:`compiled_isa`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,11 +26,21 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 # Reassociating float sums (and only that: no finite-math or reciprocal shortcuts) lets the dot
 # products and the softmax sum reduce as a tree of vector adds instead of one lane at a time.
-FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math"]
+FLAGS = [
+    "-O3",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
 # -march for a level lowered below the CPU's own (x86-64 psABI levels; GCC >= 11, Clang >= 12).
-MARCH = {"avx512_bf16": "-march=native", "avx512": "-march=x86-64-v4", "avx2": "-march=x86-64-v3",
-         "generic": "-march=x86-64"}
+MARCH = {
+    "avx512_bf16": "-march=native",
+    "avx512": "-march=x86-64-v4",
+    "avx2": "-march=x86-64-v3",
+    "generic": "-march=x86-64",
+}
 
 
 def flags(isa: str | None = None, native: bool | None = None, x86: bool | None = None) -> list[str]:
@@ -37,6 +48,7 @@ def flags(isa: str | None = None, native: bool | None = None, x86: bool | None =
     ``native``: the level is this CPU's own (default: not lowered), so ``-march=native``; else the
     level's :data:`MARCH`. No ``-march`` off x86-64 (``x86``; default: this machine)."""
     from llmlab.kernels import cpu_isa
+
     isa = cpu_isa.cpu_isa() if isa is None else isa
     native = (isa == cpu_isa.detected()) if native is None else native
     x86 = platform.machine() in ("x86_64", "AMD64") if x86 is None else x86
@@ -69,6 +81,7 @@ def load(stem: str, what: str):
     the cache). ``what`` names the kernel in the error raised where :func:`available` is False
     (``RuntimeError``); a failing build raises the compiler's error."""
     from llmlab.kernels import cpu_isa
+
     return _load(stem, what, cpu_isa.cpu_isa())
 
 
@@ -77,8 +90,9 @@ def _load(stem: str, what: str, isa: str):
     if not available():
         raise RuntimeError(f"the {what} needs a C++ compiler and the ninja package (pip install ninja)")
     from torch.utils.cpp_extension import load as build
+
     source = CSRC / f"{stem}.cpp"
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))   # (included by the sources)
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # (included by the sources)
     cflags = flags(isa)
     tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode() + _cpu_id()).hexdigest()[:10]
     return build(name=f"llmlab_{stem}_{tag}", sources=[str(source)], extra_cflags=cflags, verbose=False)

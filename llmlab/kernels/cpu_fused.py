@@ -14,6 +14,7 @@ model's :class:`~llmlab.model.layers.RMSNorm`, :class:`~llmlab.model.layers.MLP`
 path of :class:`~llmlab.model.llama.Attention` then call them for CPU tensors. Built on first use
 like the other CPU kernels (:mod:`llmlab.kernels.cpu_build`: a C++ compiler and ``ninja``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,7 @@ def build() -> None:
     _module()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of ``x [..., h]`` with ``weight [h]`` (Zhang & Sennrich 2019), as
     :class:`llmlab.model.layers.RMSNorm` computes it; returns ``[..., h]`` in x's dtype. With
     ``residual [..., h]``: normalises ``x + residual`` instead and returns ``(normed, x +

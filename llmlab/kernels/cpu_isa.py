@@ -19,6 +19,7 @@ would: ``LLMLAB_CPU_ISA=avx2`` on an AVX-512 machine takes every AVX2 fallback, 
 big machine can run the suite as a small one does. It can lower the level, not raise it
 (``ValueError``: code for instructions the CPU lacks would die with SIGILL).
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,9 +29,12 @@ from pathlib import Path
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 ENV = "LLMLAB_CPU_ISA"
 # The flags (as /proc/cpuinfo spells them) each level adds to the one below it.
-REQUIRES = {"generic": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c"}),
-            "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-            "avx512_bf16": frozenset({"avx512_bf16"})}
+REQUIRES = {
+    "generic": frozenset(),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx512_bf16": frozenset({"avx512_bf16"}),
+}
 # Flags above each level: removed from the effective set when the level is lowered to it.
 _ABOVE_AVX2 = ("avx512", "amx", "avx_ne_convert", "avx_vnni_int", "avx10")
 _ABOVE_GENERIC = ("avx", "fma", "f16c") + _ABOVE_AVX2
@@ -39,6 +43,7 @@ _ABOVE_GENERIC = ("avx", "fma", "f16c") + _ABOVE_AVX2
 def _torch_flags() -> frozenset[str]:
     """Flags implied by PyTorch's own CPU capability probe (where there is no /proc/cpuinfo)."""
     import torch
+
     cap = torch.backends.cpu.get_cpu_capability()
     flags = set(REQUIRES["avx2"]) if cap in ("AVX2", "AVX512") else set()
     return frozenset(flags | (REQUIRES["avx512"] if cap == "AVX512" else set()))
@@ -90,8 +95,9 @@ def _resolve(override: str | None, found: str) -> str:
     if level not in LEVELS:
         raise ValueError(f"{ENV}={override!r} must be one of {', '.join(LEVELS)}")
     if LEVELS.index(level) > LEVELS.index(found):
-        raise ValueError(f"{ENV}={override!r} asks for more than this CPU offers ({found}): "
-                         f"it can only lower the level")
+        raise ValueError(
+            f"{ENV}={override!r} asks for more than this CPU offers ({found}): it can only lower the level"
+        )
     return level
 
 
@@ -111,6 +117,6 @@ def effective_flags() -> frozenset[str]:
     level = cpu_isa()
     if level == detected():
         return cpu_flags()
-    keep = frozenset().union(*(REQUIRES[lv] for lv in LEVELS[:LEVELS.index(level) + 1]))
+    keep = frozenset().union(*(REQUIRES[lv] for lv in LEVELS[: LEVELS.index(level) + 1]))
     above = _ABOVE_GENERIC if level == "generic" else _ABOVE_AVX2
     return frozenset(f for f in cpu_flags() if f in keep or not f.startswith(above))

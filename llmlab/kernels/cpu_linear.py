@@ -22,6 +22,7 @@ they raise). :func:`path` chooses by the CPU's flags (:mod:`~llmlab.kernels.cpu_
 ``LLMLAB_CPU_ISA``) and by a one-off trial pack of a small weight; where it says ``"aten"``,
 :func:`pack` leaves the weight unpacked and :func:`linear` is ``F.linear``: the same product.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ from torch import nn
 
 from llmlab.kernels import cpu_isa
 
-BATCH_HINT = 64     # rows oneDNN picks its blocking for (decode-sized; any row count works)
+BATCH_HINT = 64  # rows oneDNN picks its blocking for (decode-sized; any row count works)
 
 
 def available() -> bool:
@@ -41,9 +42,11 @@ def available() -> bool:
 
 
 # The CPU flags oneDNN's packed linear needs per dtype (any one of the sets; PyTorch's own checks).
-NEEDS: dict[torch.dtype, list[frozenset[str]]] = {torch.float32: [frozenset()],
-         torch.bfloat16: [frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"})],
-         torch.float16: [frozenset({"avx512_fp16"}), frozenset({"avx_ne_convert"})]}
+NEEDS: dict[torch.dtype, list[frozenset[str]]] = {
+    torch.float32: [frozenset()],
+    torch.bfloat16: [frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"})],
+    torch.float16: [frozenset({"avx512_fp16"}), frozenset({"avx_ne_convert"})],
+}
 
 
 @functools.cache
@@ -76,7 +79,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     the copy; where :func:`path` is ``"aten"`` for its dtype, leave it unpacked and return
     ``None``. CPU tensors in fp32, bf16 or fp16 only (``ValueError`` otherwise)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"packed linear weights are CPU fp32/bf16/fp16, got {weight.dtype} on {weight.device}")
+        raise ValueError(
+            f"packed linear weights are CPU fp32/bf16/fp16, got {weight.dtype} on {weight.device}"
+        )
     if path(weight.dtype) != "onednn":
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
@@ -91,7 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed = getattr(weight, "_packed", None)
     if packed is None:
         return F.linear(x, weight, bias)
-    if not isinstance(packed, torch.Tensor):     # a layer standing in for the weight (W8A8, int8)
+    if not isinstance(packed, torch.Tensor):  # a layer standing in for the weight (W8A8, int8)
         return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

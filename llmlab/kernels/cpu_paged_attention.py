@@ -17,6 +17,7 @@ building it. Select it with ``llmlab.kernels.enable(paged_attention="cpu")`` or
 ``LLMLAB_KERNELS=paged_attention=cpu``; ``tests/test_cpu_paged_attention.py`` checks it against
 the reference (fp32 to 1e-5; bf16 and fp16 to their rounding), in the engine too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,10 +45,16 @@ def build() -> None:
     _module()
 
 
-def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        query_lens: torch.Tensor, scale: float | None = None,
-                        sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged cache, on CPU tensors.
 
     Arguments, shapes and result as :func:`llmlab.inference.paged_attention.paged_attention_reference`:
@@ -59,5 +66,13 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     table too short, H not a multiple of Hkv, another head dim), and where the kernel cannot be
     built (:func:`available`)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _module().paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, query_lens,
-                                         scale, -1 if sliding_window is None else int(sliding_window))
+    return _module().paged_attention_cpu(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_lens,
+        scale,
+        -1 if sliding_window is None else int(sliding_window),
+    )

@@ -13,6 +13,7 @@ over the rows it owns and the partial sums are added at the end (no atomics, det
 Same maths as :func:`llmlab.kernels.reference.rms_norm_reference` (statistics in fp32). Runs on
 CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before import).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,14 +32,13 @@ def _rms_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    xhat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)   # the model casts x̂ back first
+    xhat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)  # the model casts x̂ back first
     tl.store(Y + row * stride_y + cols, (w * xhat).to(Y.dtype.element_ty), mask=ok)
     tl.store(RSTD + row, rstd)
 
 
 @triton.jit
-def _rms_bwd(X, W, DY, DX, DW_PART, RSTD, stride_x, stride_dy, stride_dx, n_rows, N,
-             BLOCK_N: tl.constexpr):
+def _rms_bwd(X, W, DY, DX, DW_PART, RSTD, stride_x, stride_dy, stride_dx, n_rows, N, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -65,7 +65,6 @@ def _rows(x):
 
 
 class _RMSNorm(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, weight, eps):
         N = x.shape[-1]
@@ -74,8 +73,9 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(N)
-        _rms_fwd[(x2.shape[0],)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps,
-                                 BLOCK_N=block, num_warps=_num_warps(block))
+        _rms_fwd[(x2.shape[0],)](
+            x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK_N=block, num_warps=_num_warps(block)
+        )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return y.view(*x.shape[:-1], N)
@@ -89,9 +89,21 @@ class _RMSNorm(torch.autograd.Function):
         n_rows = x2.shape[0]
         progs = min(n_rows, 4 if INTERPRETED else 4 * _sm_count(x2.device))
         dw_part = torch.empty(progs, N, dtype=torch.float32, device=x2.device)
-        _rms_bwd[(progs,)](x2, weight, dy2, dx, dw_part, rstd, x2.stride(0), dy2.stride(0),
-                           dx.stride(0), n_rows, N, BLOCK_N=triton.next_power_of_2(N),
-                           num_warps=_num_warps(triton.next_power_of_2(N)))
+        _rms_bwd[(progs,)](
+            x2,
+            weight,
+            dy2,
+            dx,
+            dw_part,
+            rstd,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            n_rows,
+            N,
+            BLOCK_N=triton.next_power_of_2(N),
+            num_warps=_num_warps(triton.next_power_of_2(N)),
+        )
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), None
 
 
@@ -114,9 +126,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     ``[N]``, ``RuntimeError`` for CPU tensors outside the interpreter.
     """
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight {tuple(weight.shape)} must be [N] with N = x.shape[-1] = "
-                         f"{x.shape[-1]}")
+        raise ValueError(f"weight {tuple(weight.shape)} must be [N] with N = x.shape[-1] = {x.shape[-1]}")
     if not (x.is_cuda or INTERPRETED):
-        raise RuntimeError("the Triton RMSNorm kernel needs CUDA tensors, or TRITON_INTERPRET=1 "
-                           "set before importing llmlab.kernels.fused_rmsnorm")
+        raise RuntimeError(
+            "the Triton RMSNorm kernel needs CUDA tensors, or TRITON_INTERPRET=1 "
+            "set before importing llmlab.kernels.fused_rmsnorm"
+        )
     return _RMSNorm.apply(x, weight, float(eps))

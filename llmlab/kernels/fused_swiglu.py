@@ -11,6 +11,7 @@ With ``σ = sigmoid(g)``: ``y = g σ u``, ``dg = dy · u · σ (1 + g (1 - σ))`
 Same maths as :func:`llmlab.kernels.reference.swiglu_reference`. Runs on CUDA, or on CPU tensors
 under ``TRITON_INTERPRET=1`` (set before import).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,7 +46,6 @@ def _swiglu_bwd(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
 
 
 class _SwiGLU(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, gate, up):
         gate, up = gate.contiguous(), up.contiguous()
@@ -72,9 +72,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     the interpreter.
     """
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
-                         f"{up.dtype} must have the same shape and dtype")
+        raise ValueError(
+            f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+            f"{up.dtype} must have the same shape and dtype"
+        )
     if not (gate.is_cuda or INTERPRETED):
-        raise RuntimeError("the Triton SwiGLU kernel needs CUDA tensors, or TRITON_INTERPRET=1 "
-                           "set before importing llmlab.kernels.fused_swiglu")
+        raise RuntimeError(
+            "the Triton SwiGLU kernel needs CUDA tensors, or TRITON_INTERPRET=1 "
+            "set before importing llmlab.kernels.fused_swiglu"
+        )
     return _SwiGLU.apply(gate, up)

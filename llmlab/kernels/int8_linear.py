@@ -19,6 +19,7 @@ Kernels (:func:`path`):
   rounding. Chosen where ``torch._int_mm`` is missing or fails a trial, at ``LLMLAB_CPU_ISA=generic``
   (:mod:`~llmlab.kernels.cpu_isa`), or when ``LLMLAB_INT8_LINEAR=reference`` forces it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,13 @@ def int8_matmul(qx: torch.Tensor, qw: torch.Tensor, kernel: str) -> torch.Tensor
     return qx.float() @ qw.float().t()
 
 
-def w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None,
-                kernel: str | None = None) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    sw: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """``x [..., in]`` (fp32/bf16/fp16) -> ``[..., out]`` in ``x.dtype``: ``x`` quantised per token
     (:func:`quantize_per_token`), multiplied by ``qw int8 [out, in]`` in int8 (``kernel``, default
     :func:`path`), dequantised once by ``sx[t] * sw[o]``, plus ``bias [out]``."""
@@ -105,8 +111,9 @@ def w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch
     return y.to(x.dtype).reshape(*shape[:-1], qw.shape[0])
 
 
-def reference_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The float reference of the same quantised maths, step by step in fp64 (tests):
     ``(qx * sx) @ (qw * sw[:, None]).T + bias``."""
     qx, sx = quantize_per_token(x.reshape(-1, x.shape[-1]))

@@ -23,6 +23,7 @@ keys/values each ring step brings (:mod:`llmlab.parallel.ring_attention`): one r
 Everything here is plain PyTorch, meant to be read next to ``labs/09_kernels.ipynb`` and
 ``labs/10_context_parallel.ipynb``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,13 +44,20 @@ def online_softmax_steps(x: torch.Tensor, block_size: int) -> list[dict]:
     l = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
     steps = []
     for start in range(0, x.shape[-1], block_size):
-        blk = x[..., start:start + block_size]
+        blk = x[..., start : start + block_size]
         m_new = torch.maximum(m, blk.amax(-1))
-        rescale = torch.exp(m - m_new)          # exp(-inf) = 0 on the first block
+        rescale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first block
         l = l * rescale + torch.exp(blk - m_new[..., None]).sum(-1)
         m = m_new
-        steps.append({"start": start, "stop": start + blk.shape[-1], "m": m.clone(),
-                      "l": l.clone(), "rescale": rescale})
+        steps.append(
+            {
+                "start": start,
+                "stop": start + blk.shape[-1],
+                "m": m.clone(),
+                "l": l.clone(),
+                "rescale": rescale,
+            }
+        )
     return steps
 
 
@@ -75,18 +83,19 @@ def online_softmax_matmul(x: torch.Tensor, v: torch.Tensor, block_size: int) -> 
     l = torch.zeros_like(m)
     acc = torch.zeros(x.shape[0], v.shape[-1], dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[-1], block_size):
-        blk = x[:, start:start + block_size]
+        blk = x[:, start : start + block_size]
         m_new = torch.maximum(m, blk.amax(-1))
         rescale = torch.exp(m - m_new)
         p = torch.exp(blk - m_new[:, None])
         l = l * rescale + p.sum(-1)
-        acc = acc * rescale[:, None] + p @ v[start:start + block_size]
+        acc = acc * rescale[:, None] + p @ v[start : start + block_size]
         m = m_new
     return acc / l[:, None]
 
 
-def merge_softmax_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_softmax_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results over disjoint key sets (log-sum-exp rule).
 
     ``out_a, out_b [..., M, D]`` are each ``softmax(s_part) @ v_part`` normalised over its own
@@ -101,10 +110,10 @@ def merge_softmax_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     FlashAttention-2 (Dao 2023, §3.1) and ring attention (Liu et al. 2023, §3).
     """
     m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))     # both empty: weights 0, not nan
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both empty: weights 0, not nan
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
-    out = (out_a.float() * w_a[..., None] + out_b.float() * w_b[..., None])
+    out = out_a.float() * w_a[..., None] + out_b.float() * w_b[..., None]
     out = out / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     return out, m + torch.log(total)
 
@@ -119,5 +128,5 @@ def softmax_partial(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tor
     s = s.float()
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - safe[..., None])                              # exp(-inf) = 0 where masked
+    p = torch.exp(s - safe[..., None])  # exp(-inf) = 0 where masked
     return p @ v.float(), lse

@@ -24,6 +24,7 @@ PagedAttention V2), which matters when sequences x KV heads is far below the num
 Runs on CUDA, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before this module was
 imported (Triton's interpreter: correctness tests only, never timing).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,26 +41,57 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _paged_attention(Q, KC, VC, O, TABLES, CTX, QLEN, QSTART, sm_scale,
-                     sqn, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, son, soh, sod,
-                     stb, stn,
-                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    s = tl.program_id(0)                       # sequence
-    hk = tl.program_id(1)                      # KV head
-    pid_m = tl.program_id(2)                   # tile of (token, head-in-group) query rows
+def _paged_attention(
+    Q,
+    KC,
+    VC,
+    O,
+    TABLES,
+    CTX,
+    QLEN,
+    QSTART,
+    sm_scale,
+    sqn,
+    sqh,
+    sqd,
+    skb,
+    sks,
+    skh,
+    skd,
+    svb,
+    svs,
+    svh,
+    svd,
+    son,
+    soh,
+    sod,
+    stb,
+    stn,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)  # sequence
+    hk = tl.program_id(1)  # KV head
+    pid_m = tl.program_id(2)  # tile of (token, head-in-group) query rows
     ctx = tl.load(CTX + s).to(tl.int32)
     qlen = tl.load(QLEN + s).to(tl.int32)
     q0 = tl.load(QSTART + s).to(tl.int32)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = rows // GROUP                          # new token of the sequence
-    h = hk * GROUP + rows % GROUP              # query head
+    j = rows // GROUP  # new token of the sequence
+    h = hk * GROUP + rows % GROUP  # query head
     row_ok = j < qlen
-    pos = ctx - qlen + j                       # position of query row in the sequence
+    pos = ctx - qlen + j  # position of query row in the sequence
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (q0 + j)[:, None] * sqn + h[:, None] * sqh + offs_d[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + (q0 + j)[:, None] * sqn + h[:, None] * sqh + offs_d[None, :] * sqd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
 
     # Keys beyond the last row's position are in every row's future: not read. A tile with no
     # row (pid_m past this sequence's queries) reads nothing.
@@ -71,7 +103,7 @@ def _paged_attention(Q, KC, VC, O, TABLES, CTX, QLEN, QSTART, sm_scale,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(0, hi, BLOCK_N):
-        t = start + offs_n                     # token positions of this tile
+        t = start + offs_n  # token positions of this tile
         t_ok = t < hi
         blk = tl.load(TABLES + s * stb + (t // BLOCK_SIZE) * stn, mask=t_ok, other=0)
         slot = t % BLOCK_SIZE
@@ -89,61 +121,99 @@ def _paged_attention(Q, KC, VC, O, TABLES, CTX, QLEN, QSTART, sm_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
-    acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # rows past the queries: not stored
-    tl.store(O + (q0 + j)[:, None] * son + h[:, None] * soh + offs_d[None, :] * sod,
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    acc = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # rows past the queries: not stored
+    tl.store(
+        O + (q0 + j)[:, None] * son + h[:, None] * soh + offs_d[None, :] * sod,
+        acc.to(O.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
-def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor, context_lens: torch.Tensor,
-                       query_lens: torch.Tensor) -> None:
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+) -> None:
     """Shape / dtype / device checks of :func:`paged_attention_triton` (no host-device sync).
 
     Raises ``ValueError`` naming the violated constraint."""
     if q.dim() != 3:
         raise ValueError(f"q must be [N, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
-                         f"both be [num_blocks, block_size, num_kv_heads, head_dim]")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
+            f"both be [num_blocks, block_size, num_kv_heads, head_dim]"
+        )
     N, H, D = q.shape
     _, block_size, Hkv, Dc = k_cache.shape
     if Dc != D:
         raise ValueError(f"cache head_dim={Dc} must equal the query head_dim={D}")
     if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"head_dim={D} must be a power of two in [16, 256] for the Triton "
-                         f"PagedAttention kernel (tl.dot tile); use paged_attention_reference")
+        raise ValueError(
+            f"head_dim={D} must be a power of two in [16, 256] for the Triton "
+            f"PagedAttention kernel (tl.dot tile); use paged_attention_reference"
+        )
     if H % Hkv:
         raise ValueError(f"num_kv_heads={Hkv} must divide num_heads={H}")
     if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype not in DTYPES:
-        raise ValueError(f"dtypes q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}: each must be "
-                         f"one of float32, float16, bfloat16")
-    if block_tables.dim() != 2 or context_lens.dim() != 1 or query_lens.dim() != 1 \
-            or not block_tables.shape[0] == context_lens.shape[0] == query_lens.shape[0]:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [S, max_blocks] and "
-                         f"context_lens {tuple(context_lens.shape)}, query_lens "
-                         f"{tuple(query_lens.shape)} must be [S], same S")
-    for name, t in (("block_tables", block_tables), ("context_lens", context_lens),
-                    ("query_lens", query_lens)):
+        raise ValueError(
+            f"dtypes q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype}: each must be "
+            f"one of float32, float16, bfloat16"
+        )
+    if (
+        block_tables.dim() != 2
+        or context_lens.dim() != 1
+        or query_lens.dim() != 1
+        or not block_tables.shape[0] == context_lens.shape[0] == query_lens.shape[0]
+    ):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} must be [S, max_blocks] and "
+            f"context_lens {tuple(context_lens.shape)}, query_lens "
+            f"{tuple(query_lens.shape)} must be [S], same S"
+        )
+    for name, t in (
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+        ("query_lens", query_lens),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if N < block_tables.shape[0]:
-        raise ValueError(f"q has {N} tokens for {block_tables.shape[0]} sequences: every sequence "
-                         f"needs at least one new token")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_tables", block_tables), ("context_lens", context_lens),
-                    ("query_lens", query_lens)):
+        raise ValueError(
+            f"q has {N} tokens for {block_tables.shape[0]} sequences: every sequence "
+            f"needs at least one new token"
+        )
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+        ("query_lens", query_lens),
+    ):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}: all must share a device")
         if not (t.is_cuda or INTERPRETED):
-            raise RuntimeError("the Triton PagedAttention kernel needs CUDA tensors, or "
-                               "TRITON_INTERPRET=1 set before importing llmlab.kernels."
-                               "paged_attention (CPU interpreter)")
+            raise RuntimeError(
+                "the Triton PagedAttention kernel needs CUDA tensors, or "
+                "TRITON_INTERPRET=1 set before importing llmlab.kernels."
+                "paged_attention (CPU interpreter)"
+            )
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           query_lens: torch.Tensor, scale: float | None = None,
-                           block_n: int = 64) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
     """Causal attention of the step's new tokens over the paged K/V cache, in Triton.
 
     Same arguments and result as the reference
@@ -182,18 +252,42 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     qstart = torch.cumsum(query_lens, 0) - query_lens
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 stays fp32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays fp32
     grid = (S, Hkv, triton.cdiv(max_q * group, block_m))
     _paged_attention[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, query_lens, qstart, scale,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *block_tables.stride(),
-        GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
-        PRECISION=precision)
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens,
+        query_lens,
+        qstart,
+        scale,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=D,
+        PRECISION=precision,
+    )
     return out
 
 
-def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                     dtype: torch.dtype, device, block_n: int = 64) -> int:
+def compile_variants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device,
+    block_n: int = 64,
+) -> int:
     """Compile (by running once on tiny inputs) every specialisation of the kernel a serving run
     with these shapes can launch: ``BLOCK_M`` in 16/32/64 (decode, short and long prefills), so
     that a benchmark's timed steps never include Triton's compilation. Returns the number of
@@ -207,11 +301,19 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
         q = torch.zeros(max_q + 1, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.arange(nblk, device=device).repeat(2, 1)
         if max_q == 1:  # a decode step: one query per sequence
-            args = (q[:2], tables, torch.tensor([ctx, ctx], device=device),
-                    torch.tensor([1, 1], device=device))
-        else:           # a prefill next to a decode
-            args = (q, tables, torch.tensor([ctx, ctx], device=device),
-                    torch.tensor([max_q, 1], device=device))
+            args = (
+                q[:2],
+                tables,
+                torch.tensor([ctx, ctx], device=device),
+                torch.tensor([1, 1], device=device),
+            )
+        else:  # a prefill next to a decode
+            args = (
+                q,
+                tables,
+                torch.tensor([ctx, ctx], device=device),
+                torch.tensor([max_q, 1], device=device),
+            )
         paged_attention_triton(args[0], k_cache, k_cache, *args[1:], block_n=block_n)
         runs += 1
     return runs

@@ -18,6 +18,7 @@
 Shapes: ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` with ``H_kv`` dividing ``H`` (grouped-query
 attention: query head ``h`` reads key/value head ``h // (H // H_kv)``).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,14 +35,17 @@ def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     Raises ``ValueError`` naming the broken constraint.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     B, H, T, D = q.shape
     if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
-        raise ValueError(f"k/v {tuple(k.shape)} must match q {tuple(q.shape)} in batch, sequence "
-                         f"length and head_dim (self-attention, T_q == T_k)")
+        raise ValueError(
+            f"k/v {tuple(k.shape)} must match q {tuple(q.shape)} in batch, sequence "
+            f"length and head_dim (self-attention, T_q == T_k)"
+        )
     if H % k.shape[1]:
         raise ValueError(f"num_kv_heads={k.shape[1]} must divide num_heads={H}")
     return H // k.shape[1]
@@ -54,14 +58,15 @@ def _expand_kv(q, k, v):
     return k, v
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                        sm_scale: float | None = None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sm_scale: float | None = None
+) -> torch.Tensor:
     """``softmax(q k^T * sm_scale + mask) v`` with the scores materialised; returns ``[B,H,T,D]``
     in ``q.dtype``. Softmax in fp32. ``sm_scale`` defaults to ``1/sqrt(D)``."""
     k, v = _expand_kv(q, k, v)
     T, D = q.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale           # [B, H, T, T]
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, H, T, T]
     if causal:
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
@@ -89,7 +94,7 @@ class _FlashAttentionReference(torch.autograd.Function):
 def _causal_tile_mask(q_start, bm, k_start, bn, device):
     rows = torch.arange(q_start, q_start + bm, device=device)[:, None]
     cols = torch.arange(k_start, k_start + bn, device=device)[None, :]
-    return cols > rows                                              # True = masked out
+    return cols > rows  # True = masked out
 
 
 def flash_forward_tiles(q, k, v, causal: bool, scale: float, block_m: int, block_n: int):
@@ -100,56 +105,61 @@ def flash_forward_tiles(q, k, v, causal: bool, scale: float, block_m: int, block
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     for qs in range(0, T, block_m):
-        qb = q[:, :, qs:qs + block_m].float()
+        qb = q[:, :, qs : qs + block_m].float()
         bm = qb.shape[2]
-        o = torch.zeros(B, H, bm, D, device=q.device)              # running (out, lse) of the rows
+        o = torch.zeros(B, H, bm, D, device=q.device)  # running (out, lse) of the rows
         row_lse = torch.full((B, H, bm), float("-inf"), device=q.device)
-        kv_end = min(T, qs + bm) if causal else T                  # causal: skip tiles above the diagonal
+        kv_end = min(T, qs + bm) if causal else T  # causal: skip tiles above the diagonal
         for ks in range(0, kv_end, block_n):
-            kb, vb = k[:, :, ks:ks + block_n].float(), v[:, :, ks:ks + block_n].float()
-            s = (qb @ kb.transpose(-1, -2)) * scale                # one [bm, bn] tile per head
+            kb, vb = k[:, :, ks : ks + block_n].float(), v[:, :, ks : ks + block_n].float()
+            s = (qb @ kb.transpose(-1, -2)) * scale  # one [bm, bn] tile per head
             if causal and ks + kb.shape[2] - 1 > qs:
                 s = s.masked_fill(_causal_tile_mask(qs, bm, ks, kb.shape[2], q.device), float("-inf"))
             # the tile's own softmax, then the online-softmax merge into the rows' running result
             o, row_lse = merge_softmax_partials(o, row_lse, *softmax_partial(s, vb))
-        out[:, :, qs:qs + bm] = o.to(q.dtype)
-        lse[:, :, qs:qs + bm] = row_lse
+        out[:, :, qs : qs + bm] = o.to(q.dtype)
+        lse[:, :, qs : qs + bm] = row_lse
     return out, lse
 
 
-def flash_backward_tiles(q, k, v, out, lse, dout, causal: bool, scale: float, block_m: int,
-                         block_n: int):
+def flash_backward_tiles(q, k, v, out, lse, dout, causal: bool, scale: float, block_m: int, block_n: int):
     """Backward of FlashAttention in PyTorch tiles (FlashAttention-2 order: outer loop over key
     tiles, inner over query tiles). Each probability tile is recomputed as ``exp(s - lse)``.
     ``delta = rowsum(dout * out)`` replaces the softmax Jacobian's row sum. Returns fp32-accurate
     ``dq, dk, dv`` in the inputs' dtypes."""
     B, H, T, D = q.shape
-    delta = (dout.float() * out.float()).sum(-1)                   # [B, H, T]
+    delta = (dout.float() * out.float()).sum(-1)  # [B, H, T]
     dq = torch.zeros(B, H, T, D, device=q.device)
     dk = torch.zeros(B, H, T, D, device=q.device)
     dv = torch.zeros(B, H, T, D, device=q.device)
     for ks in range(0, T, block_n):
-        kb, vb = k[:, :, ks:ks + block_n].float(), v[:, :, ks:ks + block_n].float()
+        kb, vb = k[:, :, ks : ks + block_n].float(), v[:, :, ks : ks + block_n].float()
         bn = kb.shape[2]
-        q_start = (ks // block_m) * block_m if causal else 0       # tiles left of the diagonal are masked
+        q_start = (ks // block_m) * block_m if causal else 0  # tiles left of the diagonal are masked
         for qs in range(q_start, T, block_m):
-            qb, dob = q[:, :, qs:qs + block_m].float(), dout[:, :, qs:qs + block_m].float()
+            qb, dob = q[:, :, qs : qs + block_m].float(), dout[:, :, qs : qs + block_m].float()
             bm = qb.shape[2]
             s = (qb @ kb.transpose(-1, -2)) * scale
-            p = torch.exp(s - lse[:, :, qs:qs + bm, None])
+            p = torch.exp(s - lse[:, :, qs : qs + bm, None])
             if causal and ks + bn - 1 > qs:
                 p = p.masked_fill(_causal_tile_mask(qs, bm, ks, bn, q.device), 0.0)
-            dv[:, :, ks:ks + bn] += p.transpose(-1, -2) @ dob
+            dv[:, :, ks : ks + bn] += p.transpose(-1, -2) @ dob
             dp = dob @ vb.transpose(-1, -2)
-            ds = p * (dp - delta[:, :, qs:qs + bm, None])
-            dk[:, :, ks:ks + bn] += (ds.transpose(-1, -2) @ qb) * scale
-            dq[:, :, qs:qs + bm] += (ds @ kb) * scale
+            ds = p * (dp - delta[:, :, qs : qs + bm, None])
+            dk[:, :, ks : ks + bn] += (ds.transpose(-1, -2) @ qb) * scale
+            dq[:, :, qs : qs + bm] += (ds @ kb) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              causal: bool = True, sm_scale: float | None = None,
-                              block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def flash_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
     """FlashAttention's tiled algorithm in PyTorch; same result as :func:`attention_reference`.
 
     ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` -> ``[B,H,T,D]``. Memory saved for backward:

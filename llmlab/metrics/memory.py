@@ -11,6 +11,7 @@
 Exact accounting is deterministic, unlike the OS's RSS (``tracemalloc`` does not see tensors at
 all), which is why the labs use it as the main number.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -49,8 +50,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     inner = getattr(optimizer, "optim", None) or getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer and not optimizer.state:
         optimizer = inner
-    return tensor_bytes(v for st in optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
+    return tensor_bytes(
+        v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
 
 
 class _Held:
@@ -135,6 +137,8 @@ def cuda_memory(device=None) -> dict[str, int]:
     """``{"allocated", "peak_allocated", "reserved"}`` bytes on a CUDA device; ``{}`` on CPU."""
     if not torch.cuda.is_available():
         return {}
-    return {"allocated": torch.cuda.memory_allocated(device),
-            "peak_allocated": torch.cuda.max_memory_allocated(device),
-            "reserved": torch.cuda.memory_reserved(device)}
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+    }

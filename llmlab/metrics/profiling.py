@@ -13,6 +13,7 @@ Source: PyTorch profiler recipe (torch.profiler.schedule, tensorboard_trace_hand
 phase names follow what Megatron-LM's and torchtitan's traces show (forward, backward,
 optimizer, each collective with its message size).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,11 +47,12 @@ def parse_steps(spec: str, first: int, last: int) -> tuple[int, int]:
     except ValueError:
         a = b = None
     if a is None or b is None:
-        raise ValueError(f"--profile-steps {spec!r}: expected A:B (first and last step to record, "
-                         f"e.g. 2:3)")
+        raise ValueError(f"--profile-steps {spec!r}: expected A:B (first and last step to record, e.g. 2:3)")
     if not first <= a <= b <= last:
-        raise ValueError(f"--profile-steps {spec!r}: the range must lie within the run's steps "
-                         f"{first}..{last}, with A <= B")
+        raise ValueError(
+            f"--profile-steps {spec!r}: the range must lie within the run's steps "
+            f"{first}..{last}, with A <= B"
+        )
     return a, b
 
 
@@ -88,8 +90,7 @@ def profiler(out: str | Path, skip: int = 0, active: int | None = None) -> torch
     sched = None
     if active is not None:
         sched = torch.profiler.schedule(skip_first=skip, wait=0, warmup=0, active=active, repeat=1)
-    return torch.profiler.profile(activities=acts, schedule=sched, on_trace_ready=write,
-                                  record_shapes=True)
+    return torch.profiler.profile(activities=acts, schedule=sched, on_trace_ready=write, record_shapes=True)
 
 
 class StepProfiler:
@@ -100,11 +101,11 @@ class StepProfiler:
         self.prof = None
         if directory and steps and steps[1] >= first:
             import warnings
-            a, b = max(steps[0], first), steps[1]   # a resumed run starts at ``first``
+
+            a, b = max(steps[0], first), steps[1]  # a resumed run starts at ``first``
             with warnings.catch_warnings():  # "no warmup": wanted, step A is recorded as is
                 warnings.simplefilter("ignore")
-                self.prof = profiler(trace_path(directory, rank), skip=a - first,
-                                     active=b - a + 1)
+                self.prof = profiler(trace_path(directory, rank), skip=a - first, active=b - a + 1)
                 self.prof.start()
 
     def step(self) -> None:
@@ -129,8 +130,10 @@ class TraceRecorder:
     def start(self) -> None:
         """``RuntimeError`` without a folder or while recording."""
         if not self.directory:
-            raise RuntimeError("profiling needs a trace folder: start the engine with "
-                               "--profile-dir DIR (EngineConfig.profile_dir)")
+            raise RuntimeError(
+                "profiling needs a trace folder: start the engine with "
+                "--profile-dir DIR (EngineConfig.profile_dir)"
+            )
         if self.prof is not None:
             raise RuntimeError("a profile is already being recorded; stop it first")
         self.path = str(Path(self.directory) / f"{self.name}-{next(_RECORDINGS)}.pt.trace.json.gz")

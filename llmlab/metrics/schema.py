@@ -8,6 +8,7 @@ to the schema's ``properties``, and to ``required`` if every run reports it.
 Validation uses the ``jsonschema`` package (in the ``dev`` extra; the library itself does not
 need it): the tests validate every metrics file they write.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ def validate_train_metrics(metrics: dict) -> None:
     """Raise ``jsonschema.ValidationError`` (naming the path of the offending field) unless
     ``metrics`` follows the schema. Needs ``jsonschema`` (``pip install llmlab[dev]``)."""
     import jsonschema
+
     cls = jsonschema.validators.validator_for(train_metrics_schema())
     cls(train_metrics_schema()).validate(metrics)
 

@@ -7,6 +7,7 @@ optimizer_states,activations_peak}`` (bytes); the serving benchmark and server w
 with :func:`write_scalars`. View with ``tensorboard --logdir DIR``. Needs the ``tensorboard``
 package (extra ``llmlab[observe]``); :func:`open_writer` says so when it is missing.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -21,8 +22,9 @@ def open_writer(logdir: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                           "(or llmlab[observe])") from None
+        raise RuntimeError(
+            "--tensorboard needs the tensorboard package: pip install tensorboard (or llmlab[observe])"
+        ) from None
     return SummaryWriter(log_dir=logdir)
 
 
@@ -49,8 +51,7 @@ def write_train_metrics(metrics: Mapping[str, Any], logdir: str) -> None:
         last = steps[-1]["step"] if steps else 0
         for r in metrics.get("ranks", []):
             mem = r.get("memory_bytes", {})
-            write_scalars(writer, f"memory/rank{r['rank']}", {k: mem.get(k) for k in MEMORY_KEYS},
-                          last)
+            write_scalars(writer, f"memory/rank{r['rank']}", {k: mem.get(k) for k in MEMORY_KEYS}, last)
     finally:
         writer.close()
 
@@ -74,6 +75,7 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag in ``logdir``'s event files -> ``[(step, value), ...]`` (tensorboard's
     ``EventAccumulator``): what TensorBoard will show."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

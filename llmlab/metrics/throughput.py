@@ -6,6 +6,7 @@ attention's score and value matmuls; the formula is :func:`llmlab.formulas.compu
 training_flops_per_token`, re-exported here). Recomputation (activation checkpointing) is not
 counted.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -42,6 +43,7 @@ def peak_flops(device: torch.device | str | None = None, dtype: str = "bf16") ->
     if dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"dtype {dtype!r}: expected bf16, fp16 or fp32")
     import torch
+
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:

@@ -12,6 +12,7 @@ bars of zero width. Two ways to time real work, both used by llmlab's timelines:
 
 On CPU both are ``time.perf_counter()`` (gloo futures complete when the work does).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,6 +31,7 @@ def device_clock(device: torch.device | str) -> Callable[[], float]:
     def now() -> float:
         torch.cuda.synchronize(device)
         return time.perf_counter()
+
     return now
 
 

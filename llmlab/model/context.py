@@ -11,6 +11,7 @@ The context is any object with ``attention(layer_idx, q [N, H, D], k [N, Hkv, D]
 -> [N, H, D]``; llmlab's engine sets :class:`llmlab.inference.attention_context.PagedAttentionContext`.
 The model never imports the engine: the dependency points from ``inference`` to ``model``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ The directory holds ``config.json`` and ``model.safetensors`` (or sharded
 with ``transformers.AutoConfig`` and the weights with ``safetensors``; no network access.
 Parameter names already match, so loading is a ``load_state_dict``.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,22 +35,28 @@ def config_from_hf(hf_config) -> ModelConfig:
     mt = getattr(hf_config, "model_type", None)
     if mt not in SUPPORTED:
         raise ValueError(f"model_type={mt!r} is not supported; llmlab loads {', '.join(SUPPORTED)}")
-    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-                or {})
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported "
-                         f"(default, linear, llama3): {rope}")
+        raise ValueError(
+            f"rope_scaling rope_type={rope_type!r} is not supported (default, linear, llama3): {rope}"
+        )
     theta = float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
-    scaling = None if rope_type == "default" else {
-        k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
+    scaling = (
+        None
+        if rope_type == "default"
+        else {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
+    )
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (SwiGLU uses silu)")
     layer_types = list(getattr(hf_config, "layer_types", None) or [])
     sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-    if not layer_types and getattr(hf_config, "use_sliding_window", False) and \
-            getattr(hf_config, "sliding_window", None):          # transformers before layer_types
+    if (
+        not layer_types
+        and getattr(hf_config, "use_sliding_window", False)
+        and getattr(hf_config, "sliding_window", None)
+    ):  # transformers before layer_types
         first = getattr(hf_config, "max_window_layers", 0)
         sliding = tuple(range(first, hf_config.num_hidden_layers))
     other = {t for t in layer_types} - {"full_attention", "sliding_attention"}
@@ -74,15 +81,17 @@ def config_from_hf(hf_config) -> ModelConfig:
         attention_bias=qkv_bias,
         o_proj_bias=mt == "llama" and bool(getattr(hf_config, "attention_bias", False)),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        explicit_head_dim=(int(head_dim) if head_dim and head_dim * H != hf_config.hidden_size
-                           else None),
-        rope_scaling=scaling, sliding_window=window, sliding_window_layers=sliding,
+        explicit_head_dim=(int(head_dim) if head_dim and head_dim * H != hf_config.hidden_size else None),
+        rope_scaling=scaling,
+        sliding_window=window,
+        sliding_window_layers=sliding,
     ).validate()
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint in ``path`` (single file or sharded), on CPU."""
     from safetensors.torch import load_file
+
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -108,6 +117,7 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama
     missing/unexpected tensors).
     """
     from transformers import AutoConfig
+
     path = Path(path)
     if not is_hf_checkpoint(path):
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
@@ -121,13 +131,17 @@ def load_into(model: torch.nn.Module, state: dict, tied: bool, path: object, wha
     """Load a checkpoint's ``state`` (llmlab names) into ``model``: the rotary tables dropped, a
     tied ``lm_head.weight`` left to the embedding; ``ValueError`` naming ``what`` when tensors
     are missing or unexpected."""
-    state = {k: v for k, v in state.items()
-             if "rotary_emb.inv_freq" not in k and not (tied and k == "lm_head.weight")}
+    state = {
+        k: v
+        for k, v in state.items()
+        if "rotary_emb.inv_freq" not in k and not (tied and k == "lm_head.weight")
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match {what}: missing={missing[:5]}, "
-                         f"unexpected={unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint {path} does not match {what}: missing={missing[:5]}, unexpected={unexpected[:5]}"
+        )
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
@@ -144,15 +158,21 @@ def hf_config_dict(config: ModelConfig) -> dict:
         model_type, bias = "llama", {"attention_bias": config.attention_bias}
     return {
         "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
-        "model_type": model_type, "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
-        "mlp_bias": config.mlp_bias, "torch_dtype": "float32", **bias,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "mlp_bias": config.mlp_bias,
+        "torch_dtype": "float32",
+        **bias,
         **({"head_dim": config.explicit_head_dim} if config.explicit_head_dim else {}),
         **({"rope_scaling": dict(config.rope_scaling)} if config.rope_scaling else {}),
     }
@@ -165,6 +185,7 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: str | Path, dtype: torch.d
     converts floating tensors to halve the file. Returns the directory.
     """
     from safetensors.torch import save_file
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_dict(model.config)

@@ -3,6 +3,7 @@ and each expert of the MoE block), and the weight concatenation that fuses linea
 
 Shapes: ``B`` batch, ``T`` sequence length, ``h`` hidden size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
         """``x [..., h] -> [..., h]``; with ``residual``: the norm of ``x + residual`` and that
         sum, ``(normed, x + residual)`` (the C++ CPU operator does both in one pass)."""
         cpu = engine_cpu_fused()
-        if kernels.use_fused("rmsnorm", x, cpu):      # opt-in fused kernels (llmlab.kernels)
+        if kernels.use_fused("rmsnorm", x, cpu):  # opt-in fused kernels (llmlab.kernels)
             return kernels.rms_norm(x, self.weight, self.eps, residual, cpu)
         if residual is not None:
             x = x + residual
@@ -49,9 +50,9 @@ def concat_linears(mods: list[nn.Linear]):
     r = 0
     for m in mods:
         n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[r:r + n], requires_grad=False)
+        m.weight = nn.Parameter(w[r : r + n], requires_grad=False)
         if b is not None:
-            m.bias = nn.Parameter(b[r:r + n], requires_grad=False)
+            m.bias = nn.Parameter(b[r : r + n], requires_grad=False)
         r += n
     return w, b, [m.weight.shape[0] for m in mods]
 
@@ -64,7 +65,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.fused_gate_up = None    # (weight, bias, split) after fuse(): one gate/up matmul
+        self.fused_gate_up = None  # (weight, bias, split) after fuse(): one gate/up matmul
 
     def fuse(self) -> None:
         """gate/up as one matmul over views of one weight (inference; see :func:`concat_linears`)."""
@@ -77,6 +78,6 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         cpu = engine_cpu_fused()
-        if kernels.use_fused("swiglu", gate, cpu):      # opt-in fused kernels (llmlab.kernels)
+        if kernels.use_fused("swiglu", gate, cpu):  # opt-in fused kernels (llmlab.kernels)
             return self.down_proj(kernels.swiglu(gate, up, cpu))
         return self.down_proj(F.silu(gate) * up)

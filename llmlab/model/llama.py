@@ -11,6 +11,7 @@ depends only on the seed, never on the layout.
 
 Shapes: ``B`` batch, ``T`` sequence length, ``h`` hidden size, ``H`` heads, ``D`` head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,16 +27,14 @@ from llmlab.model.layers import MLP, RMSNorm, concat_linears
 from llmlab.model.moe import MoE
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
-                  device=None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
     """RoPE frequencies ``theta^(-2i/D)``, ``[D/2]`` fp32, with Hugging Face's scalings:
     ``{"rope_type": "linear", "factor": f}`` divides every frequency by ``f`` (position
     interpolation, Chen et al. 2023); ``"llama3"`` (Llama 3.1) divides only the low frequencies
     (wavelength above ``original_max_position_embeddings / low_freq_factor``) by ``factor``, keeps
     the high ones (below ``... / high_freq_factor``) and blends linearly in between. Raises
     ``ValueError`` for another ``rope_type``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-                                / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     rt = (scaling or {}).get("rope_type", "default")
     if rt == "default":
         return inv_freq
@@ -54,9 +53,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
     raise ValueError(f"rope_scaling rope_type={rt!r} is not supported (default, linear, llama3)")
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype = torch.float32,
-                   scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype = torch.float32,
+    scaling: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for RoPE (Su et al. 2021), shape ``positions.shape + (head_dim,)``;
     ``scaling``: see :func:`rope_inv_freq`."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
@@ -98,7 +101,7 @@ def causal_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
         i = torch.arange(q.shape[2], device=q.device)
         d = i[:, None] - i[None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window))
-    if kernels.use_fused("attention", q):    # opt-in flash attention (llmlab.kernels)
+    if kernels.use_fused("attention", q):  # opt-in flash attention (llmlab.kernels)
         return kernels.attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -120,8 +123,8 @@ class Attention(nn.Module):
         self.head_dim = D
         self.layer_idx = layer_idx
         slides = layer_idx in config.sliding_window_layers
-        self.sliding_window = config.sliding_window if slides else None   # keys per query
-        self.fused_qkv = None        # (weight, bias, split) after fuse(): one q/k/v matmul
+        self.sliding_window = config.sliding_window if slides else None  # keys per query
+        self.fused_qkv = None  # (weight, bias, split) after fuse(): one q/k/v matmul
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.q_proj = nn.Linear(h, self.num_heads * D, bias=config.attention_bias)
@@ -142,7 +145,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         ctx = get_context()
-        if ctx is not None:      # serving: the engine's attention over its paged cache
+        if ctx is not None:  # serving: the engine's attention over its paged cache
             return self._serve(ctx, q, k, v, cos, sin)
         q = q.view(B, T, H, D).transpose(1, 2)
         k = k.view(B, T, Hkv, D).transpose(1, 2)
@@ -150,7 +153,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = causal_attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-
 
     def _serve(self, ctx, q, k, v, cos, sin) -> torch.Tensor:
         """The serving path, token-major: ``q [B,T,H*D]``, ``k, v [B,T,Hkv*D]`` (views of the
@@ -160,15 +162,17 @@ class Attention(nn.Module):
         B, T, _ = q.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         N = B * T
-        fused = (q.data_ptr() + H * D * q.element_size() == k.data_ptr() and q.stride(-2) == k.stride(-2)
-                 and (B == 1 or q.stride(0) == T * q.stride(1)))
+        fused = (
+            q.data_ptr() + H * D * q.element_size() == k.data_ptr()
+            and q.stride(-2) == k.stride(-2)
+            and (B == 1 or q.stride(0) == T * q.stride(1))
+        )
         if fused:
-            qk = q.as_strided((N, H + Hkv, D), (q.stride(-2), D, 1))   # q|k of the fused output
+            qk = q.as_strided((N, H + Hkv, D), (q.stride(-2), D, 1))  # q|k of the fused output
         else:
             qk = torch.cat([q.reshape(N, H, D), k.reshape(N, Hkv, D)], dim=1)
         qk = kernels.rotary(qk, cos.reshape(N, D), sin.reshape(N, D), getattr(ctx, "cpu_fused", None))
-        o = ctx.attention(self.layer_idx, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, D),
-                          self.sliding_window)
+        o = ctx.attention(self.layer_idx, qk[:, :H], qk[:, H:], v.reshape(N, Hkv, D), self.sliding_window)
         return self.o_proj(o.reshape(B, T, H * D))
 
 
@@ -192,7 +196,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin)
-        if kernels.use_fused("residual_rmsnorm", h, engine_cpu_fused()):   # add + norm, one pass (CPU)
+        if kernels.use_fused("residual_rmsnorm", h, engine_cpu_fused()):  # add + norm, one pass (CPU)
             h, x = self.post_attention_layernorm(h, residual=x)
         else:
             x = x + h
@@ -242,8 +246,10 @@ class LlamaForCausalLM(nn.Module):
     def rotary(self, T: int, device, dtype, offset: int = 0):
         if self.position_ids is not None:
             if self.position_ids.numel() != T:
-                raise ValueError(f"{T} tokens but {self.position_ids.numel()} position_ids "
-                                 f"(context parallelism: each rank holds seq_len/cp tokens)")
+                raise ValueError(
+                    f"{T} tokens but {self.position_ids.numel()} position_ids "
+                    f"(context parallelism: each rank holds seq_len/cp tokens)"
+                )
             pos = self.position_ids.to(device) + offset
         else:
             pos = torch.arange(offset, offset + T, device=device)
@@ -254,8 +260,13 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         return rotary_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
 
-    def run_layers(self, hidden: torch.Tensor, layers=None, seq_len: int | None = None,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        layers=None,
+        seq_len: int | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Apply ``layers`` (default: all) to ``hidden [B,T,h]``. ``seq_len`` overrides T for RoPE
         when the hidden state is sharded along the sequence; ``positions [T]`` gives each token's
         position instead of ``0..T-1`` (a serving step: the new tokens of many sequences)."""
@@ -264,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             T = seq_len if seq_len is not None else hidden.shape[1] * self.sequence_shards
             cos, sin = self.rotary(T, hidden.device, hidden.dtype)
-        for layer in (self.model.layers if layers is None else layers):
+        for layer in self.model.layers if layers is None else layers:
             hidden = layer(hidden, cos, sin)
         return hidden
 
@@ -283,8 +294,7 @@ class LlamaForCausalLM(nn.Module):
         if self.loss_function is not None:
             return self.loss_function(logits, labels)
         labels = labels.flatten()
-        total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100,
-                                reduction="sum")
+        total = F.cross_entropy(logits.float().flatten(0, -2), labels, ignore_index=-100, reduction="sum")
         return total / (labels != -100).sum().clamp(min=1)
 
     def aux_loss(self) -> torch.Tensor | float:
@@ -296,16 +306,25 @@ class LlamaForCausalLM(nn.Module):
                 total = total + a
         return total
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None,
-                logits_indices: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
+    ):
         """``positions [T]`` (optional) are the tokens' RoPE positions; ``logits_indices [K]``
         (optional) picks the flattened ``B*T`` rows whose logits are wanted (``[K, vocab]``)."""
         return self.forward_embeds(self.embed(input_ids), labels, positions, logits_indices)
 
-    def forward_embeds(self, h: torch.Tensor, labels: torch.Tensor | None = None,
-                       positions: torch.Tensor | None = None,
-                       logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_embeds(
+        self,
+        h: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """:meth:`forward` from the input embeddings ``h [B, T, hidden]`` on (a multimodal model
         writes its image tokens into them first): logits, or the loss with ``labels``."""
         h = self.run_layers(h) if positions is None else self.run_layers(h, positions=positions)
@@ -350,4 +369,5 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 def _name_seed(seed: int, name: str) -> int:
     import zlib
+
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)

@@ -11,6 +11,7 @@ and ``...q_proj.lora_B.weight``; :func:`save_peft_adapter` writes them as
 ``base_model.model.<name>`` into ``adapter_model.safetensors`` beside an ``adapter_config.json``,
 which ``peft.PeftModel.from_pretrained`` loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,7 @@ def parse_targets(spec: str) -> list[str]:
     names = [t.strip() for t in spec.split(",") if t.strip()]
     bad = [t for t in names if t not in TARGETS]
     if bad or not names:
-        raise ValueError(f"--lora-target {spec!r}: expected a comma-separated list of "
-                         f"{', '.join(TARGETS)}")
+        raise ValueError(f"--lora-target {spec!r}: expected a comma-separated list of {', '.join(TARGETS)}")
     return names
 
 
@@ -58,12 +58,21 @@ def check_rank(config: Any, rank: int, targets: list[str]) -> None:
         raise ValueError(f"--lora-rank must be >= 1, got {rank}")
     h, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    sides = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    sides = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, f),
+        "up_proj": (h, f),
+        "down_proj": (f, h),
+    }
     for t in targets:
         if rank > min(sides[t]):
-            raise ValueError(f"--lora-rank {rank} is larger than {t} ({sides[t][1]} x {sides[t][0]}): "
-                             f"at most {min(sides[t])}")
+            raise ValueError(
+                f"--lora-rank {rank} is larger than {t} ({sides[t][1]} x {sides[t][0]}): "
+                f"at most {min(sides[t])}"
+            )
 
 
 @torch.no_grad()
@@ -71,6 +80,7 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, se
     """Replace every ``nn.Linear`` named ``*.<target>`` in ``model`` by a :class:`LoRALinear`,
     freeze every other parameter, and return the adapted modules' names."""
     import zlib
+
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
@@ -96,19 +106,39 @@ def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
 
 
-def save_peft_adapter(tensors: dict[str, torch.Tensor], path: str | Path, *, base: str, rank: int,
-                      alpha: float, targets: list[str]) -> Path:
+def save_peft_adapter(
+    tensors: dict[str, torch.Tensor],
+    path: str | Path,
+    *,
+    base: str,
+    rank: int,
+    alpha: float,
+    targets: list[str],
+) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's LoRA format) from
     llmlab adapter tensors ``{model.layers.0.self_attn.q_proj.lora_A.weight: ...}``."""
     from safetensors.torch import save_file
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {f"base_model.model.{n}": t.detach().float().cpu().contiguous() for n, t in tensors.items()}
     save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
-              "r": rank, "lora_alpha": alpha, "target_modules": sorted(targets), "lora_dropout": 0.0,
-              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": sorted(targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+    }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -117,11 +147,13 @@ def load_peft_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch
     """``(adapter_config, {llmlab name: tensor})`` of a PEFT LoRA adapter folder. Raises
     ``ValueError`` naming what is missing or not LoRA."""
     from safetensors.torch import load_file
+
     path = Path(path)
     cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
-        raise ValueError(f"{path}: not a PEFT adapter (needs adapter_config.json and "
-                         f"adapter_model.safetensors)")
+        raise ValueError(
+            f"{path}: not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors)"
+        )
     config = json.loads(cfg_file.read_text())
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")

@@ -44,6 +44,7 @@ Expert parallelism (:mod:`llmlab.parallel.expert_parallel`) keeps only some expe
 replaces :meth:`MoE.run_experts` with a dispatch/combine over all-to-all; everything else (router,
 top-k, capacity, losses) is the same code, applied to the rank's own tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -106,7 +107,7 @@ class MoE(nn.Module):
         if capacity is None:
             return torch.ones_like(flat, dtype=torch.bool)
         onehot = F.one_hot(flat, self.num_experts)
-        position = (onehot.cumsum(0) * onehot).sum(-1) - 1   # place in the expert's queue
+        position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # place in the expert's queue
         return position < capacity
 
     # --- experts -----------------------------------------------------------------------------
@@ -130,17 +131,17 @@ class MoE(nn.Module):
         logits, probs, topi, weights = self.route(tokens)
 
         capacity = self.expert_capacity(N)
-        keep = self.keep_mask(topi, capacity)                        # [K*N], priority order
-        expert_of = topi.t().reshape(-1)                             # [K*N]
-        token_of = torch.arange(N, device=x.device).repeat(K)        # [K*N]
-        weight_of = weights.t().reshape(-1)                          # [K*N]
+        keep = self.keep_mask(topi, capacity)  # [K*N], priority order
+        expert_of = topi.t().reshape(-1)  # [K*N]
+        token_of = torch.arange(N, device=x.device).repeat(K)  # [K*N]
+        weight_of = weights.t().reshape(-1)  # [K*N]
 
         # Group the kept assignments by expert (stable: token order within an expert).
         e_kept = expert_of[keep]
         order = torch.argsort(e_kept, stable=True)
         e_sorted, t_sorted, w_sorted = e_kept[order], token_of[keep][order], weight_of[keep][order]
         counts = torch.bincount(e_sorted, minlength=E)
-        y = self.run_experts(tokens[t_sorted], counts)               # [n_kept, h]
+        y = self.run_experts(tokens[t_sorted], counts)  # [n_kept, h]
         out = torch.zeros_like(tokens).index_add(0, t_sorted, y * w_sorted[:, None].to(y.dtype))
 
         self._losses(logits, probs, topi, seq_len)
@@ -149,10 +150,10 @@ class MoE(nn.Module):
 
     def _losses(self, logits, probs, topi, seq_len: int) -> None:
         E, K = self.num_experts, self.top_k
-        S = probs.shape[0] // seq_len                                 # sequences in this call
-        assigned = F.one_hot(topi, E).sum(1).float()                 # [N,E] choices per token
-        f = assigned.view(S, seq_len, E).mean(1) / K                 # [S,E], rows sum to 1
-        P = probs.view(S, seq_len, E).mean(1)                        # [S,E]
+        S = probs.shape[0] // seq_len  # sequences in this call
+        assigned = F.one_hot(topi, E).sum(1).float()  # [N,E] choices per token
+        f = assigned.view(S, seq_len, E).mean(1) / K  # [S,E], rows sum to 1
+        P = probs.view(S, seq_len, E).mean(1)  # [S,E]
         lb = (E * (f * P).sum(-1)).mean()
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         self.lb_loss, self.z_loss = float(lb.detach()), float(z.detach())
@@ -201,8 +202,7 @@ def imbalance(counts) -> float:
     return float(c.max() / c.mean()) if c.sum() > 0 else 1.0
 
 
-def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
-                      num_layers: int | None = None) -> dict:
+def collect_moe_stats(model: nn.Module, group=None, pp_group=None, num_layers: int | None = None) -> dict:
     """Routing statistics accumulated since the last call, summed over ``group`` (the
     data-parallel group: every rank counts the tokens of its own slice) and, under pipeline
     parallelism, gathered over ``pp_group`` (each stage holds different layers), then reset.
@@ -218,13 +218,19 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
     ``torch.distributed`` directly, so it is not counted in the comm bytes.
     """
     import torch.distributed as dist
-    held = [(getattr(layer, "layer_idx", i), layer.mlp) for i, layer in
-            enumerate(m for m in model.modules() if isinstance(getattr(m, "mlp", None), MoE))]
+
+    held = [
+        (getattr(layer, "layer_idx", i), layer.mlp)
+        for i, layer in enumerate(m for m in model.modules() if isinstance(getattr(m, "mlp", None), MoE))
+    ]
     if not held:
         return {}
     L, E = num_layers or len(held), held[0][1].num_experts
-    index = {idx: row for row, idx in enumerate(sorted(idx for idx, _ in held))} if num_layers is None \
+    index = (
+        {idx: row for row, idx in enumerate(sorted(idx for idx, _ in held))}
+        if num_layers is None
         else {idx: idx for idx, _ in held}
+    )
     counts = torch.zeros(L, E, dtype=torch.float64)
     dropped = torch.zeros(1, dtype=torch.float64)
     near = torch.zeros(1, dtype=torch.float64)
@@ -249,7 +255,11 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None,
     for _, m in held:
         m.reset_stats()
     per_layer = [imbalance(c) for c in counts]
-    return {"tokens_per_expert": counts.long().tolist(), "dropped_tokens": int(dropped),
-            "near_tie_tokens": int(near),
-            "lb_loss": float(lb), "imbalance": sum(per_layer) / len(per_layer),
-            "imbalance_max": max(per_layer)}
+    return {
+        "tokens_per_expert": counts.long().tolist(),
+        "dropped_tokens": int(dropped),
+        "near_tie_tokens": int(near),
+        "lb_loss": float(lb),
+        "imbalance": sum(per_layer) / len(per_layer),
+        "imbalance_max": max(per_layer),
+    }

@@ -7,6 +7,7 @@ decomposition). Weights take 1 byte per element plus 4 bytes per output channel 
 (fp32) or 2 (bf16); activations stay in floating point. The model's embedding and, by default, the
 output head stay unquantised (the head is the most sensitive layer).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,10 +35,12 @@ class Int8Linear(nn.Module):
         return cls(q, scale, linear.bias)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.q.to(dtype) * self.scale.to(dtype)[:, None])
+        return self.q.to(dtype) * self.scale.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(
+            x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
 
 
 def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
@@ -68,5 +71,5 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, seq_len: int = 128, max_w
     if n < 1:
         raise ValueError(f"need more than {seq_len + 1} tokens, got {tokens.numel()}")
     x = tokens[: n * seq_len].view(n, seq_len)
-    y = tokens[1: n * seq_len + 1].view(n, seq_len)
+    y = tokens[1 : n * seq_len + 1].view(n, seq_len)
     return math.exp(model(x, y).item())

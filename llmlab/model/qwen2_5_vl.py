@@ -9,6 +9,7 @@ tower's output (Hugging Face's ``masked_scatter``). Loaded from a Hugging Face
 (``Qwen2VLForConditionalGeneration``: LayerNorm and QuickGELU vision blocks, no windows) loads
 into the same class with ``VisionConfig.variant = "qwen2_vl"``.
 """
+
 from __future__ import annotations
 
 import types
@@ -55,8 +56,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(config, seed)
         self.mm_config = mm
         if mm.vision.out_hidden_size != config.hidden_size:
-            raise ValueError(f"vision out_hidden_size={mm.vision.out_hidden_size} must equal the "
-                             f"language model's hidden_size={config.hidden_size}")
+            raise ValueError(
+                f"vision out_hidden_size={mm.vision.out_hidden_size} must equal the "
+                f"language model's hidden_size={config.hidden_size}"
+            )
         self.visual = VisionTransformer(mm.vision)
 
     def rotary_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +69,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         c = self.config
         return mrope_cos_sin(positions, c.head_dim, c.rope_theta, self.mm_config.mrope_section, dtype)
 
-    def rotary(self, T: int, device: Any, dtype: torch.dtype,
-               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, T: int, device: Any, dtype: torch.dtype, offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_at(torch.arange(offset, offset + T, device=device), dtype)
 
     @torch.no_grad()
@@ -78,11 +82,16 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         dtype = self.visual.patch_embed.proj.weight.dtype
         return self.visual(pixel_values.to(dev, dtype), grid_thw)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None,
-                logits_indices: torch.Tensor | None = None,
-                image_embeds: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         h = self.embed(input_ids)
         if image_embeds is not None and image_embeds.shape[0]:
             assert image_mask is not None, "image_embeds need their image_mask"
@@ -98,13 +107,29 @@ def small_qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
     (256; image / vision-start / vision-end ids 255 / 254 / 253, bytes UTF-8 never produces), a
     2-layer language model of width 128 and a 4-block vision tower (window 112 pixels, block 3 full
     attention), M-RoPE sections [4, 6, 6]. Same weights for the same ``seed``."""
-    cfg = ModelConfig(name="vl-small", vocab_size=256, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=8192, attention_bias=True)
-    vision = VisionConfig(depth=4, hidden_size=64, intermediate_size=128, num_heads=2,
-                          out_hidden_size=128, window_size=112, fullatt_block_indexes=(3,))
-    return Qwen2_5_VLForConditionalGeneration(cfg, MultimodalConfig(vision, 255, 254, 253, [4, 6, 6]),
-                                              seed=seed)
+    cfg = ModelConfig(
+        name="vl-small",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        attention_bias=True,
+    )
+    vision = VisionConfig(
+        depth=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=128,
+        window_size=112,
+        fullatt_block_indexes=(3,),
+    )
+    return Qwen2_5_VLForConditionalGeneration(
+        cfg, MultimodalConfig(vision, 255, 254, 253, [4, 6, 6]), seed=seed
+    )
 
 
 def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
@@ -115,6 +140,7 @@ def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
     from pathlib import Path
 
     from llmlab.model.hf import config_from_hf
+
     raw = json.loads((Path(path) / "config.json").read_text())
     if raw.get("model_type") not in MODEL_TYPES:
         raise ValueError(f"model_type={raw.get('model_type')!r} is not {MODEL_TYPES}")
@@ -125,13 +151,21 @@ def configs_from_hf(path: Any) -> tuple[ModelConfig, MultimodalConfig]:
         rope["rope_type"] = "default"
     rope.pop("type", None)
     rope.setdefault("rope_theta", text.get("rope_theta", raw.get("rope_theta", 1000000.0)))
-    text.update(model_type="qwen2", rope_parameters=rope, rope_scaling=None,
-                tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
-                _name_or_path=str(path))
+    text.update(
+        model_type="qwen2",
+        rope_parameters=rope,
+        rope_scaling=None,
+        tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        _name_or_path=str(path),
+    )
     cfg = config_from_hf(types.SimpleNamespace(**text))
-    mm = MultimodalConfig(VisionConfig.from_hf(raw["vision_config"], raw["model_type"]),
-                          int(raw["image_token_id"]),
-                          int(raw["vision_start_token_id"]), int(raw["vision_end_token_id"]), section)
+    mm = MultimodalConfig(
+        VisionConfig.from_hf(raw["vision_config"], raw["model_type"]),
+        int(raw["image_token_id"]),
+        int(raw["vision_start_token_id"]),
+        int(raw["vision_end_token_id"]),
+        section,
+    )
     return cfg, mm
 
 
@@ -139,9 +173,9 @@ def hf_key(name: str) -> str:
     """A checkpoint tensor's name in this model: transformers >= 4.52 writes
     ``model.language_model.*`` and ``model.visual.*``, older ones ``model.*`` and ``visual.*``."""
     if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        return "model." + name[len("model.language_model.") :]
     if name.startswith("model.visual."):
-        return name[len("model."):]
+        return name[len("model.") :]
     return name
 
 
@@ -149,6 +183,7 @@ def load_qwen2_5_vl(path: Any, dtype: torch.dtype = torch.float32) -> Qwen2_5_VL
     """Build the model from a local Hugging Face Qwen2.5-VL (or Qwen2-VL) checkpoint directory. Raises
     ``ValueError`` when tensors are missing or unexpected."""
     from llmlab.model.hf import load_into, load_state_dict
+
     cfg, mm = configs_from_hf(path)
     model = Qwen2_5_VLForConditionalGeneration(cfg, mm, seed=None)
     state = {hf_key(k): v for k, v in load_state_dict(path).items()}

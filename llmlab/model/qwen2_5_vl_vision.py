@@ -14,6 +14,7 @@ checkpoint's tensors load with ``load_state_dict``.
 Shapes: ``P`` patches (all images together), ``C`` vision width, ``grid_thw [I, 3]`` each image's
 (temporal, height, width) patch grid.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = field(default=(7, 15, 23, 31))
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
-    variant: str = "qwen2_5_vl"      # "qwen2_vl": LayerNorm, fc1/fc2 MLP, full attention only
+    variant: str = "qwen2_5_vl"  # "qwen2_vl": LayerNorm, fc1/fc2 MLP, full attention only
 
     @classmethod
     def from_hf(cls, vc: Any, model_type: str = "qwen2_5_vl") -> "VisionConfig":
@@ -55,26 +56,39 @@ class VisionConfig:
         rope = get("rope_parameters") or {}
         if model_type == "qwen2_vl":
             width, depth = get("embed_dim"), get("depth")
-            cfg = cls(depth=depth, hidden_size=width, intermediate_size=int(width * get("mlp_ratio", 4)),
-                      num_heads=get("num_heads"), out_hidden_size=get("hidden_size"),
-                      in_channels=get("in_channels", 3), patch_size=get("patch_size", 14),
-                      temporal_patch_size=get("temporal_patch_size", 2),
-                      spatial_merge_size=get("spatial_merge_size", 2),
-                      fullatt_block_indexes=tuple(range(depth)),
-                      rope_theta=float(rope.get("rope_theta", 10000.0)),
-                      hidden_act=get("hidden_act", "quick_gelu"), variant="qwen2_vl")
+            cfg = cls(
+                depth=depth,
+                hidden_size=width,
+                intermediate_size=int(width * get("mlp_ratio", 4)),
+                num_heads=get("num_heads"),
+                out_hidden_size=get("hidden_size"),
+                in_channels=get("in_channels", 3),
+                patch_size=get("patch_size", 14),
+                temporal_patch_size=get("temporal_patch_size", 2),
+                spatial_merge_size=get("spatial_merge_size", 2),
+                fullatt_block_indexes=tuple(range(depth)),
+                rope_theta=float(rope.get("rope_theta", 10000.0)),
+                hidden_act=get("hidden_act", "quick_gelu"),
+                variant="qwen2_vl",
+            )
             if cfg.hidden_act not in ("quick_gelu", "gelu"):
-                raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported "
-                                 f"(quick_gelu, gelu)")
+                raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported (quick_gelu, gelu)")
             return cfg
-        cfg = cls(depth=get("depth"), hidden_size=get("hidden_size"),
-                  intermediate_size=get("intermediate_size"), num_heads=get("num_heads"),
-                  out_hidden_size=get("out_hidden_size"), in_channels=get("in_channels", 3),
-                  patch_size=get("patch_size", 14), temporal_patch_size=get("temporal_patch_size", 2),
-                  spatial_merge_size=get("spatial_merge_size", 2), window_size=get("window_size", 112),
-                  fullatt_block_indexes=tuple(get("fullatt_block_indexes") or ()),
-                  rope_theta=float(rope.get("rope_theta", 10000.0)),
-                  hidden_act=get("hidden_act", "silu"))
+        cfg = cls(
+            depth=get("depth"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_heads=get("num_heads"),
+            out_hidden_size=get("out_hidden_size"),
+            in_channels=get("in_channels", 3),
+            patch_size=get("patch_size", 14),
+            temporal_patch_size=get("temporal_patch_size", 2),
+            spatial_merge_size=get("spatial_merge_size", 2),
+            window_size=get("window_size", 112),
+            fullatt_block_indexes=tuple(get("fullatt_block_indexes") or ()),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            hidden_act=get("hidden_act", "silu"),
+        )
         if cfg.hidden_act != "silu":
             raise ValueError(f"vision hidden_act={cfg.hidden_act!r} is not supported (silu)")
         return cfg
@@ -82,7 +96,7 @@ class VisionConfig:
     @property
     def patch_dim(self) -> int:
         """Values per patch: channels x temporal x patch x patch (1176 for 3x2x14x14)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 def vision_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
@@ -97,8 +111,9 @@ def vision_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def window_index(grid_thw: torch.Tensor, merge: int, window_size: int,
-                 patch_size: int) -> tuple[torch.Tensor, list[int]]:
+def window_index(
+    grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int
+) -> tuple[torch.Tensor, list[int]]:
     """The permutation of merge units that makes each attention window contiguous, and the
     windows' cumulative lengths in patches (``[0, ..., P]``), as Hugging Face's
     ``get_vision_window_index``: windows of ``window_size // merge // patch_size`` merge units a
@@ -132,18 +147,16 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: list[int]) -> torch.Tensor:
         P, C = x.shape
-        q, k, v = self.qkv(x).reshape(P, 3, self.num_heads, -1).unbind(1)      # [P, H, Dh]
+        q, k, v = self.qkv(x).reshape(P, 3, self.num_heads, -1).unbind(1)  # [P, H, Dh]
         c, s = cos[:, None].float(), sin[:, None].float()
         q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
         return self.proj(segment_attention(q, k, v, cu).reshape(P, C))
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu: list[int]) -> torch.Tensor:
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
     """Bidirectional attention of ``q, k, v [P, H, Dh]`` within each segment ``[cu[i],
     cu[i+1])``; segments of equal length (most windows) run as one batched call."""
     out = torch.empty_like(q)
@@ -154,7 +167,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = (torch.tensor(starts)[:, None] + torch.arange(L)).flatten().to(q.device)
         n, H, D = len(starts), q.shape[1], q.shape[2]
         qs, ks, vs = (t[rows].view(n, L, H, D).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs)             # [n, H, L, Dh]
+        o = F.scaled_dot_product_attention(qs, ks, vs)  # [n, H, L, Dh]
         out[rows] = o.transpose(1, 2).reshape(n * L, H, D)
     return out
 
@@ -189,8 +202,11 @@ class QuickGELUMLP(nn.Module):
 
 def vision_norm(cfg: VisionConfig) -> nn.Module:
     """RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6."""
-    return nn.LayerNorm(cfg.hidden_size, eps=1e-6) if cfg.variant == "qwen2_vl" else \
-        RMSNorm(cfg.hidden_size, 1e-6)
+    return (
+        nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        if cfg.variant == "qwen2_vl"
+        else RMSNorm(cfg.hidden_size, 1e-6)
+    )
 
 
 class VisionBlock(nn.Module):
@@ -199,11 +215,13 @@ class VisionBlock(nn.Module):
         self.norm1 = vision_norm(cfg)
         self.norm2 = vision_norm(cfg)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = (QuickGELUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-                    if cfg.variant == "qwen2_vl" else VisionMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.mlp = (
+            QuickGELUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+            if cfg.variant == "qwen2_vl"
+            else VisionMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu)
         return x + self.mlp(self.norm2(x))
 
@@ -229,10 +247,11 @@ class PatchMerger(nn.Module):
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.width = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.ln_q = vision_norm(cfg)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
-                                 nn.Linear(self.width, cfg.out_hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.width))
@@ -252,23 +271,26 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(cfg)
         head_dim = cfg.hidden_size // cfg.num_heads
         spatial = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** (
-            torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)),
+            persistent=False,
+        )
 
     def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """2D rotary tables ``[P, Dh]``: a quarter of the frequencies turn with the row, a quarter
         with the column, repeated for the two halves ``rotate_half`` pairs."""
         pos = vision_positions(grid_thw, self.cfg.spatial_merge_size).to(self.inv_freq.device)
-        f = pos[..., None].float() * self.inv_freq                  # [P, 2, Dh/4]
+        f = pos[..., None].float() * self.inv_freq  # [P, 2, Dh/4]
         f = torch.cat([f[:, 0], f[:, 1]], dim=-1)
         f = torch.cat([f, f], dim=-1)
         return f.cos(), f.sin()
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        unit = c.spatial_merge_size ** 2
+        unit = c.spatial_merge_size**2
         grid_thw = grid_thw.cpu()
-        if c.variant == "qwen2_vl":                     # no windows: every block sees the image
+        if c.variant == "qwen2_vl":  # no windows: every block sees the image
             return self._full(pixel_values, grid_thw)
         order, cu_win = window_index(grid_thw, c.spatial_merge_size, c.window_size, c.patch_size)
         seg = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])

@@ -25,6 +25,7 @@ over ``dp·cp`` ranks.
 Sources: Liu et al. 2023 (ring attention); Jacobs et al. 2023 (DeepSpeed-Ulysses); NVIDIA
 Megatron-LM "context parallelism" (Megatron core ``context_parallel`` docs).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -64,8 +65,9 @@ def shard_microbatches(micro: list[Any], mesh: Mesh, mode: str = "ring") -> list
     return [(x[:, idx.to(x.device)], y[:, idx.to(y.device)]) for x, y in micro]
 
 
-def apply_context_parallel(model: LlamaForCausalLM, mesh: Mesh, mode: str, seq_len: int,
-                           overlap: bool = True) -> LlamaForCausalLM:
+def apply_context_parallel(
+    model: LlamaForCausalLM, mesh: Mesh, mode: str, seq_len: int, overlap: bool = True
+) -> LlamaForCausalLM:
     """Make ``model`` (a :class:`~llmlab.model.llama.LlamaForCausalLM`, possibly tensor-parallel)
     run on this CP rank's tokens: RoPE positions of those tokens, and every layer's attention core
     replaced by ring or Ulysses attention over ``mesh.groups["cp"]``. In place; returns ``model``.
@@ -106,25 +108,34 @@ def validate(config: ContextParallelConfig, mesh: Mesh, mc: ModelConfig) -> None
     if cp == 1:
         return
     if mode == "ring" and config.seq_len % (2 * cp):
-        raise ValueError(f"--cp {cp} (ring): --seq-len {config.seq_len} must be divisible by 2*cp = "
-                         f"{2 * cp} (each rank holds 2 chunks of the sequence, for causal load balance)")
+        raise ValueError(
+            f"--cp {cp} (ring): --seq-len {config.seq_len} must be divisible by 2*cp = "
+            f"{2 * cp} (each rank holds 2 chunks of the sequence, for causal load balance)"
+        )
     if mode == "ulysses":
         if config.seq_len % cp:
             raise ValueError(f"--cp {cp} (ulysses): --seq-len {config.seq_len} must be divisible by cp")
         check_heads(mc.num_attention_heads, mc.num_key_value_heads, cp, tp)
     if config.sequence_parallel and (config.seq_len // cp) % tp:
-        raise ValueError(f"--sequence-parallel with --cp {cp}: tp={tp} must divide the tokens "
-                         f"per CP rank, --seq-len/cp = {config.seq_len // cp}")
+        raise ValueError(
+            f"--sequence-parallel with --cp {cp}: tp={tp} must divide the tokens "
+            f"per CP rank, --seq-len/cp = {config.seq_len // cp}"
+        )
     from llmlab import kernels
+
     impl = kernels.settings().attention if hasattr(kernels, "settings") else "sdpa"
     if impl not in ("sdpa",):
-        raise ValueError(f"--cp {cp}: context parallelism runs its own attention ({mode}); the "
-                         f"attention kind {impl!r} (llmlab.kernels) is not supported with it — use "
-                         f"the default 'sdpa'")
+        raise ValueError(
+            f"--cp {cp}: context parallelism runs its own attention ({mode}); the "
+            f"attention kind {impl!r} (llmlab.kernels) is not supported with it — use "
+            f"the default 'sdpa'"
+        )
     if mc.num_experts or mesh.ep > 1:
-        raise NotImplementedError(f"--cp {cp} with mixture-of-experts models / --ep is not "
-                                  f"supported yet (the router's auxiliary loss would see only "
-                                  f"this rank's tokens)")
+        raise NotImplementedError(
+            f"--cp {cp} with mixture-of-experts models / --ep is not "
+            f"supported yet (the router's auxiliary loss would see only "
+            f"this rank's tokens)"
+        )
 
 
 def apply(model: LlamaForCausalLM, mesh: Mesh, config: ContextParallelConfig) -> LlamaForCausalLM:

@@ -37,6 +37,7 @@ Every collective goes through :mod:`llmlab.runtime.comm`, so ``COUNTER`` reports
 ``naive``/``ddp`` the ``all_reduce`` payload per step equals the gradient bytes; for ``ring`` the
 wire bytes appear as ``send``/``recv``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -98,8 +99,9 @@ def ring_all_reduce(t: torch.Tensor, group: Group = None, trace: list[Any] | Non
         # rank's send first and a send larger than its buffers waits for the peer's receive, which
         # that peer posts only after its own send: every rank of the ring waits forever.
         recv = buf[: chunks[recv_idx].numel()]
-        works = comm.batch_isend_irecv([dist.P2POp(dist.irecv, recv, prv, group),
-                                        dist.P2POp(dist.isend, chunks[send_idx], nxt, group)])
+        works = comm.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, recv, prv, group), dist.P2POp(dist.isend, chunks[send_idx], nxt, group)]
+        )
         for w in works:  # NCCL: one handle for the batch; gloo: one per op
             w.wait()
         return recv
@@ -200,7 +202,7 @@ class Bucket:
         self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
         self.nbytes = n * self.buffer.element_size()
         # One view per parameter, made once: the per-step path only copies into them.
-        self.views = [self.buffer[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
         self.reset()
 
     def reset(self) -> None:
@@ -232,8 +234,12 @@ class Bucket:
 FIRST_BUCKET_MB = 1.0  # PyTorch DDP's _DEFAULT_FIRST_BUCKET_BYTES (1 MiB)
 
 
-def build_buckets(params: list[nn.Parameter], mesh: Mesh, bucket_bytes: float,
-                  first_bucket_bytes: float = FIRST_BUCKET_MB * 2**20) -> list[Bucket]:
+def build_buckets(
+    params: list[nn.Parameter],
+    mesh: Mesh,
+    bucket_bytes: float,
+    first_bucket_bytes: float = FIRST_BUCKET_MB * 2**20,
+) -> list[Bucket]:
     """Group ``params`` into buckets of about ``bucket_bytes`` each, in reverse order.
 
     Reverse registration order approximates the order backward produces gradients (the last
@@ -286,8 +292,14 @@ class DistributedDataParallel(_DataParallelBase):
     overlap on a GPU too.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, bucket_mb: float = 25.0, overlap: bool = True,
-                 record_timeline: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        record_timeline: bool = False,
+    ) -> None:
         super().__init__(module, mesh)
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -299,8 +311,11 @@ class DistributedDataParallel(_DataParallelBase):
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
         self._clock = EventTimeline(device, self.timeline)  # CUDA events on a GPU
         # One hook per parameter that knows its bucket and slot (no lookup on the hot path).
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b, j))
-                       for b in self.buckets for j, p in enumerate(b.params)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, b, j))
+            for b in self.buckets
+            for j, p in enumerate(b.params)
+        ]
 
     # --- hooks ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -318,8 +333,10 @@ class DistributedDataParallel(_DataParallelBase):
         if not self.require_backward_grad_sync or not self.overlap:
             return
         if b.launched or j in b.ready:
-            raise RuntimeError("a gradient became ready twice in one synchronised backward; "
-                               "wrap all but the last micro-batch in no_sync()")
+            raise RuntimeError(
+                "a gradient became ready twice in one synchronised backward; "
+                "wrap all but the last micro-batch in no_sync()"
+            )
         b.copy_in(j)
         b.ready.add(j)
         if self.record_timeline:
@@ -348,7 +365,7 @@ class DistributedDataParallel(_DataParallelBase):
         """Wait until every bucket is reduced; ``p.grad`` then holds the group average."""
         if not self.require_backward_grad_sync:
             return
-        for b in self.buckets[self.next_bucket:]:
+        for b in self.buckets[self.next_bucket :]:
             for j in range(len(b.params)):
                 if j not in b.ready:  # no gradient this step, or overlap off
                     b.copy_in(j)
@@ -383,8 +400,9 @@ class _Done:
         return True
 
 
-def wrap_data_parallel(module: nn.Module, mesh: Mesh, mode: str = "ddp", bucket_mb: float = 25.0,
-                       **kwargs: Any) -> nn.Module:
+def wrap_data_parallel(
+    module: nn.Module, mesh: Mesh, mode: str = "ddp", bucket_mb: float = 25.0, **kwargs: Any
+) -> nn.Module:
     """Wrap ``module`` for data parallelism over ``mesh`` (``mode`` in naive, ddp, ring).
 
     Returns a :class:`~llmlab.parallel.protocols.TrainedModule` (``forward``, ``.module``,
@@ -416,8 +434,10 @@ def validate(config: DataParallelConfig, mesh: Mesh, model_config: ModelConfig) 
     if gbs % dp:
         raise ValueError(f"dp={dp} must divide --global-batch-size {gbs}")
     if (gbs // dp) % m:
-        raise ValueError(f"--num-microbatches {m} must divide the per-rank batch {gbs // dp} "
-                         f"(global batch {gbs} / dp {dp})")
+        raise ValueError(
+            f"--num-microbatches {m} must divide the per-rank batch {gbs // dp} "
+            f"(global batch {gbs} / dp {dp})"
+        )
 
 
 def apply(model: nn.Module, mesh: Mesh, config: DataParallelConfig) -> nn.Module:

@@ -33,6 +33,7 @@ over the parameter's group** (``dp`` for dense, ``edp`` for a parameter whose
 Capacity is applied by each rank to its own tokens before dispatch (per-rank capacity, as in
 GShard/DeepSpeed): the dropped counts equal a one-rank MoE run on each rank's slice.
 """
+
 from __future__ import annotations
 
 import torch
@@ -121,8 +122,8 @@ class ExpertParallelMoE(MoE):
         grouped = _ScaleGrad.apply(rows[order], float(ep))
         chunks = grouped.split(per_expert)
         y = torch.cat([self.experts[str(e)](c) for e, c in zip(self.local_experts, chunks)])
-        y = _ScaleGrad.apply(y, 1.0 / ep)      # expert weight grads / ep (see module doc)
-        y = y[torch.argsort(order)]            # back to (source rank, expert) blocks
+        y = _ScaleGrad.apply(y, 1.0 / ep)  # expert weight grads / ep (see module doc)
+        y = y[torch.argsort(order)]  # back to (source rank, expert) blocks
         # 4. combine
         out: torch.Tensor = _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
         return out
@@ -164,7 +165,7 @@ def sync_moe_grads(model: nn.Module, mesh: Mesh) -> None:
             continue
         name = "edp" if param_record(p).expert_parallel else "dp"
         group = mesh.groups.get(name)
-        if group is not None:   # divided before the sum (llmlab.parallel.grad_reduce)
+        if group is not None:  # divided before the sum (llmlab.parallel.grad_reduce)
             comm.all_reduce(predivide_(p.grad, mesh.size(name)), group=group)
 
 

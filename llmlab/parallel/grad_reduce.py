@@ -25,6 +25,7 @@ exponent range, so bf16 and fp32 are summed in their own dtype (:func:`sum_dtype
 Pipeline parallelism sums no gradient over ranks (tied embeddings across stages are refused) and
 ring attention accumulates its key/value gradients in fp32 already.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from llmlab.runtime import comm
 from llmlab.runtime.comm import Group
 
-FP16_MAX = float(torch.finfo(torch.float16).max)   # 65504
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 
 
 def predivide_(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ where the flush time runs from a barrier of the pipeline group to the end of the
 Each micro-batch's loss is divided by ``M`` (as in the trainer without pipelining), so the last
 stage's returned loss, the sum over micro-batches, equals the one-rank loss of the global batch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,18 @@ from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.configs import PipelineConfig
 from llmlab.parallel.pipeline_schedules import (
-    B, COMM, F, RECV_ACT, SEND_ACT, SEND_GRAD, Action, bubble_fraction_theory,
-    build_schedule, check_schedule_args, message_key)
+    B,
+    COMM,
+    F,
+    RECV_ACT,
+    SEND_ACT,
+    SEND_GRAD,
+    Action,
+    bubble_fraction_theory,
+    build_schedule,
+    check_schedule_args,
+    message_key,
+)
 from llmlab.parallel.protocols import TrainedModule
 from llmlab.runtime import comm
 from llmlab.metrics.profiling import phase
@@ -65,11 +76,14 @@ def validate(config: PipelineConfig, mesh: Mesh, model_config: ModelConfig) -> N
     L, S = model_config.num_hidden_layers, pp * config.num_chunks
     if L % S:
         what = f"pp*virtual_stages = {pp}*{v} = {S}" if S != pp else f"pp={pp}"
-        raise ValueError(f"{what} must divide num_hidden_layers={L} (each pipeline stage gets "
-                         f"the same number of layers)")
+        raise ValueError(
+            f"{what} must divide num_hidden_layers={L} (each pipeline stage gets the same number of layers)"
+        )
     if model_config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings is not supported with --pp > 1 (the embedding is "
-                         "on the first stage and lm_head on the last; untie them)")
+        raise ValueError(
+            "tie_word_embeddings is not supported with --pp > 1 (the embedding is "
+            "on the first stage and lm_head on the last; untie them)"
+        )
 
 
 class StageChunk(nn.Module):
@@ -78,7 +92,9 @@ class StageChunk(nn.Module):
     logits ``[B,T,vocab]``. Uses the (possibly tensor-parallel) model's ``embed``,
     ``run_layers`` and ``head`` without registering the rest of the model as a submodule."""
 
-    def __init__(self, model: LlamaForCausalLM, stage: int, num_stages: int, layers: list[Any], seq_len: int | None) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, stage: int, num_stages: int, layers: list[Any], seq_len: int | None
+    ) -> None:
         super().__init__()
         self.stage, self.num_stages, self.seq_len = stage, num_stages, seq_len
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -114,8 +130,9 @@ class PipelineModule(nn.Module):
         self.chunks = nn.ModuleList(chunks)
 
 
-def split_model(model: LlamaForCausalLM, p: int, r: int, v: int = 1,
-                seq_len: int | None = None) -> "PipelineModule":
+def split_model(
+    model: LlamaForCausalLM, p: int, r: int, v: int = 1, seq_len: int | None = None
+) -> "PipelineModule":
     """Cut ``model`` into ``p*v`` stages and return this rank's chunks (a :class:`PipelineModule`).
 
     The model is stripped of what other ranks hold (their layers, and the embedding / norm /
@@ -126,8 +143,10 @@ def split_model(model: LlamaForCausalLM, p: int, r: int, v: int = 1,
         raise ValueError(f"pp*virtual_stages = {S} must divide num_hidden_layers={L}")
     per = L // S
     layers = list(model.model.layers)
-    chunks = [StageChunk(model, c * p + r, S, layers[(c * p + r) * per:(c * p + r + 1) * per], seq_len)
-              for c in range(v)]
+    chunks = [
+        StageChunk(model, c * p + r, S, layers[(c * p + r) * per : (c * p + r + 1) * per], seq_len)
+        for c in range(v)
+    ]
     held = [l for ch in chunks for l in ch.layers]
     model.model.layers = nn.ModuleList(held)
     if not any(ch.is_first for ch in chunks):
@@ -146,7 +165,7 @@ class _Flush:
     microbatches: list[Any]
     weights: list[Any]
     loss_scale: float
-    last_b: int                     # index of the flush's last backward action
+    last_b: int  # index of the flush's last backward action
     dtype: torch.dtype
     inputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     outputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
@@ -175,8 +194,17 @@ class PipelineRunner:
     the CONTRACT ``pipeline`` fields of this rank plus the per-step timelines.
     """
 
-    def __init__(self, model: LlamaForCausalLM, module: PipelineModule, stage_ranks: list[int], rank: int,
-                 group: Group, schedule: str, hidden_shape_fn: Any, wrapper: TrainedModule | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        module: PipelineModule,
+        stage_ranks: list[int],
+        rank: int,
+        group: Group,
+        schedule: str,
+        hidden_shape_fn: Any,
+        wrapper: TrainedModule | None = None,
+    ) -> None:
         self.model, self.module = model, module
         self.stage_ranks, self.group = stage_ranks, group
         self.p, self.r = len(stage_ranks), stage_ranks.index(rank)
@@ -202,8 +230,12 @@ class PipelineRunner:
         return ((0 if kind == "act" else 1) * self.p * self.v + s) * m + mb
 
     # --- one flush: its phases are the action kinds of the schedule ------------------------------
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-            loss_weights: list[float] | None = None, loss_scale: float = 1.0) -> float | None:
+    def run(
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        loss_weights: list[float] | None = None,
+        loss_scale: float = 1.0,
+    ) -> float | None:
         """One flush. ``loss_weights[i]`` multiplies micro-batch ``i``'s cross-entropy (default
         ``1/M``; the trainer passes its labelled-token weights); the scalars that start backward
         (loss on the last stage, MoE auxiliary losses everywhere) are multiplied by ``loss_scale``
@@ -216,9 +248,13 @@ class PipelineRunner:
         m = len(microbatches)
         acts = self.actions(m)
         self.num_microbatches = m
-        f = _Flush(microbatches, loss_weights or [1.0 / m] * m, loss_scale,
-                   last_b=max(i for i, a in enumerate(acts) if a.op == B),
-                   dtype=next(self.module.parameters()).dtype)
+        f = _Flush(
+            microbatches,
+            loss_weights or [1.0 / m] * m,
+            loss_scale,
+            last_b=max(i for i, a in enumerate(acts) if a.op == B),
+            dtype=next(self.module.parameters()).dtype,
+        )
         dist.barrier(group=self.group)  # bookkeeping: a common start for the flush
         f.t_start = f.now()
         i = 0
@@ -248,7 +284,7 @@ class PipelineRunner:
         t0 = f.now()
         ops, recvs = [], []
         for b in batch:
-            assert b.peer is not None   # a p2p action names its peer
+            assert b.peer is not None  # a p2p action names its peer
             peer = self.stage_ranks[b.peer]
             tag = self._tag(b, f.m)
             if b.op == SEND_ACT:
@@ -258,8 +294,7 @@ class PipelineRunner:
                 t = f.grads.pop((b.chunk, b.mb)).contiguous()
                 ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag))
             else:
-                t = torch.empty(self.hidden_shape_fn(f.microbatches[b.mb][0]),
-                                dtype=f.dtype, device=f.device)
+                t = torch.empty(self.hidden_shape_fn(f.microbatches[b.mb][0]), dtype=f.dtype, device=f.device)
                 ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag))
                 recvs.append((b, t))
         works = comm.batch_isend_irecv(ops)
@@ -270,8 +305,9 @@ class PipelineRunner:
         if recvs:  # NCCL returns ONE handle for the whole batch (gloo one per op):
             for w in works:  # wait on all of them before any received tensor is read
                 w.wait()
-            f.events.append(["recv", recvs[0][0].chunk, recvs[0][0].mb, t1 - f.t_start,
-                             f.now() - f.t_start])  # "recv": waiting for the batch
+            f.events.append(
+                ["recv", recvs[0][0].chunk, recvs[0][0].mb, t1 - f.t_start, f.now() - f.t_start]
+            )  # "recv": waiting for the batch
         else:  # sends only: go on computing; the tensors live until the end-of-flush wait
             f.pending_sends.append((works, [op.tensor for op in ops]))
         for b, t in recvs:
@@ -308,8 +344,11 @@ class PipelineRunner:
         tensors, grad_tensors = (list(out), None) if isinstance(out, tuple) else ([out], None)
         if not chunk.is_last:
             grad_tensors = [f.grads.pop(key)] + [None] * (len(tensors) - 1)
-        ctx = (self.wrapper.no_sync() if self.wrapper is not None and not is_last_backward
-               else contextlib.nullcontext())
+        ctx = (
+            self.wrapper.no_sync()
+            if self.wrapper is not None and not is_last_backward
+            else contextlib.nullcontext()
+        )
         with ctx:
             torch.autograd.backward(tensors, grad_tensors)
         if not chunk.is_first:
@@ -373,12 +412,18 @@ def apply(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig) -> Pipeli
     (:func:`validate`)."""
     validate(config, mesh, model.config)
     sp = config.sequence_parallel and mesh.tp > 1
-    return split_model(model, mesh.pp, mesh.coords["pp"], config.num_chunks,
-                       seq_len=config.seq_len if sp else None)
+    return split_model(
+        model, mesh.pp, mesh.coords["pp"], config.num_chunks, seq_len=config.seq_len if sp else None
+    )
 
 
-def build_runner(model: LlamaForCausalLM, stages: PipelineModule, mesh: Mesh, config: PipelineConfig,
-                 wrapper: TrainedModule | None = None) -> PipelineRunner:
+def build_runner(
+    model: LlamaForCausalLM,
+    stages: PipelineModule,
+    mesh: Mesh,
+    config: PipelineConfig,
+    wrapper: TrainedModule | None = None,
+) -> PipelineRunner:
     """The runner of this rank's ``stages`` (from :func:`apply`) over ``mesh.groups["pp"]``;
     ``wrapper``: the data-parallel wrapper of ``stages`` (``None``: one replica), whose
     ``no_sync()`` it uses for every backward but the flush's last."""
@@ -389,12 +434,14 @@ def build_runner(model: LlamaForCausalLM, stages: PipelineModule, mesh: Mesh, co
         b, T = ids.shape
         return (b, T // tp if sp else T, h)
 
-    return PipelineRunner(model, stages, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"],
-                          config.schedule, hidden_shape, wrapper)
+    return PipelineRunner(
+        model, stages, mesh.ranks["pp"], mesh.rank, mesh.groups["pp"], config.schedule, hidden_shape, wrapper
+    )
 
 
-def build_pipeline(model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig,
-                   wrapper: TrainedModule | None = None) -> PipelineRunner:
+def build_pipeline(
+    model: LlamaForCausalLM, mesh: Mesh, config: PipelineConfig, wrapper: TrainedModule | None = None
+) -> PipelineRunner:
     """:func:`apply` then :func:`build_runner`: the runner of this rank's stages of ``model``
     (``mesh.pp > 1``; ``config.seq_len``: this rank's tokens per sequence). Its ``module`` is
     the stages. Raises ``ValueError`` if the layout is invalid (:func:`validate`)."""

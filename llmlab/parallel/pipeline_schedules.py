@@ -28,6 +28,7 @@ Schedules (``m`` micro-batches):
 Bubble fraction (CONTRACT): idle time over the total time of one flush, averaged over ranks;
 :func:`bubble_fraction_theory` gives ``(p-1)/(m+p-1)`` (GPipe, 1F1B) or ``(p-1)/(v*m+p-1)``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -70,12 +71,15 @@ def check_schedule_args(schedule: str, p: int, m: int, v: int = 1) -> None:
         if v < 2:
             raise ValueError(f"the interleaved schedule needs --virtual-stages >= 2 (got {v})")
         if m % p:
-            raise ValueError(f"the interleaved schedule needs num_microbatches={m} to be a "
-                             f"multiple of pp={p} (micro-batches go through the chunks in groups "
-                             f"of pp, Megatron-LM)")
+            raise ValueError(
+                f"the interleaved schedule needs num_microbatches={m} to be a "
+                f"multiple of pp={p} (micro-batches go through the chunks in groups "
+                f"of pp, Megatron-LM)"
+            )
     elif v != 1:
-        raise ValueError(f"--virtual-stages {v} needs --pp-schedule interleaved "
-                         f"({schedule} has one model chunk per rank)")
+        raise ValueError(
+            f"--virtual-stages {v} needs --pp-schedule interleaved ({schedule} has one model chunk per rank)"
+        )
 
 
 def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[str, int, int]]]:
@@ -110,8 +114,9 @@ def compute_order(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[
     return orders
 
 
-def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
-                   t_b: float = 2.0) -> list[list[Action]]:
+def build_schedule(
+    schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0
+) -> list[list[Action]]:
     """The full action list per rank: compute order plus the p2p each op needs.
 
     Point-to-point is placed in *synchronous rounds* (the bulk-synchronous idea behind Megatron's
@@ -132,8 +137,8 @@ def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
     S = p * v
     acts: list[list[Action]] = [[] for _ in range(p)]
     nxt, busy = [0] * p, [0.0] * p
-    arrived: list[set[Any]] = [set() for _ in range(p)]      # inputs (op, chunk, mb) delivered
-    outbox: list[list[Any]] = [[] for _ in range(p)]         # (ready_at, send Action, dst, dst's need)
+    arrived: list[set[Any]] = [set() for _ in range(p)]  # inputs (op, chunk, mb) delivered
+    outbox: list[list[Any]] = [[] for _ in range(p)]  # (ready_at, send Action, dst, dst's need)
     t = 0.0
     while any(nxt[r] < len(orders[r]) or outbox[r] for r in range(p)):
         for r in range(p):  # the round at time t: sends of ready outputs, and their receives
@@ -155,15 +160,19 @@ def build_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
             acts[r].append(Action(op, c, mb))
             busy[r] = t + (t_f if op == F else t_b)
             if op == F and s < S - 1:
-                outbox[r].append((busy[r], Action(SEND_ACT, c, mb, (r + 1) % p), (r + 1) % p,
-                                  (F, (s + 1) // p, mb)))
+                outbox[r].append(
+                    (busy[r], Action(SEND_ACT, c, mb, (r + 1) % p), (r + 1) % p, (F, (s + 1) // p, mb))
+                )
             elif op == B and s > 0:
-                outbox[r].append((busy[r], Action(SEND_GRAD, c, mb, (r - 1) % p), (r - 1) % p,
-                                  (B, (s - 1) // p, mb)))
+                outbox[r].append(
+                    (busy[r], Action(SEND_GRAD, c, mb, (r - 1) % p), (r - 1) % p, (B, (s - 1) // p, mb))
+                )
         pending = [busy[r] for r in range(p) if busy[r] > t] + [o[0] for ob in outbox for o in ob]
         if not pending and any(nxt[r] < len(orders[r]) for r in range(p)):
-            raise RuntimeError(f"{schedule}: compute order waits forever at "
-                               f"{[orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])]}")
+            raise RuntimeError(
+                f"{schedule}: compute order waits forever at "
+                f"{[orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])]}"
+            )
         t = min(pending) if pending else t
     return acts
 
@@ -187,8 +196,9 @@ def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
     return pipeline_bubble_fraction(p, m, v if schedule == "interleaved" else 1)
 
 
-def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
-             blocking_sends: bool = False) -> dict[str, Any]:
+def simulate(
+    schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0, blocking_sends: bool = False
+) -> dict[str, Any]:
     """Run the action lists with unit costs and instant p2p, as an event simulation.
 
     Each rank executes its actions in order; ``t_f``/``t_b`` are the costs of a forward/backward
@@ -225,7 +235,7 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
                 a = schedule[r][pc[r]]
                 if a.op in COMM and blocking_sends:
                     j = batch_end(r)
-                    batch = schedule[r][pc[r]:j]
+                    batch = schedule[r][pc[r] : j]
                     keys = [(message_key(x, r, p), x.op in (SEND_ACT, SEND_GRAD)) for x in batch]
                     for k in keys:
                         posted.setdefault(k, clock[r])
@@ -252,19 +262,30 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
                     pc[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: " ".join(str(x) for x in schedule[r][pc[r]:batch_end(r)] or
-                                 schedule[r][pc[r]:pc[r] + 1])
-                     for r in range(p) if pc[r] < len(schedule[r])}
+            stuck = {
+                r: " ".join(
+                    str(x) for x in schedule[r][pc[r] : batch_end(r)] or schedule[r][pc[r] : pc[r] + 1]
+                )
+                for r in range(p)
+                if pc[r] < len(schedule[r])
+            }
             how = " (circular wait with blocking sends)" if blocking_sends else ""
             raise RuntimeError(f"pipeline schedule deadlocks{how}: ranks wait at {stuck}")
-    unmatched = sorted(sent) if not blocking_sends else sorted(
-        k for (k, is_send) in posted if (k, not is_send) not in posted)
+    unmatched = (
+        sorted(sent)
+        if not blocking_sends
+        else sorted(k for (k, is_send) in posted if (k, not is_send) not in posted)
+    )
     if unmatched:
         raise RuntimeError(f"unmatched sends: {unmatched}")
     span = max(clock)
     busy = [sum(e[4] - e[3] for e in tl) for tl in timeline]
-    return {"timeline": timeline, "span": span,
-            "bubble_fraction": sum(1 - b / span for b in busy) / p, "peak_inflight": peak}
+    return {
+        "timeline": timeline,
+        "span": span,
+        "bubble_fraction": sum(1 - b / span for b in busy) / p,
+        "peak_inflight": peak,
+    }
 
 
 def format_schedule(schedule: list[list[Action]], compute_only: bool = True) -> str:

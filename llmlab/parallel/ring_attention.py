@@ -32,6 +32,7 @@ K/V blocks per rank, backward ``N-1`` K/V blocks plus ``N`` gradient blocks; one
 Shapes: ``q [B, H, T, D]`` and ``k, v [B, H_kv, T, D]`` are this rank's tokens (``T = S/N``, two
 chunks of ``c = T/2``), already rotated by RoPE at their global positions; ``H_kv`` divides ``H``.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,10 @@ def ring_token_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     Raises ``ValueError`` if ``2·cp`` does not divide ``seq_len``.
     """
     if seq_len % (2 * cp):
-        raise ValueError(f"ring attention needs --seq-len divisible by 2*cp = {2 * cp} "
-                         f"(2 chunks per rank for the causal load balance); got {seq_len}")
+        raise ValueError(
+            f"ring attention needs --seq-len divisible by 2*cp = {2 * cp} "
+            f"(2 chunks per rank for the causal load balance); got {seq_len}"
+        )
     c = seq_len // (2 * cp)
     a, b = load_balanced_chunks(cp_rank, cp)
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
@@ -89,25 +92,26 @@ def step_blocks(step: int, cp_rank: int, cp: int, c: int) -> tuple[slice, slice,
     return slice(c, None), slice(None), False
 
 
-def block_attention_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
-                            causal: bool) -> tuple[Tensor, Tensor]:
+def block_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor]:
     """One block: ``q [B,H,M,D]`` against ``k, v [B,H_kv,N,D]`` (GQA without repeating K/V).
 
     Returns ``out [B,H,M,D]`` and ``lse [B,H,M]`` (fp32), normalised over this block only.
     """
     B, H, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    q5 = q.float().view(B, Hkv, H // Hkv, M, D)                     # query heads grouped by kv head
-    s = (q5 @ k.float()[:, :, None].transpose(-1, -2)) * scale     # [B, Hkv, rep, M, N]
+    q5 = q.float().view(B, Hkv, H // Hkv, M, D)  # query heads grouped by kv head
+    s = (q5 @ k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, rep, M, N]
     if causal:
         s = s.masked_fill(torch.ones(M, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     out, lse = softmax_partial(s, v.float()[:, :, None])
     return out.view(B, H, M, D), lse.view(B, H, M)
 
 
-def block_attention_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
-                             delta: Tensor, scale: float,
-                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def block_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *merged* ``lse`` and ``delta = rowsum(dout·out)``.
 
     ``p = exp(s - lse)`` are the block's entries of the full softmax, so the block's share of
@@ -143,8 +147,14 @@ class _Ring:
         self.group, self.n, self.r = group, len(ranks), ranks.index(me)
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
-    def post(self, send: Tensor | None = None, recv: Tensor | None = None, tag: int = _KV_TAG,
-             extra_recv: Tensor | None = None, extra_send: Tensor | None = None) -> list[Any]:
+    def post(
+        self,
+        send: Tensor | None = None,
+        recv: Tensor | None = None,
+        tag: int = _KV_TAG,
+        extra_recv: Tensor | None = None,
+        extra_send: Tensor | None = None,
+    ) -> list[Any]:
         """Post (non-blocking) sends to ``next`` and receives from ``prev`` as ONE batch; returns
         the works. ``extra_send``/``extra_recv`` (the gradient accumulator passed on) come first
         on both sides, so the two ranks of a pair post in the same order (NCCL matches by order).
@@ -172,7 +182,16 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Group, ranks: list[Any], scale: float, overlap: bool=True) -> Any:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: Group,
+        ranks: list[Any],
+        scale: float,
+        overlap: bool = True,
+    ) -> Any:
         ring = _Ring(group, ranks)
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -184,16 +203,18 @@ class RingAttention(torch.autograd.Function):
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
                 works = ring.post(send=kv, recv=nxt)
-                if not overlap:                     # the baseline: transfer, then compute
+                if not overlap:  # the baseline: transfer, then compute
                     works = _wait(works)
                     _record("forward", s, "comm", t0)
             t1 = time.perf_counter()
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
             with phase("ring_attention forward", step=s):
-                o_b, l_b = block_attention_forward(q[:, :, rows], kv[0][:, :, cols],
-                                                   kv[1][:, :, cols], scale, causal)
-            out[:, :, rows], lse[:, :, rows] = merge_softmax_partials(out[:, :, rows], lse[:, :, rows],
-                                                                      o_b, l_b)
+                o_b, l_b = block_attention_forward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal
+                )
+            out[:, :, rows], lse[:, :, rows] = merge_softmax_partials(
+                out[:, :, rows], lse[:, :, rows], o_b, l_b
+            )
             _record("forward", s, "attention", t1)
             if works:
                 _wait(works)
@@ -210,10 +231,12 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.group, ctx.ranks), ctx.scale
         c = q.shape[2] // 2
-        delta = (dout.float() * out.float()).sum(-1)                   # [B, H, T]
+        delta = (dout.float() * out.float()).sum(-1)  # [B, H, T]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv: Tensor | None = None  # the accumulator of the block last processed, passed on with the next batch
+        dkv: Tensor | None = (
+            None  # the accumulator of the block last processed, passed on with the next batch
+        )
         for s in range(ring.n):
             t0 = time.perf_counter()
             nxt: Tensor | None = None
@@ -222,8 +245,9 @@ class RingAttention(torch.autograd.Function):
                 dkv_in = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             if s < ring.n - 1:
                 nxt = torch.empty_like(kv)
-            works = ring.post(send=kv if nxt is not None else None, recv=nxt, extra_recv=dkv_in,
-                              extra_send=dkv)
+            works = ring.post(
+                send=kv if nxt is not None else None, recv=nxt, extra_recv=dkv_in, extra_send=dkv
+            )
             if not ctx.overlap and works:
                 works = _wait(works)
                 _record("backward", s, "comm", t0)
@@ -231,8 +255,15 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = step_blocks(s, ring.r, ring.n, c)
             with phase("ring_attention backward", step=s):
                 dq_b, dk_b, dv_b = block_attention_backward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                    lse[:, :, rows], delta[:, :, rows], scale, causal)
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    dout[:, :, rows],
+                    lse[:, :, rows],
+                    delta[:, :, rows],
+                    scale,
+                    causal,
+                )
             dq[:, :, rows] += dq_b
             contrib = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
             contrib[0][:, :, cols], contrib[1][:, :, cols] = dk_b, dv_b
@@ -240,10 +271,10 @@ class RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 _record("backward", s, "comm", t0)
-            dkv = contrib if dkv_in is None else contrib + dkv_in       # the block's accumulator
+            dkv = contrib if dkv_in is None else contrib + dkv_in  # the block's accumulator
             if nxt is not None:
                 kv = nxt
-        if ring.n > 1:                                                  # one more hop: home
+        if ring.n > 1:  # one more hop: home
             home = torch.empty((2,) + k.shape, dtype=torch.float32, device=k.device)
             _wait(ring.post(extra_recv=home, extra_send=dkv))
             dkv = home
@@ -258,8 +289,15 @@ def _wait(works: list[Any]) -> list[Any]:
     return []
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, ranks: list[int],
-                   scale: float | None = None, overlap: bool = True) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    ranks: list[int],
+    scale: float | None = None,
+    overlap: bool = True,
+) -> torch.Tensor:
     """Causal attention of this rank's load-balanced chunks over the whole sequence.
 
     ``q [B,H,T,D]``, ``k, v [B,H_kv,T,D]`` (``T`` even: two chunks) -> ``[B,H,T,D]``; equals
@@ -275,8 +313,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     return out
 
 
-def ring_bytes_per_layer(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, cp: int,
-                         dtype_bytes: int = 4, grad_bytes: int = 4) -> dict[str, Any]:
+def ring_bytes_per_layer(
+    batch: int,
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cp: int,
+    dtype_bytes: int = 4,
+    grad_bytes: int = 4,
+) -> dict[str, Any]:
     """Bytes one rank sends around the ring for one attention layer (forward, backward).
 
     Forward: ``N-1`` K/V blocks of ``2·B·H_kv·(S/N)·D`` elements. Backward: the K/V blocks again

@@ -39,6 +39,7 @@ gradient (one extra all-gather per column group in backward). Norm weights (and 
 biases) then have partial gradients, summed over the tp group after backward by a
 ``grad_finalizers`` entry (:mod:`llmlab.parallel.records`). The model has no dropout, so there is no dropout region to shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,11 +50,15 @@ from llmlab.model.context import get_context
 from llmlab.model.layers import MLP
 from llmlab.model.llama import Attention, apply_rotary, causal_attention
 from llmlab.parallel.records import param_record
-from llmlab.parallel.tp_comm import (copy_to_tensor_model_parallel_region, gather_along,
-                                     gather_from_tensor_model_parallel_region,
-                                     reduce_from_tensor_model_parallel_region, reduce_scatter_along,
-                                     reduce_scatter_to_sequence_parallel_region,
-                                     scatter_to_tensor_model_parallel_region)
+from llmlab.parallel.tp_comm import (
+    copy_to_tensor_model_parallel_region,
+    gather_along,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 from llmlab.runtime import comm
 from llmlab.runtime.comm import Group
 from typing import Any
@@ -62,6 +67,7 @@ from llmlab.model.config import ModelConfig
 
 def _tp_rank(group: Group) -> int:
     import torch.distributed as dist
+
     return dist.get_rank(group) if comm.group_size(group) > 1 else 0
 
 
@@ -100,8 +106,9 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
         return (reduce_scatter_along(grad_total, 1, ctx.group, grad=True), None, *out)
 
 
-def column_parallel_linears(x: torch.Tensor, layers: list["ColumnParallelLinear"], group: Group,
-                            sequence_parallel: bool = False) -> list[torch.Tensor]:
+def column_parallel_linears(
+    x: torch.Tensor, layers: list["ColumnParallelLinear"], group: Group, sequence_parallel: bool = False
+) -> list[torch.Tensor]:
     """Apply several column-parallel layers to one input with one communication region.
 
     ``x``: ``[B, T, in]`` (``[B, T/tp, in]`` under sequence parallelism). Returns one
@@ -129,9 +136,16 @@ class ColumnParallelLinear(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``out_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 num_shards: int | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        bias: bool = False,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        num_shards: int | None = None,
+    ) -> None:
         super().__init__()
         n = num_shards or comm.group_size(group)
         if out_features % n:
@@ -144,15 +158,28 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group: Group, gather_output: bool = False,
-                    sequence_parallel: bool = False, shard: int | None = None,
-                    num_shards: int | None = None) -> "ColumnParallelLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: Group,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        shard: int | None = None,
+        num_shards: int | None = None,
+    ) -> "ColumnParallelLinear":
         """This rank's rows of ``linear.weight``: shard ``shard`` (default: tp rank) of
         ``num_shards`` (default: tp) equal row blocks."""
         n = num_shards or comm.group_size(group)
         i = _tp_rank(group) if shard is None else shard
-        m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
-                gather_output, sequence_parallel, num_shards=n)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            group,
+            linear.bias is not None,
+            gather_output,
+            sequence_parallel,
+            num_shards=n,
+        )
         m.weight.copy_(linear.weight.chunk(n, 0)[i])
         if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias.chunk(n, 0)[i])
@@ -163,8 +190,10 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tensor_model_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -177,8 +206,15 @@ class RowParallelLinear(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``in_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         n = comm.group_size(group)
         if in_features % n:
@@ -194,11 +230,18 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group: Group, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_linear(
+        cls, linear: nn.Linear, group: Group, input_is_parallel: bool = True, sequence_parallel: bool = False
+    ) -> "RowParallelLinear":
         """This rank's columns of ``linear.weight`` (the bias is copied whole)."""
-        m = cls(linear.in_features, linear.out_features, group, linear.bias is not None,
-                input_is_parallel, sequence_parallel)
+        m = cls(
+            linear.in_features,
+            linear.out_features,
+            group,
+            linear.bias is not None,
+            input_is_parallel,
+            sequence_parallel,
+        )
         m.weight.copy_(linear.weight.chunk(comm.group_size(group), 1)[_tp_rank(group)])
         if linear.bias is not None and m.bias is not None:
             m.bias.copy_(linear.bias)
@@ -215,9 +258,11 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -229,8 +274,9 @@ class VocabParallelEmbedding(nn.Module):
     Raises ``ValueError`` if ``tp`` does not divide ``num_embeddings``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, group: Group, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         n = comm.group_size(group)
         if num_embeddings % n:
@@ -243,10 +289,11 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_embedding(cls, emb: nn.Embedding, group: Group,
-                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+    def from_embedding(
+        cls, emb: nn.Embedding, group: Group, sequence_parallel: bool = False
+    ) -> "VocabParallelEmbedding":
         m = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel)
-        m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
+        m.weight.copy_(emb.weight[m.vocab_start : m.vocab_end])
         return m.to(emb.weight.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -262,7 +309,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from vocab-sharded logits (Megatron ``cross_entropy.py`` steps)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Any, vocab_start: int, group: Group, ignore_index: int) -> Any:
+    def forward(
+        ctx: Any, logits: Tensor, target: Any, vocab_start: int, group: Group, ignore_index: int
+    ) -> Any:
         # 1. global max over the vocabulary, for a stable softmax (one all-reduce of [N] floats).
         m = logits.max(dim=-1).values
         if comm.group_size(group) > 1:
@@ -295,9 +344,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Group,
-                                 vocab_start: int | None = None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group: Group,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Mean cross-entropy over labels ``!= ignore_index`` from vocab-sharded logits.
 
     ``logits``: ``[*, V/tp]`` (this rank's vocabulary slice, which starts at ``vocab_start``;
@@ -344,19 +397,23 @@ class ParallelAttention(nn.Module):
         self.kv_shard, self.kv_num_shards = kv_shard, kv_n
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = column_parallel_linears(x, [self.q_proj, self.k_proj, self.v_proj], self.group,
-                                          self.sequence_parallel)
+        q, k, v = column_parallel_linears(
+            x, [self.q_proj, self.k_proj, self.v_proj], self.group, self.sequence_parallel
+        )
         B, T, D = q.shape[0], q.shape[1], self.head_dim
         q = q.view(B, T, self.num_heads, D).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         ctx = get_context()
-        if ctx is not None:      # serving: the engine's attention over this rank's paged KV heads
-            o = ctx.attention(self.layer_idx, q.transpose(1, 2).reshape(B * T, self.num_heads, D),
-                              k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
-                              v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
-                              self.sliding_window)
+        if ctx is not None:  # serving: the engine's attention over this rank's paged KV heads
+            o = ctx.attention(
+                self.layer_idx,
+                q.transpose(1, 2).reshape(B * T, self.num_heads, D),
+                k.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                v.transpose(1, 2).reshape(B * T, self.num_kv_heads, D),
+                self.sliding_window,
+            )
             res: Tensor = self.o_proj(o.reshape(B, T, self.num_heads * D))
             return res
         out = causal_attention(self, q, k, v)  # ring/Ulysses when context parallelism set it
@@ -373,12 +430,14 @@ class ParallelMLP(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group)
         self.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group)
-        self.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group,
-                                                       sequence_parallel=sequence_parallel)
+        self.down_proj = RowParallelLinear.from_linear(
+            mlp.down_proj, group, sequence_parallel=sequence_parallel
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_parallel_linears(x, [self.gate_proj, self.up_proj], self.group,
-                                           self.sequence_parallel)
+        gate, up = column_parallel_linears(
+            x, [self.gate_proj, self.up_proj], self.group, self.sequence_parallel
+        )
         out: Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
@@ -386,14 +445,16 @@ class ParallelMLP(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Which degrees can shard a model
 # --------------------------------------------------------------------------------------------
-def check_shardable(mc: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
-                    name: str = "tp") -> None:
+def check_shardable(
+    mc: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None, name: str = "tp"
+) -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard model config
     ``mc`` (heads, kv heads, FFN width, vocabulary; ``seq_len`` under sequence parallelism);
     ``name`` is the degree's name in the message (``tensor_parallel_size`` for inference)."""
     if sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tp > 1 (it shards the sequence over the "
-                         "tensor-parallel ranks)")
+        raise ValueError(
+            "--sequence-parallel needs --tp > 1 (it shards the sequence over the tensor-parallel ranks)"
+        )
     if tp == 1:
         return
     H, KV = mc.num_attention_heads, mc.num_key_value_heads
@@ -402,17 +463,24 @@ def check_shardable(mc: ModelConfig, tp: int, sequence_parallel: bool = False, s
     if KV >= tp and KV % tp:
         raise ValueError(f"{name}={tp} must divide num_key_value_heads={KV}")
     if KV < tp and tp % KV:
-        raise ValueError(f"{name}={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
-                         f"it (each kv head is replicated on tp/num_key_value_heads ranks)")
+        raise ValueError(
+            f"{name}={tp} must be a multiple of num_key_value_heads={KV} when it exceeds "
+            f"it (each kv head is replicated on tp/num_key_value_heads ranks)"
+        )
     if not mc.num_experts and mc.intermediate_size % tp:
         raise ValueError(f"{name}={tp} must divide intermediate_size={mc.intermediate_size}")
     if mc.vocab_size % tp:
-        raise ValueError(f"{name}={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
-                         f"split over {name} ranks and not padded)")
+        raise ValueError(
+            f"{name}={tp} must divide vocab_size={mc.vocab_size} (the vocabulary is "
+            f"split over {name} ranks and not padded)"
+        )
     if sequence_parallel:
         if seq_len is not None and seq_len % tp:
-            raise ValueError(f"tp={tp} must divide --seq-len {seq_len} (sequence "
-                             f"parallelism shards the sequence)")
+            raise ValueError(
+                f"tp={tp} must divide --seq-len {seq_len} (sequence parallelism shards the sequence)"
+            )
         if mc.num_experts:
-            raise ValueError("--sequence-parallel with a mixture-of-experts model is not "
-                             "supported (the MoE layer would see a sequence shard)")
+            raise ValueError(
+                "--sequence-parallel with a mixture-of-experts model is not "
+                "supported (the MoE layer would see a sequence shard)"
+            )

@@ -30,6 +30,7 @@ so they overflow only where the gradient itself does. ``group`` is a tensor-para
 process group (``mesh.groups["tp"]``); ``None`` means a single rank, and every operator is then the
 identity.
 """
+
 from __future__ import annotations
 
 import torch

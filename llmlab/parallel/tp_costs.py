@@ -11,6 +11,7 @@ Korthikanti et al.'s :func:`~llmlab.formulas.activations.activation_bytes_per_la
 :func:`measure_block` runs one block forward and backward on this rank and returns what was
 actually moved and saved, to be shown next to the formulas.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,9 +25,17 @@ from llmlab.runtime.mesh import Mesh
 from llmlab.model.config import ModelConfig
 
 
-def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: int = 32,
-                  kv: int = 8, tps: tuple[int, ...] = (1, 2, 4, 8), dtype_bytes: int = 2,
-                  sequence_parallel: bool = False) -> list[dict[str, Any]]:
+def tp_calculator(
+    b: int = 16,
+    s: int = 4096,
+    h: int = 4096,
+    f: int = 12288,
+    a: int = 32,
+    kv: int = 8,
+    tps: tuple[int, ...] = (1, 2, 4, 8),
+    dtype_bytes: int = 2,
+    sequence_parallel: bool = False,
+) -> list[dict[str, Any]]:
     """Per-rank cost of one block at each tp degree (defaults: the Qwen3-8B-like shape of the
     seed article, batch 16, sequence 4096, hidden 4096, MLP 12288, 32 heads, 8 kv heads, bf16).
 
@@ -46,17 +55,31 @@ def tp_calculator(b: int = 16, s: int = 4096, h: int = 4096, f: int = 12288, a: 
         cb = sum(n * x for ph in comm.values() for n, x in ph.values())
         wire = sum(n * x * ring_wire_factor(k, t) for ph in comm.values() for k, (n, x) in ph.items())
         fl = block_flops(b, s, h, f, a, kv, t)["total"]
-        rows.append({"tp": t, "flops": fl,
-                     "weight_bytes": (params - 2 * h) * dtype_bytes / t + 2 * h * dtype_bytes,
-                     "activation_bytes": activation_bytes_per_layer(s, b, h, a, t, sequence_parallel),
-                     "activation_bytes_fused": llama_block_activation_bytes(b, s, h, f, a, t,
-                                                                            sequence_parallel, dtype_bytes),
-                     "comm_bytes": cb, "wire_bytes": wire, "comm_per_flop": wire / fl})
+        rows.append(
+            {
+                "tp": t,
+                "flops": fl,
+                "weight_bytes": (params - 2 * h) * dtype_bytes / t + 2 * h * dtype_bytes,
+                "activation_bytes": activation_bytes_per_layer(s, b, h, a, t, sequence_parallel),
+                "activation_bytes_fused": llama_block_activation_bytes(
+                    b, s, h, f, a, t, sequence_parallel, dtype_bytes
+                ),
+                "comm_bytes": cb,
+                "wire_bytes": wire,
+                "comm_per_flop": wire / fl,
+            }
+        )
     return rows
 
 
-def measure_block(model_config: ModelConfig, mesh: Mesh, sequence_parallel: bool = False, batch: int = 2,
-                  seq_len: int = 32, seed: int = 0) -> dict[str, Any]:
+def measure_block(
+    model_config: ModelConfig,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    batch: int = 2,
+    seq_len: int = 32,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Run block 0 of a tensor-parallel model forward and backward on this rank (inside
     :func:`llmlab.launch` ranks; every rank calls it).
 
@@ -89,5 +112,10 @@ def measure_block(model_config: ModelConfig, mesh: Mesh, sequence_parallel: bool
     out.backward(torch.ones_like(out))
     ev = [(k, b) for k, b, *_ in comm.COUNTER.events]
     comm.COUNTER.reset()
-    return {"forward": ev[:n_fwd], "backward": ev[n_fwd:], "activation_bytes": act.peak,
-            "output": out.detach(), "input_grad": x.grad}
+    return {
+        "forward": ev[:n_fwd],
+        "backward": ev[n_fwd:],
+        "activation_bytes": act.peak,
+        "output": out.detach(),
+        "input_grad": x.grad,
+    }

@@ -10,6 +10,7 @@ gradients under sequence parallelism, :class:`SumOverKVReplicas` for replicated 
 Sources: Shoeybi et al. 2019, "Megatron-LM", §3; Korthikanti et al. 2022, §4.2.2 (see
 :mod:`llmlab.parallel.tensor_parallel` for the layers themselves).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,16 @@ from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.configs import TensorParallelConfig
 from llmlab.parallel.grad_reduce import all_reduce_sum_
 from llmlab.parallel.records import model_record, param_record
-from llmlab.parallel.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP,
-                                             RowParallelLinear, VocabParallelEmbedding, _tp_rank,
-                                             check_shardable, vocab_parallel_cross_entropy)
+from llmlab.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _tp_rank,
+    check_shardable,
+    vocab_parallel_cross_entropy,
+)
 from llmlab.runtime import comm
 from llmlab.runtime.mesh import Mesh
 from llmlab.runtime.comm import Group
@@ -51,7 +59,7 @@ class SumOverTP:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce_sum_(flat, self.group)   # partial gradients: fp16 summed in fp32
+        all_reduce_sum_(flat, self.group)  # partial gradients: fp16 summed in fp32
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
@@ -95,10 +103,14 @@ def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group: Gr
     values (replicated norms, biases and experts on tp ranks > 0; a replicated kv head on all but
     its first rank), so the global gradient norm counts each element once."""
     r = _tp_rank(group)
-    sharded = {id(m.weight) for m in model.modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))}
-    sharded |= {id(m.bias) for m in model.modules()
-                if isinstance(m, ColumnParallelLinear) and m.bias is not None}
+    sharded = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+    }
+    sharded |= {
+        id(m.bias) for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.bias is not None
+    }
     for p in model.parameters():
         param_record(p).tp_duplicate = id(p) not in sharded and r > 0
     for a in attns:
@@ -113,10 +125,10 @@ def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group: Gr
 # communication region (Megatron's fused QKV): inside them q/k/v and gate/up are
 # column-parallel, o_proj and down_proj row-parallel.
 TP_PLAN: dict[str, str] = {
-    "model.embed_tokens": "vocab_parallel",   # VocabParallelEmbedding: rows of the vocabulary
+    "model.embed_tokens": "vocab_parallel",  # VocabParallelEmbedding: rows of the vocabulary
     "model.layers.*.self_attn": "attention",  # ParallelAttention: q/k/v column, o row
-    "model.layers.*.mlp": "mlp",              # ParallelMLP: gate/up column, down row (dense MLPs)
-    "lm_head": "column_parallel",             # logits [B, T, V/tp] for the vocab-parallel loss
+    "model.layers.*.mlp": "mlp",  # ParallelMLP: gate/up column, down row (dense MLPs)
+    "lm_head": "column_parallel",  # logits [B, T, V/tp] for the vocab-parallel loss
 }
 
 
@@ -129,21 +141,26 @@ def _attention(m: Any, group: Group, sp: bool) -> nn.Module:
 
 
 def _mlp(m: Any, group: Group, sp: bool) -> nn.Module:
-    return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m   # MoE: experts replicated
+    return ParallelMLP(m, group, sp) if isinstance(m, MLP) else m  # MoE: experts replicated
 
 
 def _column_parallel(m: Any, group: Group, sp: bool) -> nn.Module:
     return ColumnParallelLinear.from_linear(m, group, sequence_parallel=sp)
 
 
-STYLES = {"vocab_parallel": _vocab_parallel, "attention": _attention, "mlp": _mlp,
-          "column_parallel": _column_parallel}
+STYLES = {
+    "vocab_parallel": _vocab_parallel,
+    "attention": _attention,
+    "mlp": _mlp,
+    "column_parallel": _column_parallel,
+}
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], group: Group, sequence_parallel: bool) -> None:
     """Replace every module whose name matches a pattern of ``plan`` by its parallel form
     (:data:`STYLES`), in place. The parallel modules copy this rank's slice of the full weights."""
     import fnmatch
+
     for name, module in list(model.named_modules()):
         style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
         if style is None:
@@ -153,8 +170,9 @@ def apply_plan(model: nn.Module, plan: dict[str, str], group: Group, sequence_pa
         setattr(parent, attr, STYLES[style](module, group, sequence_parallel))
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel: bool = False,
-                          plan: dict[str, str] | None = None) -> LlamaForCausalLM:
+def apply_tensor_parallel(
+    model: LlamaForCausalLM, mesh: Mesh, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+) -> LlamaForCausalLM:
     """Shard a full, seeded model over ``mesh.groups["tp"]`` in place with ``plan`` (default
     :data:`TP_PLAN`) and return it.
 
@@ -180,10 +198,15 @@ def apply_tensor_parallel(model: LlamaForCausalLM, mesh: Mesh, sequence_parallel
         norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
         for p in norms:
             param_record(p).sequence_parallel = True
-        sp_params = norms + [p for m in model.modules() if isinstance(m, RowParallelLinear)
-                             for p in m.parameters() if param_record(p).sequence_parallel]
+        sp_params = norms + [
+            p
+            for m in model.modules()
+            if isinstance(m, RowParallelLinear)
+            for p in m.parameters()
+            if param_record(p).sequence_parallel
+        ]
         finalizers.append(SumOverTP(sp_params, group))
-        model.sequence_shards = tp        # hidden is [B, T/tp, h]: RoPE needs the full length T
+        model.sequence_shards = tp  # hidden is [B, T/tp, h]: RoPE needs the full length T
     if attns and attns[0].kv_replicated:
         finalizers.append(SumOverKVReplicas(attns, group))
     _mark_duplicates(model, attns, group)

@@ -19,6 +19,7 @@ all-to-all in forward and one in backward, each rank sending its whole local ten
 (``(N-1)/N`` of it leaves the rank): :func:`ulysses_bytes_per_layer`. Unlike the ring, the volume
 per rank falls as ``1/N`` for a fixed sequence length.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,10 @@ def check_heads(num_heads: int, num_kv_heads: int, cp: int, tp: int = 1) -> None
     for name, n in (("query heads", num_heads), ("key/value heads", num_kv_heads)):
         per = n // tp if n >= tp else 1
         if per % cp:
-            raise ValueError(f"--cp-mode ulysses: cp={cp} must divide the {name} per tensor-parallel "
-                             f"rank ({n} / tp {tp} = {per})")
+            raise ValueError(
+                f"--cp-mode ulysses: cp={cp} must divide the {name} per tensor-parallel "
+                f"rank ({n} / tp {tp} = {per})"
+            )
 
 
 def ulysses_token_indices(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -52,8 +55,8 @@ def _seq_to_head(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``[B, H, T, D]`` (T local tokens, all heads) -> ``[B, H/N, N·T, D]`` (all tokens, H/N heads)."""
     N = comm.group_size(group)
     B, H, T, D = x.shape
-    send = x.permute(1, 0, 2, 3).reshape(N, H // N, B, T, D).contiguous()   # slice j -> rank j
-    recv = torch.empty_like(send)                                           # slice j <- rank j
+    send = x.permute(1, 0, 2, 3).reshape(N, H // N, B, T, D).contiguous()  # slice j -> rank j
+    recv = torch.empty_like(send)  # slice j <- rank j
     comm.all_to_all_single(recv, send, group=group, kind="cp_all_to_all")
     return recv.permute(2, 1, 0, 3, 4).reshape(B, H // N, N * T, D)
 
@@ -63,7 +66,7 @@ def _head_to_seq(y: torch.Tensor, group: Group) -> torch.Tensor:
     N = comm.group_size(group)
     B, h, S, D = y.shape
     send = y.view(B, h, N, S // N, D).permute(2, 1, 0, 3, 4).contiguous()  # tokens of rank j -> j
-    recv = torch.empty_like(send)                                           # heads of rank j <- j
+    recv = torch.empty_like(send)  # heads of rank j <- j
     comm.all_to_all_single(recv, send, group=group, kind="cp_all_to_all")
     return recv.permute(2, 0, 1, 3, 4).reshape(B, N * h, S // N, D)
 
@@ -103,8 +106,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     """
     N = comm.group_size(group)
     if q.shape[1] % N or k.shape[1] % N:
-        raise ValueError(f"Ulysses: cp={N} must divide num_heads={q.shape[1]} and "
-                         f"num_kv_heads={k.shape[1]} on this rank")
+        raise ValueError(
+            f"Ulysses: cp={N} must divide num_heads={q.shape[1]} and num_kv_heads={k.shape[1]} on this rank"
+        )
     q, k, v = (SeqToHead.apply(t, group) for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     if rep > 1:

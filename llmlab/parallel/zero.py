@@ -47,6 +47,7 @@ Every collective goes through :mod:`llmlab.runtime.comm`, so the bytes are count
 table's formulas are :func:`llmlab.formulas.memory.zero_model_state_bytes` and
 :func:`llmlab.formulas.communication.zero_comm_bytes_per_step`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,13 +84,16 @@ def validate(cfg: ZeroConfig, mesh: Mesh, model_config: ModelConfig) -> None:
     if cfg.stage == 0:
         return
     if cfg.stage == 3 and model_config.tie_word_embeddings:
-        raise ValueError("--zero 3 with tie_word_embeddings is not supported (the tied weight would "
-                         "belong to two units, the embedding's and the LM head's, and be gathered "
-                         "and reduced twice); untie the embeddings or use --zero 1 or 2")
+        raise ValueError(
+            "--zero 3 with tie_word_embeddings is not supported (the tied weight would "
+            "belong to two units, the embedding's and the LM head's, and be gathered "
+            "and reduced twice); untie the embeddings or use --zero 1 or 2"
+        )
 
 
-def _size_buckets(params: list[tuple[str, nn.Parameter]], cap_bytes: float,
-                  elsize: int) -> list[list[tuple[str, nn.Parameter]]]:
+def _size_buckets(
+    params: list[tuple[str, nn.Parameter]], cap_bytes: float, elsize: int
+) -> list[list[tuple[str, nn.Parameter]]]:
     """Split ``params`` (already in backward order) into runs of at most ``cap_bytes`` that never
     mix dense and expert parameters (they are reduced over different groups)."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
@@ -118,8 +122,9 @@ def _is_expert(p: nn.Parameter) -> bool:
 
 def _split_by_group(ps: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
     """``ps`` split into the dense run and the expert run (either may be empty)."""
-    return [run for run in ([q for q in ps if not _is_expert(q[1])], [q for q in ps if _is_expert(q[1])])
-            if run]
+    return [
+        run for run in ([q for q in ps if not _is_expert(q[1])], [q for q in ps if _is_expert(q[1])]) if run
+    ]
 
 
 def zero3_units(module: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
@@ -168,8 +173,9 @@ class ZeroDataParallel(nn.Module):
     the same collectives in the same order.
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, stage: int, dtype: str = "fp32",
-                 bucket_mb: float = 25.0) -> None:
+    def __init__(
+        self, module: nn.Module, mesh: Mesh, stage: int, dtype: str = "fp32", bucket_mb: float = 25.0
+    ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: expected 1, 2 or 3")
@@ -193,18 +199,27 @@ class ZeroDataParallel(nn.Module):
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if stage == 3:
             units = zero3_units(module)
-            unit_buckets = [[bucket((name or "root") + ("" if not _is_expert(ps[0][1]) else ".experts"), ps)
-                             for ps in _split_by_group(ups)] for name, _, ups in units]
+            unit_buckets = [
+                [
+                    bucket((name or "root") + ("" if not _is_expert(ps[0][1]) else ".experts"), ps)
+                    for ps in _split_by_group(ups)
+                ]
+                for name, _, ups in units
+            ]
             self.buckets = [b for bs in unit_buckets for b in bs]
         else:
-            params = trainable[::-1]   # backward order
-            self.buckets = [bucket(f"bucket{i}", ps) for i, ps in enumerate(
-                _size_buckets(params, bucket_mb * 2**20, torch.finfo(self.compute_dtype).bits // 8))]
+            params = trainable[::-1]  # backward order
+            self.buckets = [
+                bucket(f"bucket{i}", ps)
+                for i, ps in enumerate(
+                    _size_buckets(params, bucket_mb * 2**20, torch.finfo(self.compute_dtype).bits // 8)
+                )
+            ]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._pending: list[Any] = []      # in-flight reduce-scatters: (bucket, out, work, staging)
+        self._pending: list[Any] = []  # in-flight reduce-scatters: (bucket, out, work, staging)
         self._next_launch = 0
         self._callback_queued = False
-        self._gathering: dict[tuple[int, int], Any] = {}   # (unit, bucket) -> the gather's work
+        self._gathering: dict[tuple[int, int], Any] = {}  # (unit, bucket) -> the gather's work
         if stage == 1:
             for b in self.buckets:
                 b.grad_full = torch.zeros_like(b.full)
@@ -291,27 +306,29 @@ class ZeroDataParallel(nn.Module):
         i = b.index[id(p)]
         lo, hi = b.shard_range
         a, e = max(b.offsets[i], lo), min(b.offsets[i] + b.numels[i], hi)
-        return self.grad_shard(b)[a - lo:max(a, e) - lo]
+        return self.grad_shard(b)[a - lo : max(a, e) - lo]
 
     # --- stages 2 and 3: gradients ----------------------------------------------------------
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._callback_queued:     # reduce what is incomplete when this backward ends
+        if not self._callback_queued:  # reduce what is incomplete when this backward ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         b = self._bucket_of[id(p)]
-        assert p.grad is not None     # the hook runs once p.grad is accumulated
+        assert p.grad is not None  # the hook runs once p.grad is accumulated
         if b.grad_full is None:
             b.grad_full = torch.zeros(b.padded, dtype=p.grad.dtype, device=p.grad.device)
         b.copy_grad_in(p, b.grad_full)
-        p.grad = None                     # the full gradient of this parameter is gone
+        p.grad = None  # the full gradient of this parameter is gone
         b.num_ready += 1
         if b.num_ready == b.num_grads:
             if self.stage == 3:
                 b.free()
             # Launch in bucket order, identical on every rank.
-            while self._next_launch < len(self.buckets) and \
-                    self.buckets[self._next_launch].num_ready >= self.buckets[self._next_launch].num_grads:
+            while (
+                self._next_launch < len(self.buckets)
+                and self.buckets[self._next_launch].num_ready >= self.buckets[self._next_launch].num_grads
+            ):
                 self._launch(self.buckets[self._next_launch], "backward")
                 self._next_launch += 1
 
@@ -319,9 +336,11 @@ class ZeroDataParallel(nn.Module):
     def _end_of_backward(self) -> None:
         """Launch, in order, every bucket not yet reduced in this backward pass (zeros where a
         parameter got no gradient), so that all ranks issue the same reduce-scatters."""
-        for b in self.buckets[self._next_launch:]:
+        for b in self.buckets[self._next_launch :]:
             if b.grad_full is None:
-                b.grad_full = torch.zeros(b.padded, dtype=self.compute_dtype, device=_held(b.grad_shard).device)
+                b.grad_full = torch.zeros(
+                    b.padded, dtype=self.compute_dtype, device=_held(b.grad_shard).device
+                )
             self._launch(b, "backward" if b.num_ready else "flush")
         self._next_launch = 0
         self._callback_queued = False
@@ -331,16 +350,14 @@ class ZeroDataParallel(nn.Module):
 
     def _launch(self, b: FlatBucket, phase: str) -> None:
         full = b.grad_full
-        assert full is not None       # filled by _on_grad, or zeros from _end_of_backward
+        assert full is not None  # filled by _on_grad, or zeros from _end_of_backward
         out = torch.empty(b.shard_numel, dtype=full.dtype, device=full.device)
         self.log_event("reduce_scatter", b.name, phase)
-        with profile_phase("zero reduce_scatter", bucket=b.name,
-                           bytes=full.numel() * full.element_size()):
-            work = comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group,
-                                              async_op=True)
+        with profile_phase("zero reduce_scatter", bucket=b.name, bytes=full.numel() * full.element_size()):
+            work = comm.reduce_scatter_tensor(out, predivide_(full, b.world), group=b.group, async_op=True)
         self._pending.append((b, out, work, full))
         b.grad_full, b.num_ready = None, 0
-        while len(self._pending) > 2:     # at most two buckets in flight: bounded memory
+        while len(self._pending) > 2:  # at most two buckets in flight: bounded memory
             self._retire()
 
     def _retire(self) -> None:
@@ -360,7 +377,8 @@ class ZeroDataParallel(nn.Module):
                 self.log_event("all_gather", b.name, phase)
                 with profile_phase("zero all_gather", unit=b.name, during=phase):
                     self._gathering[key] = comm.all_gather_into_tensor(
-                        b.alias, _held(b.local_shard).detach(), group=b.group, async_op=True)
+                        b.alias, _held(b.local_shard).detach(), group=b.group, async_op=True
+                    )
             if wait and key in self._gathering:
                 work = self._gathering.pop(key)
                 if work is not None:
@@ -378,10 +396,10 @@ class ZeroDataParallel(nn.Module):
     def _pre_forward(self, i: int, module: Module, args: Any) -> None:
         self._gather(i, "forward")
         if i + 1 < len(self.units):
-            self._gather(i + 1, "forward", wait=False)      # prefetch the next layer
+            self._gather(i + 1, "forward", wait=False)  # prefetch the next layer
 
     def _post_forward(self, i: int, module: Module, args: Any, output: Any) -> Any:
-        self._free_unit(i)                # a prefetch of layer i + 1 may still be in flight
+        self._free_unit(i)  # a prefetch of layer i + 1 may still be in flight
         if torch.is_grad_enabled():
             outs = output if isinstance(output, (tuple, list)) else (output,)
             for t in outs:
@@ -396,7 +414,7 @@ class ZeroDataParallel(nn.Module):
             self._callback_queued = True
         self._gather(i, "backward")
         if i > 0:
-            self._gather(i - 1, "backward", wait=False)     # prefetch the previous layer
+            self._gather(i - 1, "backward", wait=False)  # prefetch the previous layer
         return None
 
     @torch.no_grad()
@@ -415,13 +433,17 @@ class ZeroDataParallel(nn.Module):
 
     def log_event(self, op: str, unit: str, phase: str) -> None:
         """Record a collective (``op`` on bucket/unit ``unit`` during ``phase``) in ``events``."""
-        if len(self.events) < self.max_events:      # bounded: a long run keeps the first ones
+        if len(self.events) < self.max_events:  # bounded: a long run keeps the first ones
             self.events.append({"op": op, "unit": unit, "phase": phase, "t": time.perf_counter()})
 
 
-def apply(module: nn.Module, mesh: Mesh, cfg: ZeroConfig,
-          make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-          scaler: LossScaler | None = None) -> tuple[ZeroDataParallel, ZeroOptimizer]:
+def apply(
+    module: nn.Module,
+    mesh: Mesh,
+    cfg: ZeroConfig,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    scaler: LossScaler | None = None,
+) -> tuple[ZeroDataParallel, ZeroOptimizer]:
     """The strategy's ``apply``: ``(ZeroDataParallel, ZeroOptimizer)`` for ``cfg.stage`` and
     ``cfg.dtype`` over ``mesh``'s ``dp`` group. ZeRO shards the optimizer's states too, so unlike
     the other strategies it builds the optimizer: ``make_optimizer`` builds the torch optimizer

@@ -19,6 +19,7 @@ Two tricks make ZeRO-3 free memory for real:
 Shapes are 1-D element counts; ``dtype`` is the storage dtype of the parameters (fp32, or bf16
 for mixed precision).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,15 @@ class FlatBucket:
     Raises ``ValueError`` if ``params`` is empty.
     """
 
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], world: int, rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        world: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         if not params:
             raise ValueError(f"bucket {name!r} has no parameters")
         self.name, self.world, self.rank = name, world, rank
@@ -50,20 +58,21 @@ class FlatBucket:
         self.dtype, self.device = dtype, device
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.alias: torch.Tensor = torch.empty(0, dtype=dtype, device=device).set_(
-            self.full.untyped_storage(), 0, (self.padded,))  # type: ignore[call-overload]
+            self.full.untyped_storage(), 0, (self.padded,)
+        )  # type: ignore[call-overload]
         with torch.no_grad():
             for p, o, n in zip(self.params, self.offsets, self.numels):
-                self.full[o:o + n].copy_(p.detach().reshape(-1))
-                p.data = self.full[o:o + n].view(p.shape)
+                self.full[o : o + n].copy_(p.detach().reshape(-1))
+                p.data = self.full[o : o + n].view(p.shape)
         self.is_full = True
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.num_grads = sum(p.requires_grad for p in self.params)   # hooks expected per backward
+        self.num_grads = sum(p.requires_grad for p in self.params)  # hooks expected per backward
         # Gradient buffers (which ones exist depends on the stage; see zero.py).
-        self.grad_full: torch.Tensor | None = None     # full flat gradient (stage 1, staging)
-        self.grad_shard: torch.Tensor | None = None    # this rank's reduced gradient (stages 2, 3)
-        self.local_shard: torch.Tensor | None = None   # owned copy of the shard (stage 3)
+        self.grad_full: torch.Tensor | None = None  # full flat gradient (stage 1, staging)
+        self.grad_shard: torch.Tensor | None = None  # this rank's reduced gradient (stages 2, 3)
+        self.local_shard: torch.Tensor | None = None  # owned copy of the shard (stage 3)
         self.num_ready = 0
-        self.group: Group = None   # the process group that reduces it (set by its wrapper)
+        self.group: Group = None  # the process group that reduces it (set by its wrapper)
 
     # --- layout ---------------------------------------------------------------------------
     @property
@@ -83,13 +92,13 @@ class FlatBucket:
         """Make every parameter's ``.grad`` a view of ``flat`` (autograd accumulates in place)."""
         for p, o, n in zip(self.params, self.offsets, self.numels):
             if p.requires_grad:
-                p.grad = flat[o:o + n].view(p.shape)
+                p.grad = flat[o : o + n].view(p.shape)
 
     def copy_grad_in(self, p: nn.Parameter, flat: torch.Tensor) -> None:
         """Copy ``p.grad`` into its place in ``flat``."""
         i = self.index[id(p)]
         assert p.grad is not None
-        flat[self.offsets[i]:self.offsets[i] + self.numels[i]].copy_(p.grad.reshape(-1))
+        flat[self.offsets[i] : self.offsets[i] + self.numels[i]].copy_(p.grad.reshape(-1))
 
     # --- ZeRO-3: keep only the shard --------------------------------------------------------
     def make_local_shard(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ the update, stages 1 and 2 all-gather the new parameters (stage 3 keeps the shar
 ``--cpu-offload`` (ZeRO-Offload, Ren et al. 2021): the masters and moments live in host memory and
 the update runs there. The gradient and parameter sharding is :class:`~llmlab.parallel.zero.ZeroDataParallel`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol
@@ -27,8 +28,8 @@ class ShardedBuckets(Protocol):
     """What the optimizer reads of the wrapper that shards the gradients and parameters
     (:class:`~llmlab.parallel.zero.ZeroDataParallel`): its public face, nothing private."""
 
-    buckets: list[Any]        # flat buckets: params, offsets, numels, shard_range, alias, group, name
-    stage: int           # 1, 2 or 3
+    buckets: list[Any]  # flat buckets: params, offsets, numels, shard_range, alias, group, name
+    stage: int  # 1, 2 or 3
 
     def grad_shard(self, bucket: Any) -> torch.Tensor: ...
 
@@ -59,9 +60,13 @@ class ZeroOptimizer:
     parameters; ``step()`` does both.
     """
 
-    def __init__(self, wrapper: ShardedBuckets,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 cpu_offload: bool = False, scaler: LossScaler | None = None) -> None:
+    def __init__(
+        self,
+        wrapper: ShardedBuckets,
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        cpu_offload: bool = False,
+        scaler: LossScaler | None = None,
+    ) -> None:
         self.wrapper, self.scaler = wrapper, scaler
         self.masters: list[nn.Parameter] = []
         self.separate: list[bool] = []
@@ -99,8 +104,11 @@ class ZeroOptimizer:
         for b, m in zip(self.wrapper.buckets, self.masters):
             g = self.wrapper.grad_shard(b)
             # (a device-to-host copy must be complete before Adam reads it: blocking)
-            m.grad = g if (g.dtype == m.dtype and g.device == m.device) else \
-                g.to(device=m.device, dtype=torch.float32)
+            m.grad = (
+                g
+                if (g.dtype == m.dtype and g.device == m.device)
+                else g.to(device=m.device, dtype=torch.float32)
+            )
             if inv != 1.0:
                 m.grad = m.grad * inv
 
@@ -113,7 +121,7 @@ class ZeroOptimizer:
             for p, o, n in zip(b.params, b.offsets, b.numels):
                 a, e = max(o, lo), min(o + n, hi)
                 if a < e and m.grad is not None:
-                    out.append((m.grad[a - lo:e - lo], p))
+                    out.append((m.grad[a - lo : e - lo], p))
         return out
 
     @torch.no_grad()
@@ -158,7 +166,7 @@ class ZeroOptimizer:
                 if k in st:
                     flats[k] = _gather_flat(b, st[k].to(b.device))
             for p, o, n in zip(b.params, b.offsets, b.numels):
-                out[p] = {k: f[o:o + n].view(p.shape).to("cpu").clone() for k, f in flats.items()}
+                out[p] = {k: f[o : o + n].view(p.shape).to("cpu").clone() for k, f in flats.items()}
                 if "step" in st:
                     out[p]["step"] = st["step"].detach().to("cpu").clone().float()
         return out
@@ -179,7 +187,7 @@ class ZeroOptimizer:
                 for k in ("param", "exp_avg", "exp_avg_sq"):
                     if k in st:
                         flat = flats.setdefault(k, torch.zeros(b.padded, dtype=torch.float32))
-                        flat[o:o + n] = st[k].reshape(-1).float()
+                        flat[o : o + n] = st[k].reshape(-1).float()
                 step = st.get("step", step)
             if w.stage == 3:
                 b.local_shard.copy_(flats["param"][lo:hi].to(b.local_shard.dtype))
@@ -187,13 +195,17 @@ class ZeroOptimizer:
                 b.alias.copy_(flats["param"].to(b.alias.dtype))
             m.copy_(flats["param"][lo:hi].to(m.device, m.dtype))
             if step is not None and "exp_avg" in flats:
-                self.optimizer.state[m] = {"step": step.clone().reshape(()),
-                                           "exp_avg": flats["exp_avg"][lo:hi].clone().to(m.device),
-                                           "exp_avg_sq": flats["exp_avg_sq"][lo:hi].clone().to(m.device)}
+                self.optimizer.state[m] = {
+                    "step": step.clone().reshape(()),
+                    "exp_avg": flats["exp_avg"][lo:hi].clone().to(m.device),
+                    "exp_avg_sq": flats["exp_avg_sq"][lo:hi].clone().to(m.device),
+                }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "masters": [m.detach().cpu().clone() for m in self.masters]}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().cpu().clone() for m in self.masters],
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(sd["optimizer"])

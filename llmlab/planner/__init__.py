@@ -8,6 +8,7 @@ built on :mod:`llmlab.formulas`), :mod:`~llmlab.planner.search` (evaluate and ra
 :mod:`~llmlab.planner.validate` (this machine), :mod:`~llmlab.planner.report`,
 :mod:`~llmlab.planner.inputs` (the command line's flags checked) and :mod:`~llmlab.planner.cli`. The cost model and where it is wrong: docs/planner.md.
 """
+
 from llmlab.planner.api import plan
 from llmlab.planner.cluster import NODE_PRESETS, ClusterSpec, cluster_preset
 from llmlab.planner.layout import Layout

@@ -1,4 +1,5 @@
 """``llmlab.plan(...)``: the planner in one call (what ``llmlab plan`` runs)."""
+
 from __future__ import annotations
 
 import time
@@ -23,9 +24,19 @@ def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
     return from_params(params, **{k: v for k, v in shape.items() if v is not None}).validate()
 
 
-def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "a800",
-         num_gpus: int = 8, workload: Workload | None = None, max_microbatches: int = 64,
-         zero_stages=(0, 1, 2, 3), serve: bool = False, **overrides) -> dict:
+def plan(
+    model=None,
+    *,
+    params=None,
+    config=None,
+    cluster: ClusterSpec | str = "a800",
+    num_gpus: int = 8,
+    workload: Workload | None = None,
+    max_microbatches: int = 64,
+    zero_stages=(0, 1, 2, 3),
+    serve: bool = False,
+    **overrides,
+) -> dict:
     """Rank every valid layout of a model on a cluster.
 
     ``serve=True``: the serving question instead (:func:`llmlab.planner.serve_api.plan_serve`,
@@ -51,12 +62,21 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
     """
     if serve:
         from llmlab.planner.serve_api import plan_serve
-        return plan_serve(model, params=params, config=config, cluster=cluster, num_gpus=num_gpus,
-                          workload=workload, **overrides)
-    shape = {k: overrides.pop(k) for k in ("num_layers", "hidden", "heads", "kv_heads", "vocab")
-             if k in overrides}
+
+        return plan_serve(
+            model,
+            params=params,
+            config=config,
+            cluster=cluster,
+            num_gpus=num_gpus,
+            workload=workload,
+            **overrides,
+        )
+    shape = {
+        k: overrides.pop(k) for k in ("num_layers", "hidden", "heads", "kv_heads", "vocab") if k in overrides
+    }
     spec = resolve_model(model, params, config, **shape)
-    if overrides.get("gpu_memory_gb") is not None:               # the CLI's unit
+    if overrides.get("gpu_memory_gb") is not None:  # the CLI's unit
         overrides["gpu_memory_bytes"] = overrides.pop("gpu_memory_gb") * GB
     if isinstance(cluster, str):
         cluster = cluster_preset(cluster, num_gpus, **overrides)
@@ -66,9 +86,18 @@ def plan(model=None, *, params=None, config=None, cluster: ClusterSpec | str = "
     rows = search(spec, workload, cluster, max_microbatches, zero_stages)
     if not rows:
         from llmlab.planner.layout import Layout, why_invalid
+
         reason = why_invalid(Layout(dp=cluster.num_gpus), spec, workload, cluster.gpus_per_node)
-        raise ValueError(f"no valid layout of {spec.name} on {cluster.num_gpus} GPUs"
-                         + (f" (e.g. DP{cluster.num_gpus}: {reason})" if reason else ""))
-    return {"model": spec.to_dict(), "cluster": cluster.to_dict(), "workload": vars(workload),
-            "num_layouts": len(rows), "search_time_s": time.perf_counter() - t0, "layouts": rows,
-            "units": {"memory": "bytes", "time": "seconds", "GB": GB}}
+        raise ValueError(
+            f"no valid layout of {spec.name} on {cluster.num_gpus} GPUs"
+            + (f" (e.g. DP{cluster.num_gpus}: {reason})" if reason else "")
+        )
+    return {
+        "model": spec.to_dict(),
+        "cluster": cluster.to_dict(),
+        "workload": vars(workload),
+        "num_layouts": len(rows),
+        "search_time_s": time.perf_counter() - t0,
+        "layouts": rows,
+        "units": {"memory": "bytes", "time": "seconds", "GB": GB},
+    }

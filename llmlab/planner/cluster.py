@@ -14,6 +14,7 @@ on A800 (400), 450 GB/s on H100/H200 (900); HDR 200 Gb/s = 25 GB/s per GPU on A1
 Measured busbw is typically 70-90 % of these; ``llmlab plan --calibrate`` replaces them with
 this machine's numbers.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,24 +40,30 @@ class ClusterSpec:
     achievable_fraction: float = 0.6
     reserved_bytes: float = 2e9
     name: str = "custom"
-    overlap: bool = True           # collectives can hide under compute (GPUs); not on CPU/gloo
-    op_links: dict | None = None   # calibrated: {op: {"latency", "bandwidth"}} (one machine)
+    overlap: bool = True  # collectives can hide under compute (GPUs); not on CPU/gloo
+    op_links: dict | None = None  # calibrated: {op: {"latency", "bandwidth"}} (one machine)
 
     def validate(self) -> "ClusterSpec":
         if self.num_gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"--num-gpus {self.num_gpus} and --gpus-per-node "
-                             f"{self.gpus_per_node} must be >= 1")
+            raise ValueError(
+                f"--num-gpus {self.num_gpus} and --gpus-per-node {self.gpus_per_node} must be >= 1"
+            )
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus-per-node {self.gpus_per_node} must divide --num-gpus "
-                             f"{self.num_gpus} (whole nodes)")
-        positive = {"--gpu-memory-gb": self.gpu_memory_bytes, "--intra-bw-gb-s": self.intra_bandwidth,
-                    "--inter-bw-gb-s": self.inter_bandwidth} | {
-                       f"--peak-tflops (--dtype {k})": v for k, v in self.peak_flops.items()}
-        for name, v in positive.items():   # NaN and inf fail too: not (nan > 0), not finite
+            raise ValueError(
+                f"--gpus-per-node {self.gpus_per_node} must divide --num-gpus {self.num_gpus} (whole nodes)"
+            )
+        positive = {
+            "--gpu-memory-gb": self.gpu_memory_bytes,
+            "--intra-bw-gb-s": self.intra_bandwidth,
+            "--inter-bw-gb-s": self.inter_bandwidth,
+        } | {f"--peak-tflops (--dtype {k})": v for k, v in self.peak_flops.items()}
+        for name, v in positive.items():  # NaN and inf fail too: not (nan > 0), not finite
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name, v in (("--intra-latency-us", self.intra_latency),
-                        ("--inter-latency-us", self.inter_latency)):
+        for name, v in (
+            ("--intra-latency-us", self.intra_latency),
+            ("--inter-latency-us", self.inter_latency),
+        ):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not 0 < self.achievable_fraction <= 1:
@@ -75,8 +82,9 @@ class ClusterSpec:
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
-            raise ValueError(f"no peak FLOP/s for dtype {dtype!r} on {self.name}; known: "
-                             f"{', '.join(self.peak_flops)}")
+            raise ValueError(
+                f"no peak FLOP/s for dtype {dtype!r} on {self.name}; known: {', '.join(self.peak_flops)}"
+            )
         return self.peak_flops[dtype]
 
     def replace(self, **kw) -> "ClusterSpec":
@@ -87,10 +95,15 @@ class ClusterSpec:
 
 
 def _node(name, mem_gb, bf16_tflops, tf32_tflops, nvlink_gbs, ib_gbs):
-    return ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_bytes=mem_gb * GB,
-                       peak_flops={"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12,
-                                   "fp32": tf32_tflops * 1e12},
-                       intra_bandwidth=nvlink_gbs * GB, inter_bandwidth=ib_gbs * GB, name=name)
+    return ClusterSpec(
+        num_gpus=8,
+        gpus_per_node=8,
+        gpu_memory_bytes=mem_gb * GB,
+        peak_flops={"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12, "fp32": tf32_tflops * 1e12},
+        intra_bandwidth=nvlink_gbs * GB,
+        inter_bandwidth=ib_gbs * GB,
+        name=name,
+    )
 
 
 NODE_PRESETS = {

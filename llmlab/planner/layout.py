@@ -12,6 +12,7 @@ group spans ``tp`` consecutive GPUs, a data-parallel group ``tp·cp·dp`` and a 
 :func:`layouts` yields every valid layout of a model on ``n`` GPUs; :func:`why_invalid` says which
 constraint a given one breaks.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -44,8 +45,11 @@ class Layout:
         return "interleaved" if self.virtual_stages > 1 else "1f1b"
 
     def name(self) -> str:
-        parts = [f"{k.upper()}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp),
-                                                 ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        parts = [
+            f"{k.upper()}{v}"
+            for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+            if v > 1
+        ]
         out = "×".join(parts) or "1 GPU"
         if self.virtual_stages > 1:
             out += f" v{self.virtual_stages}"
@@ -64,22 +68,37 @@ def why_invalid(lay: Layout, model, workload, gpus_per_node: int) -> str | None:
     B = workload.global_batch_size
     checks = (
         (model.heads % lay.tp, f"tp={lay.tp} must divide the {model.heads} attention heads"),
-        (lay.tp > gpus_per_node, f"tp={lay.tp} must fit in one node of {gpus_per_node} GPUs "
-                                 f"(its collectives are on the critical path)"),
-        (model.num_layers % (lay.pp * lay.virtual_stages),
-         f"pp*virtual_stages={lay.pp * lay.virtual_stages} must divide the {model.num_layers} layers"),
-        (workload.seq_len % (lay.cp * lay.tp), f"cp*tp={lay.cp * lay.tp} must divide seq_len="
-                                               f"{workload.seq_len} (sequence shards)"),
+        (
+            lay.tp > gpus_per_node,
+            f"tp={lay.tp} must fit in one node of {gpus_per_node} GPUs "
+            f"(its collectives are on the critical path)",
+        ),
+        (
+            model.num_layers % (lay.pp * lay.virtual_stages),
+            f"pp*virtual_stages={lay.pp * lay.virtual_stages} must divide the {model.num_layers} layers",
+        ),
+        (
+            workload.seq_len % (lay.cp * lay.tp),
+            f"cp*tp={lay.cp * lay.tp} must divide seq_len={workload.seq_len} (sequence shards)",
+        ),
         (B % lay.dp, f"dp={lay.dp} must divide the global batch of {B} sequences"),
-        (B % lay.dp == 0 and (B // lay.dp) % lay.num_microbatches,
-         f"num_microbatches={lay.num_microbatches} must divide the {B // max(1, lay.dp)} "
-         f"sequences per data-parallel rank"),
-        (lay.virtual_stages > 1 and (lay.pp == 1 or lay.num_microbatches % lay.pp),
-         "virtual stages need pp > 1 and num_microbatches a multiple of pp"),
-        (lay.pp > 1 and lay.num_microbatches < lay.pp,
-         f"num_microbatches={lay.num_microbatches} must be >= pp={lay.pp} (else stages idle)"),
-        (bool(model.num_experts) and (model.num_experts % lay.ep or lay.dp % lay.ep),
-         f"ep={lay.ep} must divide num_experts={model.num_experts} and dp={lay.dp}"),
+        (
+            B % lay.dp == 0 and (B // lay.dp) % lay.num_microbatches,
+            f"num_microbatches={lay.num_microbatches} must divide the {B // max(1, lay.dp)} "
+            f"sequences per data-parallel rank",
+        ),
+        (
+            lay.virtual_stages > 1 and (lay.pp == 1 or lay.num_microbatches % lay.pp),
+            "virtual stages need pp > 1 and num_microbatches a multiple of pp",
+        ),
+        (
+            lay.pp > 1 and lay.num_microbatches < lay.pp,
+            f"num_microbatches={lay.num_microbatches} must be >= pp={lay.pp} (else stages idle)",
+        ),
+        (
+            bool(model.num_experts) and (model.num_experts % lay.ep or lay.dp % lay.ep),
+            f"ep={lay.ep} must divide num_experts={model.num_experts} and dp={lay.dp}",
+        ),
         (not model.num_experts and lay.ep > 1, "ep > 1 needs a mixture-of-experts model"),
         (lay.zero and lay.dp * lay.cp == 1, "ZeRO needs data-parallel ranks to shard over"),
         (lay.recompute not in RECOMPUTE, f"recompute must be one of {RECOMPUTE}"),
@@ -94,8 +113,9 @@ def _microbatch_counts(per_rank: int, pp: int, max_count: int) -> list[int]:
     return sorted(m for m in out if pp <= m <= max_count or (pp == 1 and m == 1))
 
 
-def layouts(model, workload, num_gpus: int, gpus_per_node: int, max_microbatches: int = 64,
-            zero_stages=(0, 1, 2, 3)):
+def layouts(
+    model, workload, num_gpus: int, gpus_per_node: int, max_microbatches: int = 64, zero_stages=(0, 1, 2, 3)
+):
     """Every valid layout using exactly ``num_gpus`` GPUs (a generator).
 
     Micro-batch counts are the powers of two dividing each data-parallel rank's share (up to
@@ -111,7 +131,7 @@ def layouts(model, workload, num_gpus: int, gpus_per_node: int, max_microbatches
                 if B % dp:
                     continue
                 for m in _microbatch_counts(B // dp, pp, max_microbatches):
-                    for v in ((1, 2, 4) if pp > 1 else (1,)):
+                    for v in (1, 2, 4) if pp > 1 else (1,):
                         for ep in eps:
                             for zero in zero_stages:
                                 for rc in RECOMPUTE:

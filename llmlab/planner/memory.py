@@ -17,6 +17,7 @@
 
 The busiest rank is the larger of the first and the last pipeline stage.
 """
+
 from __future__ import annotations
 
 from llmlab.formulas.activations import llama_block_activation_bytes
@@ -47,8 +48,7 @@ def model_state_bytes(model, lay, workload, stage: str) -> dict:
     dpcp = lay.dp * lay.cp
     out = zero_model_state_bytes(dense, lay.zero, dpcp, workload.dtype, workload.optimizer)
     if expert:
-        ex = zero_model_state_bytes(expert, lay.zero, dpcp // lay.ep, workload.dtype,
-                                    workload.optimizer)
+        ex = zero_model_state_bytes(expert, lay.zero, dpcp // lay.ep, workload.dtype, workload.optimizer)
         out = {k: out[k] + ex[k] for k in out}
     return out
 
@@ -61,8 +61,7 @@ def activation_bytes(model, lay, workload, stage: str) -> tuple[int, int]:
     b = workload.global_batch_size // (lay.dp * lay.num_microbatches)
     s = workload.seq_len // lay.cp
     f = model.top_k * model.moe_ffn if model.num_experts else model.ffn
-    one = llama_block_activation_bytes(b, s, model.hidden, f, model.heads, lay.tp,
-                                       lay.sequence_parallel, db)
+    one = llama_block_activation_bytes(b, s, model.hidden, f, model.heads, lay.tp, lay.sequence_parallel, db)
     rank = lay.pp - 1 if stage == "last" else 0
     inflight = microbatches_in_flight(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, rank)
     layers = model.num_layers // lay.pp
@@ -93,11 +92,14 @@ def memory_per_gpu(model, lay, workload, cluster) -> dict:
     """Bytes on the busiest GPU: ``{"params", "grads", "optimizer_states", "model_states",
     "activations", "recompute_transient", "buffers", "total", "stage"}`` (stage: which pipeline stage is busiest)."""
     best = None
-    for stage in (("first", "last") if lay.pp > 1 else ("first",)):
+    for stage in ("first", "last") if lay.pp > 1 else ("first",):
         ms = model_state_bytes(model, lay, workload, stage)
         act, transient = activation_bytes(model, lay, workload, stage)
-        rec = {k: ms[k] for k in STATES} | {"model_states": ms["total"], "activations": act,
-                                            "recompute_transient": transient}
+        rec = {k: ms[k] for k in STATES} | {
+            "model_states": ms["total"],
+            "activations": act,
+            "recompute_transient": transient,
+        }
         rec["buffers"] = buffer_bytes(model, lay, workload, cluster)
         rec["total"] = rec["model_states"] + act + rec["buffers"]
         rec["stage"] = stage

@@ -20,18 +20,24 @@
   has ``overlap=False`` (gloo's collectives run on the cores the compute needs).
 * Bubble: :func:`llmlab.formulas.pipeline.pipeline_bubble_time` of a stage's work.
 """
+
 from __future__ import annotations
 
 import math
 
-from llmlab.formulas.communication import (collective_time, p2p_time, tp_block_comm_bytes,
-                                           tp_step_comm_bytes, zero_comm_bytes_per_step)
+from llmlab.formulas.communication import (
+    collective_time,
+    p2p_time,
+    tp_block_comm_bytes,
+    tp_step_comm_bytes,
+    zero_comm_bytes_per_step,
+)
 from llmlab.formulas.memory import dtype_bytes
 from llmlab.formulas.pipeline import pipeline_bubble_time
 from llmlab.metrics.throughput import training_flops_per_token
 from llmlab.planner.memory import rank_params
 
-BUCKET_BYTES = 25 * 2**20   # DDP's default gradient bucket
+BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
 
 
 def flop_rate(cluster, dtype: str, matmul_flops: float) -> float:
@@ -72,13 +78,16 @@ def compute_times(model, lay, workload, cluster) -> dict:
     s = workload.seq_len // lay.cp
     ffn = model.top_k * model.moe_ffn if model.num_experts else model.ffn
     rate = flop_rate(cluster, workload.dtype, 2 * b * s * model.hidden * ffn / lay.tp)
-    fpt = training_flops_per_token(model.active_params(), model.num_layers, model.hidden,
-                                   workload.seq_len)
+    fpt = training_flops_per_token(model.active_params(), model.num_layers, model.hidden, workload.seq_len)
     base = workload.global_batch_tokens * fpt / lay.num_gpus / rate
     fwd_mb = base / 3 / lay.num_microbatches
     bwd_mb = 2 * fwd_mb + (fwd_mb if lay.recompute == "full" else 0.0)
-    return {"compute": (fwd_mb + bwd_mb) * lay.num_microbatches, "forward_mb": fwd_mb,
-            "backward_mb": bwd_mb, "flop_rate": rate}
+    return {
+        "compute": (fwd_mb + bwd_mb) * lay.num_microbatches,
+        "forward_mb": fwd_mb,
+        "backward_mb": bwd_mb,
+        "flop_rate": rate,
+    }
 
 
 def tp_time(model, lay, workload, cluster) -> float:
@@ -95,7 +104,7 @@ def tp_time(model, lay, workload, cluster) -> float:
         for op, (n, x) in calls.items():
             t += again * layers * n * _coll(cluster, op, x, lay.tp, lay.tp)
     step = tp_step_comm_bytes(b, s, model.hidden, layers, lay.tp, lay.sequence_parallel, db)
-    for op, total in step.items():   # embedding, LM head, cross-entropy: what the blocks leave
+    for op, total in step.items():  # embedding, LM head, cross-entropy: what the blocks leave
         in_blocks = layers * sum(n * x for ph in block.values() for o, (n, x) in ph.items() if o == op)
         t += _coll(cluster, op, total - in_blocks, lay.tp, lay.tp)
     return t * lay.num_microbatches
@@ -115,8 +124,9 @@ def moe_cp_times(model, lay, workload, cluster, attn_fwd_mb: float) -> tuple[flo
         kv = 2 * b * s * model.kv_heads * model.head_dim * db
         lat, bw = cluster.link(lay.tp * lay.cp, "all_gather")
         ring = (lay.cp - 1) * p2p_time(kv, bw, lat)
-        cp = layers * m * (_exposed(ring, attn_fwd_mb, cluster)
-                            + _exposed(2 * ring, 2 * attn_fwd_mb, cluster))
+        cp = (
+            layers * m * (_exposed(ring, attn_fwd_mb, cluster) + _exposed(2 * ring, 2 * attn_fwd_mb, cluster))
+        )
     return ep, cp
 
 
@@ -144,7 +154,7 @@ def dp_time(model, lay, workload, cluster, fwd_mb: float, bwd_mb: float) -> floa
             continue
         pay = zero_comm_bytes_per_step(count, lay.zero, group, workload.dtype)["payload"]
         calls = lambda nbytes: max(1, math.ceil(nbytes / BUCKET_BYTES))
-        if lay.zero == 3:   # per micro-batch, one gather/reduce per layer (+ embedding, head)
+        if lay.zero == 3:  # per micro-batch, one gather/reduce per layer (+ embedding, head)
             units = model.num_layers // lay.pp + 2
             ag = _coll(cluster, "all_gather", pay["all_gather"] / 2, group, span, units)
             rs = _coll(cluster, "reduce_scatter", pay["reduce_scatter"], group, span, units)
@@ -153,12 +163,11 @@ def dp_time(model, lay, workload, cluster, fwd_mb: float, bwd_mb: float) -> floa
         op = "all_reduce" if lay.zero == 0 else "reduce_scatter"
         nbytes = pay[op]
         grad = _coll(cluster, op, nbytes, group, span, calls(nbytes))
-        if lay.zero == 2:   # gradients are sharded: reduced after every micro-batch
+        if lay.zero == 2:  # gradients are sharded: reduced after every micro-batch
             exposed += (m - 1) * _exposed(grad, bwd_mb, cluster)
         exposed += _exposed(grad, bwd_mb, cluster)
         if lay.zero in (1, 2):
-            exposed += _coll(cluster, "all_gather", pay["all_gather"], group, span,
-                             calls(pay["all_gather"]))
+            exposed += _coll(cluster, "all_gather", pay["all_gather"], group, span, calls(pay["all_gather"]))
     return exposed
 
 
@@ -166,22 +175,35 @@ def step_time(model, lay, workload, cluster) -> dict:
     """Seconds of one step: ``{"step_time_s", "compute_s", "exposed_comm_s", "bubble_s",
     "comm_s": {"tp", "ep", "cp", "pp", "dp"}, "flop_rate"}``."""
     c = compute_times(model, lay, workload, cluster)
-    attn_share = 4 * workload.seq_len * model.hidden / (6 * model.active_params() / model.num_layers
-                                                      + 4 * workload.seq_len * model.hidden)
+    attn_share = (
+        4
+        * workload.seq_len
+        * model.hidden
+        / (6 * model.active_params() / model.num_layers + 4 * workload.seq_len * model.hidden)
+    )
     ep, cp = moe_cp_times(model, lay, workload, cluster, c["forward_mb"] * attn_share)
-    comm = {"tp": tp_time(model, lay, workload, cluster), "ep": ep, "cp": cp,
-            "pp": pp_time(model, lay, workload, cluster),
-            "dp": dp_time(model, lay, workload, cluster, c["forward_mb"], c["backward_mb"])}
+    comm = {
+        "tp": tp_time(model, lay, workload, cluster),
+        "ep": ep,
+        "cp": cp,
+        "pp": pp_time(model, lay, workload, cluster),
+        "dp": dp_time(model, lay, workload, cluster, c["forward_mb"], c["backward_mb"]),
+    }
     stage_work = c["compute"] + comm["tp"] + comm["ep"] + comm["cp"] + comm["pp"]
     bubble = pipeline_bubble_time(stage_work, lay.pp, lay.num_microbatches, lay.virtual_stages)
     exposed = sum(comm.values())
     total = c["compute"] + exposed + bubble
     solo = (cluster.op_links or {}).get("solo_speedup", 1.0)
-    if solo > 1 and lay.pp > 1:   # ranks share cores: an idle stage lends its core to the others
+    if solo > 1 and lay.pp > 1:  # ranks share cores: an idle stage lends its core to the others
         fast = c["compute"] / solo + stage_work - c["compute"]
         bubble = pipeline_bubble_time(fast, lay.pp, lay.num_microbatches, lay.virtual_stages)
         total = max(c["compute"] + exposed, fast + bubble + comm["dp"])
         bubble = max(0.0, total - c["compute"] - exposed)
-    return {"step_time_s": total, "compute_s": c["compute"],
-            "exposed_comm_s": exposed, "bubble_s": bubble, "comm_s": comm,
-            "flop_rate": c["flop_rate"]}
+    return {
+        "step_time_s": total,
+        "compute_s": c["compute"],
+        "exposed_comm_s": exposed,
+        "bubble_s": bubble,
+        "comm_s": comm,
+        "flop_rate": c["flop_rate"],
+    }

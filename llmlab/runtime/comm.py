@@ -29,6 +29,7 @@ timelines.
 Under a profiler each collective is named ``llmlab.<kind> bytes=N`` in the trace
 (:func:`llmlab.metrics.profiling.phase`).
 """
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "re
 # torch >= 2.13 names the flat-tensor collectives *_single and deprecates (with a FutureWarning
 # on every call) all_gather_into_tensor / reduce_scatter_tensor, which older torch only has.
 dist_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-dist_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                              or dist.reduce_scatter_tensor)
+dist_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommCounter:
@@ -74,7 +74,8 @@ class CommCounter:
         """``{kind: bytes}`` for every kind in the CONTRACT (zeros included), plus ``broadcast`` and
         strategy-specific kinds (``cp_ring_send`` ...) when non-zero."""
         return {k: int(self.bytes.get(k, 0)) for k in KINDS if k != "broadcast"} | {
-            k: int(v) for k, v in self.bytes.items() if v and (k == "broadcast" or k not in KINDS)}
+            k: int(v) for k, v in self.bytes.items() if v and (k == "broadcast" or k not in KINDS)
+        }
 
 
 COUNTER = CommCounter()
@@ -94,8 +95,9 @@ def _active(group: Group) -> bool:
     return dist.is_initialized() and group_size(group) > 1
 
 
-def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None,
-               async_op: bool = False) -> Work:
+def all_reduce(
+    t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
+) -> Work:
     """In-place all-reduce of ``t`` over ``group``. Returns a work handle when ``async_op``."""
     if not _active(group):
         return None
@@ -106,8 +108,9 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Group = None
     return work
 
 
-def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group = None,
-                           async_op: bool = False) -> Work:
+def all_gather_into_tensor(
+    out: torch.Tensor, inp: torch.Tensor, group: Group = None, async_op: bool = False
+) -> Work:
     """Concatenate every rank's ``inp`` along dim 0 into ``out`` (``world * inp.shape[0]`` rows)."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
@@ -119,23 +122,33 @@ def all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: Group = 
     return work
 
 
-def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                          group: Group = None, async_op: bool = False) -> Work:
+def reduce_scatter_tensor(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> Work:
     """Sum ``inp`` over ranks and keep this rank's ``1/world`` slice of dim 0 in ``out``."""
     if not _active(group):
         out.copy_(inp.reshape(out.shape))
         return None
     t0 = time.perf_counter()
     with phase("reduce_scatter", bytes=nbytes(inp)):
-        work = dist_reduce_scatter_single(out, inp.contiguous(), op=op, group=group,
-                                          async_op=async_op)
+        work = dist_reduce_scatter_single(out, inp.contiguous(), op=op, group=group, async_op=async_op)
     COUNTER.add("reduce_scatter", nbytes(inp), t0)
     return work
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
-                      in_splits: list[int] | None = None, group: Group = None,
-                      async_op: bool = False, kind: str = "all_to_all") -> Work:
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    group: Group = None,
+    async_op: bool = False,
+    kind: str = "all_to_all",
+) -> Work:
     """Exchange slices of dim 0: slice ``i`` of ``inp`` (``in_splits[i]`` rows) goes to rank ``i``.
     Counted under ``kind``."""
     if not _active(group):
@@ -143,8 +156,9 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int
         return None
     t0 = time.perf_counter()
     with phase(kind, bytes=nbytes(inp)):
-        work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group,
-                                      async_op=async_op)
+        work = dist.all_to_all_single(
+            out, inp.contiguous(), out_splits, in_splits, group=group, async_op=async_op
+        )
     COUNTER.add(kind, nbytes(inp), t0)
     return work
 
@@ -191,6 +205,5 @@ def batch_isend_irecv(ops: list[Any], kind: str | None = None) -> list[Any]:
         COUNTER.add(f"{kind}_{name}" if kind else name, nbytes(op.tensor))
     if not ops:
         return []
-    with phase(f"{kind + '_' if kind else ''}p2p", ops=len(ops),
-               bytes=sum(nbytes(op.tensor) for op in ops)):
+    with phase(f"{kind + '_' if kind else ''}p2p", ops=len(ops), bytes=sum(nbytes(op.tensor) for op in ops)):
         return dist.batch_isend_irecv(ops)

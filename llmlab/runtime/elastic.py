@@ -28,6 +28,7 @@ own address as ``--local-addr``, the interface in ``GLOO_SOCKET_IFNAME``, the st
 Before any agent starts, :func:`preflight` checks that the rendezvous port is free on host 0 and
 that every host reaches it: a ``ValueError`` naming the host, address and port otherwise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,7 +59,9 @@ def ipv4_interfaces() -> dict[str, str | None]:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                packed = fcntl.ioctl(
+                    s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+                )  # SIOCGIFADDR
                 out[name] = socket.inet_ntoa(packed[20:24])
             except OSError:
                 out[name] = None
@@ -78,14 +81,19 @@ def _nccl_matches(spec: str, names: Sequence[str]) -> bool:
     return any(n == w if exact else n.startswith(w) for w in wanted for n in names)
 
 
-def check_interface_variables(env: Mapping[str, str] | None = None, backend: str = "gloo",
-                              ifaces: Mapping[str, str | None] | None = None) -> None:
+def check_interface_variables(
+    env: Mapping[str, str] | None = None,
+    backend: str = "gloo",
+    ifaces: Mapping[str, str | None] | None = None,
+) -> None:
     """Refuse interface variables that cannot work on this host (see the module docstring).
     Raises ``ValueError`` naming the variable, its value, this host and its interfaces."""
     env = os.environ if env is None else env
     ifaces = ipv4_interfaces() if ifaces is None else ifaces
     host = socket.gethostname()
-    nodes = int(env.get("WORLD_SIZE", "1")) // max(1, int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))))
+    nodes = int(env.get("WORLD_SIZE", "1")) // max(
+        1, int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    )
     if env.get("MASTER_ADDR", "").startswith("127."):
         nodes = 1  # the nodes reach rank 0 on loopback: they are all on this machine
     gloo = env.get("GLOO_SOCKET_IFNAME")
@@ -95,12 +103,14 @@ def check_interface_variables(env: Mapping[str, str] | None = None, backend: str
                 raise ValueError(
                     f"GLOO_SOCKET_IFNAME={gloo}: host {host} has no interface {name!r} with an IPv4 "
                     f"address (here: {_listing(ifaces)}); set it to the interface that carries the "
-                    f"traffic between nodes (the same name on every node), or unset it")
+                    f"traffic between nodes (the same name on every node), or unset it"
+                )
             if nodes > 1 and backend == "gloo" and str(ifaces[name]).startswith("127."):
                 raise ValueError(
                     f"GLOO_SOCKET_IFNAME={gloo} is loopback ({ifaces[name]}) but this job spans "
                     f"{nodes} nodes: the others could not reach host {host}; set it to the interface "
-                    f"between nodes (here: {_listing(ifaces)})")
+                    f"between nodes (here: {_listing(ifaces)})"
+                )
     elif nodes > 1 and backend == "gloo":
         try:
             addr = socket.gethostbyname(host)
@@ -111,11 +121,14 @@ def check_interface_variables(env: Mapping[str, str] | None = None, backend: str
                 f"this job spans {nodes} nodes, but host {host}'s name resolves to "
                 f"{addr or 'nothing'}, so gloo would listen on loopback and the other nodes could "
                 f"not reach it; set GLOO_SOCKET_IFNAME to the interface between nodes "
-                f"(here: {_listing(ifaces)}) on every node")
+                f"(here: {_listing(ifaces)}) on every node"
+            )
     nccl = env.get("NCCL_SOCKET_IFNAME")
     if nccl and backend == "nccl" and not _nccl_matches(nccl, [n for n, a in ifaces.items() if a]):
-        raise ValueError(f"NCCL_SOCKET_IFNAME={nccl}: no interface of host {host} matches it "
-                         f"(here: {_listing(ifaces)}); set it to the interface between nodes")
+        raise ValueError(
+            f"NCCL_SOCKET_IFNAME={nccl}: no interface of host {host} matches it "
+            f"(here: {_listing(ifaces)}); set it to the interface between nodes"
+        )
 
 
 def check_restart_store(env: Mapping[str, str] | None = None) -> None:
@@ -128,7 +141,8 @@ def check_restart_store(env: Mapping[str, str] | None = None) -> None:
             f"torchrun --max-restarts {restarts} with its shared rendezvous store: after a restart "
             f"the new ranks would read the dead ranks' addresses from it and fail in gloo's "
             f"connectFullMesh ('connection refused'). Start torchrun with {SHARED_STORE_FIX} in its "
-            f"environment on every node (each restart then gets a fresh store)")
+            f"environment on every node (each restart then gets a fresh store)"
+        )
 
 
 def check_torchrun_environment(backend: str, env: Mapping[str, str] | None = None) -> None:
@@ -140,11 +154,13 @@ def check_torchrun_environment(backend: str, env: Mapping[str, str] | None = Non
 # --------------------------------------------------------------------------------------------
 # Starting torchrun on hosts
 # --------------------------------------------------------------------------------------------
-_PROBE = ("import socket,sys\n"
-          "try:\n"
-          "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
-          "except OSError as e:\n"
-          "    sys.exit(f'{type(e).__name__}: {e}')\n")
+_PROBE = (
+    "import socket,sys\n"
+    "try:\n"
+    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()\n"
+    "except OSError as e:\n"
+    "    sys.exit(f'{type(e).__name__}: {e}')\n"
+)
 
 
 def preflight(hosts: Hosts, port: int = 0, timeout: float = 3.0) -> int:
@@ -158,37 +174,67 @@ def preflight(hosts: Hosts, port: int = 0, timeout: float = 3.0) -> int:
         try:
             sock.bind((head, port))
         except OSError as e:
-            raise ValueError(f"rendezvous port {port} is in use on host 0 ({head}): {e.strerror}; "
-                             f"pick another --rdzv-endpoint port (or 0 for a free one)") from None
+            raise ValueError(
+                f"rendezvous port {port} is in use on host 0 ({head}): {e.strerror}; "
+                f"pick another --rdzv-endpoint port (or 0 for a free one)"
+            ) from None
         sock.listen(8)
         port = sock.getsockname()[1]
         for i in range(1, hosts.n):
-            got = hosts.run(i, [sys.executable, "-c", _PROBE, head, str(port), str(timeout)],
-                            timeout=timeout + 30)
+            got = hosts.run(
+                i, [sys.executable, "-c", _PROBE, head, str(port), str(timeout)], timeout=timeout + 30
+            )
             if got.returncode != 0:
-                raise ValueError(f"host {i} ({hosts.addresses[i]}) cannot reach the rendezvous "
-                                 f"endpoint {head}:{port} on host 0: {got.stderr.strip()[-200:]}")
+                raise ValueError(
+                    f"host {i} ({hosts.addresses[i]}) cannot reach the rendezvous "
+                    f"endpoint {head}:{port} on host 0: {got.stderr.strip()[-200:]}"
+                )
     finally:
         sock.close()
     return port
 
 
-def torchrun_argv(args: Sequence[str], *, nnodes: int, nproc_per_node: int, endpoint: str,
-                  run_id: str, head: bool, local_addr: str | None = None,
-                  max_restarts: int = 0, module: str = "llmlab") -> list[str]:
+def torchrun_argv(
+    args: Sequence[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    endpoint: str,
+    run_id: str,
+    head: bool,
+    local_addr: str | None = None,
+    max_restarts: int = 0,
+    module: str = "llmlab",
+) -> list[str]:
     """``python -m torch.distributed.run`` for one node of a c10d-rendezvous job running
     ``python -m <module> <args>``."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", f"is_host={int(head)}", "--max-restarts", str(max_restarts)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"is_host={int(head)}",
+        "--max-restarts",
+        str(max_restarts),
+    ]
     if local_addr:
         argv += ["--local-addr", local_addr]
     return argv + ["-m", module, *args]
 
 
-def node_env(interface: str | None, base: Mapping[str, str] | None = None,
-             threads: int = 1) -> dict[str, str]:
+def node_env(
+    interface: str | None, base: Mapping[str, str] | None = None, threads: int = 1
+) -> dict[str, str]:
     """A node's environment for torchrun: the gloo interface, the rendezvous store fresh at
     every restart (:data:`SHARED_STORE_FIX`), ``threads`` OpenMP threads a rank."""
     env = dict(os.environ if base is None else base)
@@ -228,10 +274,13 @@ class NodeJob:
                 deadline = min(deadline, time.monotonic() + grace)
             if time.monotonic() > deadline:
                 self.kill()
-                tails = "\n".join(f"--- host {i}:\n" + "\n".join(self.output(i).splitlines()[-15:])
-                                  for i in range(len(self.procs)))
-                raise TimeoutError(f"torchrun still running on some hosts after {timeout} s "
-                                   f"(codes {codes}); killed\n{tails}")
+                tails = "\n".join(
+                    f"--- host {i}:\n" + "\n".join(self.output(i).splitlines()[-15:])
+                    for i in range(len(self.procs))
+                )
+                raise TimeoutError(
+                    f"torchrun still running on some hosts after {timeout} s (codes {codes}); killed\n{tails}"
+                )
             time.sleep(0.1)
 
     def kill(self) -> None:
@@ -244,9 +293,18 @@ class NodeJob:
             p.wait(10)
 
 
-def start_torchrun(hosts: Hosts, args: Sequence[str], *, nproc_per_node: int, log_dir: str | os.PathLike[str],
-                   max_restarts: int = 0, port: int = 0, env: Mapping[str, str] | None = None,
-                   interface: str | None = None, module: str = "llmlab") -> NodeJob:
+def start_torchrun(
+    hosts: Hosts,
+    args: Sequence[str],
+    *,
+    nproc_per_node: int,
+    log_dir: str | os.PathLike[str],
+    max_restarts: int = 0,
+    port: int = 0,
+    env: Mapping[str, str] | None = None,
+    interface: str | None = None,
+    module: str = "llmlab",
+) -> NodeJob:
     """Start ``torchrun ... -m <module> <args>`` on every host of ``hosts`` (one node each), after
     :func:`preflight`; ``interface``: ``GLOO_SOCKET_IFNAME`` (default: the hosts' interface).
     Returns the :class:`NodeJob`; nothing is started when a check fails."""
@@ -258,9 +316,17 @@ def start_torchrun(hosts: Hosts, args: Sequence[str], *, nproc_per_node: int, lo
     base = node_env(interface or hosts.interface, env)
     base["LLMLAB_RUN_ID"] = run_id  # on the agents and their ranks: what kill() ends
     for i in range(hosts.n):
-        argv = torchrun_argv(args, nnodes=hosts.n, nproc_per_node=nproc_per_node, endpoint=endpoint,
-                             run_id=run_id, head=i == 0, local_addr=hosts.addresses[i],
-                             max_restarts=max_restarts, module=module)
+        argv = torchrun_argv(
+            args,
+            nnodes=hosts.n,
+            nproc_per_node=nproc_per_node,
+            endpoint=endpoint,
+            run_id=run_id,
+            head=i == 0,
+            local_addr=hosts.addresses[i],
+            max_restarts=max_restarts,
+            module=module,
+        )
         logs.append(Path(log_dir) / f"host{i}.log")
         with open(logs[-1], "w") as out:
             procs.append(hosts.popen(i, argv, env=base, stdout=out, stderr=subprocess.STDOUT))

@@ -4,6 +4,7 @@ Labs call :func:`lab_size` at the top, so the same notebook runs unchanged on a 
 gloo processes, the tiny model), one GPU, or a node of several GPUs (one rank per GPU, NCCL, a
 bigger model), and shows the chosen size.
 """
+
 from __future__ import annotations
 
 
@@ -36,10 +37,15 @@ class LabSize:
     cpu_cores: int
 
     def describe(self) -> str:
-        where = (f"{self.num_gpus} GPU{'s' if self.num_gpus != 1 else ''}" if self.device == "cuda"
-                 else f"CPU ({self.cpu_cores} cores)")
-        return (f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
-                f"model '{self.model}', {self.steps} steps")
+        where = (
+            f"{self.num_gpus} GPU{'s' if self.num_gpus != 1 else ''}"
+            if self.device == "cuda"
+            else f"CPU ({self.cpu_cores} cores)"
+        )
+        return (
+            f"lab size: {self.kind} - {self.world_size} ranks on {where}, {self.backend}, "
+            f"model '{self.model}', {self.steps} steps"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,8 +68,9 @@ def gpu_count() -> int:
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: str = "auto", ranks: int = 1, *, flag: str = "device",
-                   torchrun: bool = False) -> str:
+def resolve_device(
+    device: str = "auto", ranks: int = 1, *, flag: str = "device", torchrun: bool = False
+) -> str:
     """Where ``ranks`` ranks of this node (or one engine: ``ranks=1``) run: the one "auto" rule.
 
     ``"auto"``: ``"cuda"`` when this node has a GPU for each rank (under ``torchrun``, any GPU:
@@ -83,15 +90,21 @@ def resolve_device(device: str = "auto", ranks: int = 1, *, flag: str = "device"
     if n == 0:
         raise ValueError(f"{flag} {device}, but no CUDA GPU is available")
     if not torchrun and ranks > n:
-        raise ValueError(f"{ranks} ranks need {ranks} GPUs, but only {n} are visible (one GPU "
-                         f"per rank)")
+        raise ValueError(f"{ranks} ranks need {ranks} GPUs, but only {n} are visible (one GPU per rank)")
     return device
 
 
-def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = None, *,
-             cpu_model: str = "tiny", gpu_model: str | None = None, cpu_steps: int = 20,
-             gpu_steps: int = 200,
-             fits: Callable[[int, str], str | None] | None = None) -> LabSize:
+def lab_size(
+    max_ranks: int = 4,
+    min_ranks: int = 2,
+    force_cpu: bool | None = None,
+    *,
+    cpu_model: str = "tiny",
+    gpu_model: str | None = None,
+    cpu_steps: int = 20,
+    gpu_steps: int = 200,
+    fits: Callable[[int, str], str | None] | None = None,
+) -> LabSize:
     """Choose a lab's size from the hardware.
 
     ``LLMLAB_DEVICE=cpu`` (or ``force_cpu=True``) keeps a lab on CPU ranks even with GPUs. On CPU
@@ -116,8 +129,9 @@ def lab_size(max_ranks: int = 4, min_ranks: int = 2, force_cpu: bool | None = No
         model = gpu_model or ("small" if n < 8 else "base")
         for ranks in range(min(n, max_ranks), max(min_ranks, 1) - 1, -1):
             if fits is None or fits(ranks, model) is None:
-                return LabSize("multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model,
-                               gpu_steps, n, cores)
+                return LabSize(
+                    "multi-gpu" if n > 1 else "gpu", "cuda", ranks, "nccl", model, gpu_steps, n, cores
+                )
     return LabSize("cpu", "cpu", min_ranks, "gloo", cpu_model, cpu_steps, n, cores)
 
 
@@ -126,12 +140,17 @@ def hardware() -> dict[str, Any]:
     per GPU its name, memory (bytes) and peer access; with GPUs the NCCL version and
     ``nvidia-smi topo -m`` (when that program is there). JSON-serialisable."""
     n = gpu_count()
-    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-            "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
-            "gpus": []}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_build": "CUDA " + torch.version.cuda if torch.version.cuda else "CPU",
+        "gpus": [],
+    }
     try:
         import transformers
+
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
@@ -139,13 +158,21 @@ def hardware() -> dict[str, Any]:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         for i in range(n):
             p = torch.cuda.get_device_properties(i)
-            info["gpus"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
-                                 "peer_access": [j for j in range(n) if j != i
-                                                 and torch.cuda.can_device_access_peer(i, j)]})
+            info["gpus"].append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "memory_bytes": p.total_memory,
+                    "peer_access": [
+                        j for j in range(n) if j != i and torch.cuda.can_device_access_peer(i, j)
+                    ],
+                }
+            )
         if shutil.which("nvidia-smi"):
             try:
-                info["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
-                                                  text=True, timeout=20).stdout
+                info["topology"] = subprocess.run(
+                    ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+                ).stdout
             except (OSError, subprocess.TimeoutExpired):
                 pass
     return info

@@ -29,6 +29,7 @@ also on an exception or Ctrl-C, at interpreter exit (``atexit``), on ``SIGTERM``
 Source: the multi-node deployment of the source articles (head and worker nodes, fast links inside
 a node, slower ones between); ``ip-netns(8)``, ``tc-tbf(8)``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-PREFIX = "llh"            # every namespace this module makes is named llh-<owner pid>-<k>-...
+PREFIX = "llh"  # every namespace this module makes is named llh-<owner pid>-<k>-...
 NETNS_ETC = Path("/etc/netns")
 _counter = itertools.count()
 _live: list["Hosts"] = []
@@ -140,10 +141,14 @@ def _install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_close_all)
-    if threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+        signal.SIG_DFL,
+        None,
+    ):
+
         def _term(signum: int, frame: object) -> None:
             raise SystemExit(128 + signum)
+
         signal.signal(signal.SIGTERM, _term)
 
 
@@ -208,11 +213,24 @@ class Hosts:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         etc_hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{a} {name}\n" for a, name in zip(self.addresses, self.names))
+            f"{a} {name}\n" for a, name in zip(self.addresses, self.names)
+        )
         for i, name in enumerate(self.names):
             _ip("netns", "add", name)
-            _ip("-n", self.switch, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0",
-                "netns", name)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                f"h{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                name,
+            )
             _ip("-n", self.switch, "link", "set", f"h{i}", "master", "br0", "up")
             _ip("-n", name, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
@@ -230,13 +248,30 @@ class Hosts:
         for i, name in enumerate(self.names):
             for ns, dev in ((name, "eth0"), (self.switch, f"h{i}")):
                 if rate is None:
-                    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
-                                   capture_output=True)
+                    subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
                     continue
                 # burst: at least one 64 KiB GSO packet; latency bounds the queue.
-                proc = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-                                       "rate", rate, "burst", "256kb", "latency", "100ms"],
-                                      capture_output=True, text=True)
+                proc = subprocess.run(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        "256kb",
+                        "latency",
+                        "100ms",
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     raise HostsError(f"tc tbf rate {rate} on {ns}/{dev} failed: {proc.stderr.strip()}")
         self.rate = rate
@@ -248,8 +283,20 @@ class Hosts:
         self._check(i)
         if self.mode == "loopback":
             return list(argv)
-        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "--",
-                "sh", "-c", 'hostname "$0" && exec "$@"', self.names[i], *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.names[i],
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.names[i],
+            *argv,
+        ]
 
     def env(self, i: int, env: dict[str, str] | None = None) -> dict[str, str]:
         """``env`` (default: this process's) plus ``LLMLAB_HOST`` (the tag :meth:`signal` and
@@ -257,21 +304,28 @@ class Hosts:
         self._check(i)
         return {**(os.environ if env is None else env), "LLMLAB_HOST": self.names[i]}
 
-    def popen(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
-              **kwargs: Any) -> subprocess.Popen[Any]:
+    def popen(
+        self, i: int, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen[Any]:
         """Start ``argv`` on host ``i`` (a new session, so a Ctrl-C in a notebook reaches only the
         caller) and return its ``Popen``; ``kwargs`` go to ``subprocess.Popen``."""
-        proc: subprocess.Popen[Any] = subprocess.Popen(self.command(i, argv), env=self.env(i, env),
-                                                       start_new_session=True, **kwargs)
+        proc: subprocess.Popen[Any] = subprocess.Popen(
+            self.command(i, argv), env=self.env(i, env), start_new_session=True, **kwargs
+        )
         self.procs.append(proc)
         return proc
 
-    def run(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
-            timeout: float | None = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        i: int,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        timeout: float | None = 120,
+        **kwargs: Any,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on host ``i`` to completion (output captured as text); kills it after
         ``timeout`` s and raises ``subprocess.TimeoutExpired``."""
-        proc = self.popen(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          **kwargs)
+        proc = self.popen(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -337,11 +391,15 @@ class Hosts:
     def describe(self) -> str:
         """One line: what was made, the addresses, the link rate."""
         if self.mode == "loopback":
-            return (f"{self.n} hosts on loopback addresses {', '.join(self.addresses)} "
-                    f"(no network namespaces: {self.reason}; links not shaped)")
+            return (
+                f"{self.n} hosts on loopback addresses {', '.join(self.addresses)} "
+                f"(no network namespaces: {self.reason}; links not shaped)"
+            )
         rate = f"links limited to {self.rate} (tbf)" if self.rate else "links not shaped"
-        return (f"{self.n} hosts in network namespaces {self.names[0]}..{self.names[-1]}, "
-                f"addresses {', '.join(self.addresses)} on interface {self.interface}, {rate}")
+        return (
+            f"{self.n} hosts in network namespaces {self.names[0]}..{self.names[-1]}, "
+            f"addresses {', '.join(self.addresses)} on interface {self.interface}, {rate}"
+        )
 
     def _check(self, i: int) -> None:
         if self.closed:

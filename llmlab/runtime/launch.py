@@ -35,6 +35,7 @@ node, results are pickled and HMAC-tagged like a local launch's; without it they
 (None, bool, int, float, str, list, tuple, dict) and anything else is refused with a ``TypeError``
 before it is sent.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,16 @@ import torch
 import torch.distributed as dist
 
 from llmlab.runtime import process
-from llmlab.runtime.result_auth import (ForgedValueError, _from_json, _sign, _to_json, _verified,
-                                        _verified_torchrun, torchrun_secret)
+from llmlab.runtime.result_auth import (
+    ForgedValueError,
+    _from_json,
+    _sign,
+    _to_json,
+    _verified,
+    _verified_torchrun,
+    torchrun_secret,
+)
+
 
 class RankError(RuntimeError):
     """A rank failed. ``rank`` is its global rank, ``rank_traceback`` the traceback text,
@@ -93,16 +102,28 @@ def report(record: dict[str, Any]) -> None:
     store.add(f"n/{rank}", 1)
 
 
-def _entry(rank: int, world_size: int, backend: str, host: str, port: int, payload: bytes, log_dir: Any, threads: int, env: dict[str, Any], secret: bytes) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    backend: str,
+    host: str,
+    port: int,
+    payload: bytes,
+    log_dir: Any,
+    threads: int,
+    env: dict[str, Any],
+    secret: bytes,
+) -> None:
     log = open(Path(log_dir) / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    store: Any = None   # the rendezvous TCPStore (bytes values)
+    store: Any = None  # the rendezvous TCPStore (bytes values)
     try:
         process.setup_child(env, threads, backend, rank)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size))
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+        )
         store = process.join_store(host, port)
         _channel.update(store=store, rank=rank, secret=secret)
         process.init_process_group(backend, store, rank, world_size)
@@ -143,10 +164,16 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return process.resolve_backend(backend, world_size)
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
-           timeout: float | None = None, log_dir: str | os.PathLike[str] | None = None,
-           on_metric: Callable[[int, dict[str, Any]], None] | None = None,
-           **kwargs: Any) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    on_metric: Callable[[int, dict[str, Any]], None] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results, by rank.
 
     Args:
@@ -188,14 +215,31 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
     procs = []
     try:
         for r in range(world_size):
-            procs.append(process.start(_entry, (r, world_size, backend, "127.0.0.1", store.port,
-                                                payload, str(log_dir), threads, env, secret),
-                                       name=f"llmlab-rank{r}"))
+            procs.append(
+                process.start(
+                    _entry,
+                    (
+                        r,
+                        world_size,
+                        backend,
+                        "127.0.0.1",
+                        store.port,
+                        payload,
+                        str(log_dir),
+                        threads,
+                        env,
+                        secret,
+                    ),
+                    name=f"llmlab-rank{r}",
+                )
+            )
         _wait(procs, store, secret, on_metric, timeout, log_dir)
         try:
             # verified before unpickling: only bytes a rank of this launch signed are decoded
-            return [cloudpickle.loads(_verified(secret, r, f"res/{r}", _get(store, r, f"res/{r}")))
-                    for r in range(world_size)]
+            return [
+                cloudpickle.loads(_verified(secret, r, f"res/{r}", _get(store, r, f"res/{r}")))
+                for r in range(world_size)
+            ]
         finally:  # every rank finished cleanly: its log holds nothing to read
             if own_logs:
                 shutil.rmtree(log_dir, ignore_errors=True)
@@ -204,8 +248,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         del store
 
 
-def _wait(procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout: float | None,
-          log_dir: Any) -> None:
+def _wait(
+    procs: list[Any], store: Any, secret: bytes, on_metric: Any, timeout: float | None, log_dir: Any
+) -> None:
     """Poll until every rank exited cleanly, passing metric records on; raise the first rank's
     error (:class:`RankError`) or ``TimeoutError`` after ``timeout`` s."""
     seen = [0] * len(procs)
@@ -282,8 +327,7 @@ def _failure(store: Any, secret: bytes, procs: list[Any], failed: list[Any], log
         return RankError(r, last, tb, str(log_dir))
     r = (killed or failed)[0]
     code = procs[r].exitcode
-    how = (f"killed by signal {signal.Signals(-code).name}" if code < 0
-           else f"exited with code {code}")
+    how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     tail = _tail(Path(log_dir) / f"rank{r}.log")
     return RankError(r, f"{how} (log: {log_dir}/rank{r}.log)", tail, str(log_dir))
 
@@ -295,8 +339,9 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _launch_torchrun(fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     backend: str, on_metric: Any) -> list[Any]:
+def _launch_torchrun(
+    fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any], backend: str, on_metric: Any
+) -> list[Any]:
     env_ws = int(os.environ["WORLD_SIZE"])
     if env_ws != world_size:
         raise ValueError(f"world_size={world_size} does not match torchrun's WORLD_SIZE={env_ws}")
@@ -325,9 +370,15 @@ def _exchange_results(result: Any, secret: bytes | None) -> list[Any]:
     try:
         blob = b"P" + cloudpickle.dumps(result) if secret else b"J" + json.dumps(_to_json(result)).encode()
     except Exception as e:  # noqa: BLE001 - told to every rank, so none waits forever
-        hint = "" if secret else (" (without LLMLAB_SECRET results travel as JSON: None, bool, int, "
-                                  "float, str, list, tuple, dict; set LLMLAB_SECRET to the same "
-                                  "value on every node to return anything cloudpickle can send)")
+        hint = (
+            ""
+            if secret
+            else (
+                " (without LLMLAB_SECRET results travel as JSON: None, bool, int, "
+                "float, str, list, tuple, dict; set LLMLAB_SECRET to the same "
+                "value on every node to return anything cloudpickle can send)"
+            )
+        )
         blob = b"E" + f"{type(e).__name__}: {e}{hint}".encode()
     if secret:
         blob = _sign(secret, key, blob)
@@ -349,8 +400,9 @@ def _exchange_results(result: Any, secret: bytes | None) -> list[Any]:
             except ValueError as e:
                 raise ForgedValueError(r, f"res/{r}", f"not llmlab's JSON encoding: {e}", **where) from None
         else:
-            raise ForgedValueError(r, f"res/{r}", f"unexpected kind {mode!r}; is LLMLAB_SECRET set "
-                                                   f"on every node?", **where)
+            raise ForgedValueError(
+                r, f"res/{r}", f"unexpected kind {mode!r}; is LLMLAB_SECRET set on every node?", **where
+            )
     if errors:
         raise TypeError("\n".join(errors))
     return results
@@ -359,14 +411,17 @@ def _exchange_results(result: Any, secret: bytes | None) -> list[Any]:
 def _all_gather_bytes(data: bytes) -> list[bytes]:
     """``all_gather`` of byte strings of any lengths, as uint8 tensors (no pickle involved)."""
     world = dist.get_world_size()
-    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
-              else torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     size_ts = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(size_ts, n)
     sizes = [int(s.item()) for s in size_ts]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(outs, buf.to(device))
     return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, sizes)]

@@ -19,6 +19,7 @@ ranks. Experts are sharded over an EP group; each expert's gradients are reduced
 The mesh is an ordinary object passed to whoever needs it (no global state), so a notebook can
 build several layouts in one kernel.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,25 +33,26 @@ import torch.distributed as dist
 from llmlab.runtime.process import pg_timeout
 
 
-def check_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
-                  cp: int = 1) -> None:
+def check_degrees(world_size: int, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> None:
     """Raise ``ValueError`` naming the constraint if the degrees cannot form a mesh."""
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
     if dp * cp * tp * pp != world_size:
         if cp == 1:
-            raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal the world size "
-                             f"{world_size}")
-        raise ValueError(f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} must equal the "
-                         f"world size {world_size}")
+            raise ValueError(
+                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal the world size {world_size}"
+            )
+        raise ValueError(
+            f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} must equal the world size {world_size}"
+        )
     if dp % ep:
-        raise ValueError(f"ep={ep} must divide dp={dp} (expert-parallel groups are carved out of "
-                         f"the data-parallel ranks)")
+        raise ValueError(
+            f"ep={ep} must divide dp={dp} (expert-parallel groups are carved out of the data-parallel ranks)"
+        )
 
 
-def rank_of(dp_idx: int, tp_idx: int, pp_idx: int, dp: int, tp: int, cp_idx: int = 0,
-            cp: int = 1) -> int:
+def rank_of(dp_idx: int, tp_idx: int, pp_idx: int, dp: int, tp: int, cp_idx: int = 0, cp: int = 1) -> int:
     return pp_idx * dp * cp * tp + dp_idx * cp * tp + cp_idx * tp + tp_idx
 
 
@@ -95,19 +97,40 @@ class Mesh:
         R = functools.partial(rank_of, dp=dp, tp=tp, cp=cp)
         every = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
         families = {
-            "tp": [[R(d, t, p, cp_idx=c) for t in range(tp)] for p in range(pp) for d in range(dp)
-                   for c in range(cp)],
+            "tp": [
+                [R(d, t, p, cp_idx=c) for t in range(tp)]
+                for p in range(pp)
+                for d in range(dp)
+                for c in range(cp)
+            ],
             "dp": [[R(d, t, p, cp_idx=c) for d in range(dp)] for p, c, t in every],
-            "pp": [[R(d, t, p, cp_idx=c) for p in range(pp)] for d in range(dp) for c in range(cp)
-                   for t in range(tp)],
-            "ep": [[R(g * ep + e, t, p, cp_idx=c) for e in range(ep)]
-                   for p, c, t in every for g in range(dp // ep)],
-            "edp": [[R(g * ep + e, t, p, cp_idx=c) for g in range(dp // ep)]
-                    for p, c, t in every for e in range(ep)],
-            "cp": [[R(d, t, p, cp_idx=c) for c in range(cp)] for p in range(pp) for d in range(dp)
-                   for t in range(tp)],
-            "dp_cp": [[R(d, t, p, cp_idx=c) for d in range(dp) for c in range(cp)]
-                      for p in range(pp) for t in range(tp)],
+            "pp": [
+                [R(d, t, p, cp_idx=c) for p in range(pp)]
+                for d in range(dp)
+                for c in range(cp)
+                for t in range(tp)
+            ],
+            "ep": [
+                [R(g * ep + e, t, p, cp_idx=c) for e in range(ep)]
+                for p, c, t in every
+                for g in range(dp // ep)
+            ],
+            "edp": [
+                [R(g * ep + e, t, p, cp_idx=c) for g in range(dp // ep)]
+                for p, c, t in every
+                for e in range(ep)
+            ],
+            "cp": [
+                [R(d, t, p, cp_idx=c) for c in range(cp)]
+                for p in range(pp)
+                for d in range(dp)
+                for t in range(tp)
+            ],
+            "dp_cp": [
+                [R(d, t, p, cp_idx=c) for d in range(dp) for c in range(cp)]
+                for p in range(pp)
+                for t in range(tp)
+            ],
         }
         for name, lists in families.items():
             for members in lists:
@@ -130,8 +153,14 @@ class Mesh:
         """
         if self.cp == 1:
             return self
-        view = dataclasses.replace(self, dp=self.dp * self.cp, cp=1, coords=dict(self.coords),
-                                   groups=dict(self.groups), ranks=dict(self.ranks))
+        view = dataclasses.replace(
+            self,
+            dp=self.dp * self.cp,
+            cp=1,
+            coords=dict(self.coords),
+            groups=dict(self.groups),
+            ranks=dict(self.ranks),
+        )
         view.coords["dp"] = self.index("dp_cp")
         view.coords["cp"] = 0
         if "dp_cp" in self.groups:
@@ -163,6 +192,8 @@ class Mesh:
 
     def describe(self) -> str:
         c = self.coords
-        return (f"rank {self.rank}: dp {c['dp']}/{self.dp} tp {c['tp']}/{self.tp} "
-                f"pp {c['pp']}/{self.pp} ep {c['ep']}/{self.ep}"
-                + (f" cp {c['cp']}/{self.cp}" if self.cp > 1 else ""))
+        return (
+            f"rank {self.rank}: dp {c['dp']}/{self.dp} tp {c['tp']}/{self.tp} "
+            f"pp {c['pp']}/{self.pp} ep {c['ep']}/{self.ep}"
+            + (f" cp {c['cp']}/{self.cp}" if self.cp > 1 else "")
+        )

@@ -8,6 +8,7 @@ dicts) followed by the tensors it names, each broadcast as a tensor. A receiver 
 and fills tensors of the announced dtypes and shapes; a header that is not valid JSON or names a
 dtype outside :data:`DTYPES` is refused with ``ValueError``.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,32 @@ import torch.distributed as dist
 from llmlab.runtime.comm import Group
 from typing import Any
 
-DTYPES = {str(t).removeprefix("torch."): t for t in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 _TENSOR = "__tensor__"
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        return {_TENSOR: len(tensors) - 1, "dtype": str(obj.dtype).removeprefix("torch."),
-                "shape": list(obj.shape)}
+        return {
+            _TENSOR: len(tensors) - 1,
+            "dtype": str(obj.dtype).removeprefix("torch."),
+            "shape": list(obj.shape),
+        }
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).removeprefix("torch.")}
     if isinstance(obj, dict):
@@ -72,8 +88,9 @@ def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def broadcast_message(msg: Any = None, src: int = 0, group: Group = None,
-                      device: torch.device | str = "cpu") -> Any:
+def broadcast_message(
+    msg: Any = None, src: int = 0, group: Group = None, device: torch.device | str = "cpu"
+) -> Any:
     """Collective over ``group``: rank ``src`` passes ``msg`` (JSON-able data whose leaves may be
     tensors or ``torch.dtype`` s; tuples arrive as lists), every rank returns it. Tensors arrive on
     ``device`` (a CUDA device under NCCL). Bytes moved: 8 (header length) + header + tensors.
@@ -90,8 +107,11 @@ def broadcast_message(msg: Any = None, src: int = 0, group: Group = None,
     else:
         n = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(n, src=src, group=group)
-    buf = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if is_src
-           else torch.empty(int(n.item()), dtype=torch.uint8, device=device))
+    buf = (
+        torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        if is_src
+        else torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=src, group=group)
     if is_src:
         tree = json.loads(header)
@@ -103,8 +123,11 @@ def broadcast_message(msg: Any = None, src: int = 0, group: Group = None,
             raise ValueError(f"received a message that is not valid JSON: {e}") from None
         out = []
         for i, spec in enumerate(_specs(tree, [])):
-            if spec.get(_TENSOR) != i or not isinstance(spec.get("shape"), list) or \
-                    not all(isinstance(d, int) and d >= 0 for d in spec["shape"]):
+            if (
+                spec.get(_TENSOR) != i
+                or not isinstance(spec.get("shape"), list)
+                or not all(isinstance(d, int) and d >= 0 for d in spec["shape"])
+            ):
                 raise ValueError(f"received a malformed tensor entry {spec!r}")
             out.append(torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]), device=device))
     for t in out:

@@ -20,6 +20,7 @@ tensor-parallel inference, each self-test check) is started here, the same way:
   environment, threads from the seat's usable cores by :func:`child_threads`, its GPU under NCCL);
   a rank ``torchrun`` started instead joins its job with :func:`join_torchrun`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,14 @@ def pg_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("LLMLAB_PG_TIMEOUT", "300")))
 
 
-def resolve_backend(backend: str = "auto", ranks: int | None = 1, *, device: str | None = None,
-                    what: str = "world_size", where: str = "") -> str:
+def resolve_backend(
+    backend: str = "auto",
+    ranks: int | None = 1,
+    *,
+    device: str | None = None,
+    what: str = "world_size",
+    where: str = "",
+) -> str:
     """The ``torch.distributed`` backend for ``ranks`` ranks on this node.
 
     ``auto``: with ``device`` given, NCCL for a CUDA device and gloo otherwise; without it, NCCL
@@ -115,6 +122,7 @@ def join_torchrun(backend: str = "auto") -> tuple[str, bool]:
     if dist.is_initialized():
         return backend, False
     from llmlab.runtime.elastic import check_torchrun_environment
+
     check_torchrun_environment(backend)  # interface variables, restarts: refused before joining
     dist.init_process_group(backend, init_method="env://", timeout=pg_timeout())
     return backend, True
@@ -130,8 +138,9 @@ def context() -> Any:
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         _ctx = mp.get_context(method)
         if method == "forkserver":
-            _ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo",
-                                         "cloudpickle"])
+            _ctx.set_forkserver_preload(
+                ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "cloudpickle"]
+            )
             # OpenMP threads that spin while idle starve other ranks (and other jobs) on a few
             # cores; the fork server reads this when it loads torch, and its ranks inherit it.
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -217,13 +226,21 @@ def loopback_store(host: str = "127.0.0.1") -> dist.TCPStore:
         fd = None
     if fd is not None:
         try:
-            return dist.TCPStore(host, port, world_size=None, is_master=True,
-                                 wait_for_workers=False, timeout=timeout, master_listen_fd=fd)
+            return dist.TCPStore(
+                host,
+                port,
+                world_size=None,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+                master_listen_fd=fd,
+            )
         except (RuntimeError, TypeError, ValueError):
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                         wait_for_workers=False, timeout=timeout)
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timeout
+    )
 
 
 def join_store(host: str, port: int) -> dist.TCPStore:
@@ -234,8 +251,9 @@ def join_store(host: str, port: int) -> dist.TCPStore:
 def init_process_group(backend: str, store: Any, rank: int, world_size: int) -> None:
     """The default process group, rendezvousing on ``store`` (under the ``pg`` prefix, so the
     store's other keys stay the caller's), timing out after :func:`pg_timeout`."""
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=world_size, timeout=pg_timeout())
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size, timeout=pg_timeout()
+    )
 
 
 def loopback_interface() -> str | None:

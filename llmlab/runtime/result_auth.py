@@ -9,6 +9,7 @@ travel as JSON through :func:`_to_json` / :func:`_from_json`, which rebuild exac
 (None, bool, int, float, str, list, tuple, dict) and nothing else. Used by
 :mod:`llmlab.runtime.launch`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,12 +26,19 @@ class ForgedValueError(RuntimeError):
     ``key`` the store key (``res/<rank>``, ``err/<rank>``, ``m/<rank>/<i>``, ``n/<rank>``).
     See docs/workshop.md, "Running on a shared node"."""
 
-    def __init__(self, rank: int, key: str, why: str = "its HMAC tag does not match",
-                 where: str = "in the rendezvous store") -> None:
+    def __init__(
+        self,
+        rank: int,
+        key: str,
+        why: str = "its HMAC tag does not match",
+        where: str = "in the rendezvous store",
+    ) -> None:
         self.rank, self.key = rank, key
-        super().__init__(f"rank {rank}: the value of {key!r} {where} was forged or tampered with "
-                         f"({why}); it was rejected without being decoded. Some other process "
-                         f"reached the job's ports: see docs/workshop.md, 'Running on a shared node'")
+        super().__init__(
+            f"rank {rank}: the value of {key!r} {where} was forged or tampered with "
+            f"({why}); it was rejected without being decoded. Some other process "
+            f"reached the job's ports: see docs/workshop.md, 'Running on a shared node'"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,9 +85,12 @@ def _verified_torchrun(secret: bytes, rank: int, blob: bytes) -> bytes:
     try:
         return _verified(secret, rank, f"res/{rank}", blob, where="received from the process group")
     except ForgedValueError:
-        raise ForgedValueError(rank, f"res/{rank}", "its HMAC tag does not match: forged, or "
-                               "LLMLAB_SECRET differs between nodes",
-                               where="received from the process group") from None
+        raise ForgedValueError(
+            rank,
+            f"res/{rank}",
+            "its HMAC tag does not match: forged, or LLMLAB_SECRET differs between nodes",
+            where="received from the process group",
+        ) from None
 
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -103,7 +114,7 @@ def _from_json(v: Any) -> Any:
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, dict) and len(v) == 1:
-        (tag, items), = v.items()
+        ((tag, items),) = v.items()
         if isinstance(items, list):
             if tag == "l":
                 return [_from_json(x) for x in items]

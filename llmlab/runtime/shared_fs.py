@@ -10,6 +10,7 @@ only what its own node wrote. :func:`check_shared_directory` probes this once be
 Only tensors cross the network here (the token and host names as bytes): nothing received is
 unpickled (``broadcast_object_list``/``all_gather_object`` would unpickle what a peer sends).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ _HOST_BYTES = 64  # host names travel as fixed-size UTF-8 byte rows
 
 
 def _device(group: Group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
         else torch.device("cpu")
+    )
 
 
 def check_shared_directory(directory: str | os.PathLike[str], group: Group = None) -> None:
@@ -50,14 +54,13 @@ def check_shared_directory(directory: str | os.PathLike[str], group: Group = Non
         seen = probe.read_text() == token
     except OSError:
         seen = False
-    host = socket.gethostname().encode()[:_HOST_BYTES - 1]
+    host = socket.gethostname().encode()[: _HOST_BYTES - 1]
     row = torch.zeros(_HOST_BYTES + 1, dtype=torch.uint8)
     row[0] = int(seen)
-    row[1:1 + len(host)] = torch.tensor(list(host), dtype=torch.uint8)
+    row[1 : 1 + len(host)] = torch.tensor(list(host), dtype=torch.uint8)
     rows = [torch.empty_like(row, device=dev) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row.to(dev), group=group)
-    views = [(bool(r[0]), bytes(r[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
-             for r in rows]
+    views = [(bool(r[0]), bytes(r[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")) for r in rows]
     dist.barrier(group=group)
     if dist.get_rank(group) == 0:
         probe.unlink(missing_ok=True)
@@ -68,4 +71,5 @@ def check_shared_directory(directory: str | os.PathLike[str], group: Group = Non
             f"checkpoint directory {str(d)!r} is not shared by every rank: ranks "
             f"{[r for r, _ in blind]} (on {', '.join(hosts)}) cannot see a file rank 0 wrote there. "
             f"Multi-node checkpoints need a filesystem all nodes mount (NFS, Lustre, a cloud "
-            f"file share); pass a --checkpoint-dir on it")
+            f"file share); pass a --checkpoint-dir on it"
+        )

@@ -35,8 +35,18 @@ Checks (:data:`CHECKS`, in order):
 * ``mfu``: achieved model FLOP/s of a training run over the peak of its dtype (figure shown);
 * ``paged_attention_bandwidth``: bytes of K/V read per second by paged decode over the peak.
 """
+
 from llmlab.selftest.common import FAIL, PASS, SKIP, Skip
 from llmlab.selftest.runner import CHECKS, format_line, run_check, run_check_here, run_selftest
 
-__all__ = ["CHECKS", "FAIL", "PASS", "SKIP", "Skip", "format_line", "run_check", "run_check_here",
-           "run_selftest"]
+__all__ = [
+    "CHECKS",
+    "FAIL",
+    "PASS",
+    "SKIP",
+    "Skip",
+    "format_line",
+    "run_check",
+    "run_check_here",
+    "run_selftest",
+]

@@ -1,4 +1,5 @@
 """``python -m llmlab.selftest NAME [--quick] [--result PATH]``: one check in this process."""
+
 import sys
 
 from llmlab.selftest.runner import _main

@@ -1,12 +1,11 @@
-"""What every self-test check shares: the verdicts, :class:`Skip`, the device.
-"""
+"""What every self-test check shares: the verdicts, :class:`Skip`, the device."""
+
 from __future__ import annotations
 
 import torch
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-BF16_INTERPRETER = ("bf16 skipped on CPU: Triton 3.9's interpreter multiplies bf16 tl.dot operands "
-                    "as raw bits")
+BF16_INTERPRETER = "bf16 skipped on CPU: Triton 3.9's interpreter multiplies bf16 tl.dot operands as raw bits"
 
 
 class Skip(Exception):

@@ -14,6 +14,7 @@ lowering it):
 A fast path whose result leaves its tolerance is a FAIL: the engine would serve wrong tokens with
 it. The C++ checks SKIP where the kernels cannot be built (no C++ compiler or ninja).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,6 +28,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 def _level() -> dict:
     from llmlab.kernels import cpu_isa
+
     return {"cpu_isa": cpu_isa.cpu_isa(), "detected_isa": cpu_isa.detected()}
 
 
@@ -37,6 +39,7 @@ def _record(errs: dict, key: str, got: torch.Tensor, want: torch.Tensor, dtype) 
 
 def check_cpu_packed_linear(quick: bool) -> dict:
     from llmlab.kernels import cpu_linear
+
     rows = (1, 9) if quick else (1, 9, 64, 300)
     errs: dict[str, dict] = {}
     paths: dict[str, str] = {}
@@ -51,26 +54,31 @@ def check_cpu_packed_linear(quick: bool) -> dict:
             want = F.linear(x.float(), w.float(), b.float())
             _record(errs, f"{_name(dtype)} x{n}", cpu_linear.linear(x, w, b), want, dtype)
     out = _verdict(errs, None, paths=paths, **_level())
-    out["detail"] = (f"{_level()['cpu_isa']}: " + ", ".join(f"{k} {v}" for k, v in paths.items())
-                     + f"; max err {max(v['err'] for v in errs.values()):.1e}")
+    out["detail"] = (
+        f"{_level()['cpu_isa']}: "
+        + ", ".join(f"{k} {v}" for k, v in paths.items())
+        + f"; max err {max(v['err'] for v in errs.values()):.1e}"
+    )
     return out
 
 
 def _need_cxx() -> None:
     from llmlab.kernels.cpu_build import available
+
     if not available():
-        raise Skip("the C++ CPU kernels need a C++ compiler and ninja (pip install \"llmlab[cpu-kernels]\")")
+        raise Skip('the C++ CPU kernels need a C++ compiler and ninja (pip install "llmlab[cpu-kernels]")')
 
 
 def check_cpu_paged_attention(quick: bool) -> dict:
     _need_cxx()
     from llmlab.inference.paged_attention import paged_attention_reference
     from llmlab.kernels import cpu_paged_attention as C
+
     ctx = [9, 33, 1] if quick else [9, 33, 1, 70, 128]
-    qlens = [9, 5] + [1] * (len(ctx) - 2)           # a prompt, a chunk, decodes
+    qlens = [9, 5] + [1] * (len(ctx) - 2)  # a prompt, a chunk, decodes
     errs: dict[str, dict] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for D in (64, 48):                            # 48: not a multiple of 32 (widening path)
+        for D in (64, 48):  # 48: not a multiple of 32 (widening path)
             args = paged_case(8, 6, 2, D, ctx, qlens, dtype, seed=D)
             want = paged_attention_reference(*(a.float() if a.is_floating_point() else a for a in args))
             _record(errs, f"{_name(dtype)} D{D}", C.paged_attention_cpu(*args), want, dtype)
@@ -85,6 +93,7 @@ def check_cpu_fused_ops(quick: bool) -> dict:
     from llmlab.kernels import cpu_fused as C
     from llmlab.kernels.reference import rms_norm_reference, swiglu_reference
     from llmlab.model.llama import rotary_cos_sin
+
     n, h = (7, 96) if quick else (37, 576)
     errs: dict[str, dict] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -93,15 +102,24 @@ def check_cpu_fused_ops(quick: bool) -> dict:
         w = (torch.rand(h, generator=g) + 0.5).to(dtype)
         normed, total = C.rms_norm(x, w, 1e-5, residual=r)
         ref_total = x.float() + r.float()
-        _record(errs, f"{_name(dtype)} rms_norm", normed, rms_norm_reference(ref_total, w.float(), 1e-5), dtype)
+        _record(
+            errs, f"{_name(dtype)} rms_norm", normed, rms_norm_reference(ref_total, w.float(), 1e-5), dtype
+        )
         _record(errs, f"{_name(dtype)} residual", total, ref_total, dtype)
-        _record(errs, f"{_name(dtype)} silu_mul", C.silu_mul(gate, up),
-                swiglu_reference(gate.float(), up.float()), dtype)
+        _record(
+            errs,
+            f"{_name(dtype)} silu_mul",
+            C.silu_mul(gate, up),
+            swiglu_reference(gate.float(), up.float()),
+            dtype,
+        )
         q = torch.randn(n, 3, 32, generator=g).to(dtype)
         cos, sin = rotary_cos_sin(torch.arange(n), 32, 10000.0, torch.float32)
         sign = torch.cat([-sin[:, :16], sin[:, 16:]], dim=-1)[:, None]
         want = q.float() * cos[:, None] + q.float().roll(16, dims=-1) * sign
-        _record(errs, f"{_name(dtype)} rotary", C.rotary_(q.clone(), cos.to(dtype), sin.to(dtype)), want, dtype)
+        _record(
+            errs, f"{_name(dtype)} rotary", C.rotary_(q.clone(), cos.to(dtype), sin.to(dtype)), want, dtype
+        )
     isa = C.isa()
     out = _verdict(errs, None, build_isa=isa, **_level())
     out["detail"] = f"C++ build {isa}; " + out["detail"]

@@ -1,6 +1,7 @@
 """Self-test checks of the Triton kernels against their PyTorch references, and paged decode's
 measured K/V bandwidth (see :mod:`llmlab.selftest`).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,7 +21,7 @@ def _need_triton():
     try:
         import triton  # noqa: F401
     except ImportError:
-        raise Skip("triton is not installed: pip install -e \".[kernels]\"") from None
+        raise Skip('triton is not installed: pip install -e ".[kernels]"') from None
 
 
 def _dtypes(dot: bool) -> tuple[list, str | None]:
@@ -43,7 +44,8 @@ def _verdict(errs: dict, note: str | None = None, **extra) -> dict:
     out["detail"] = ", ".join(f"{k} err {v['err']:.1e}" for k, v in errs.items())
     if bad:
         out["reason"] = "above tolerance: " + ", ".join(
-            f"{k} {v['err']:.2e} > {v['tol']:.0e}" for k, v in bad.items())
+            f"{k} {v['err']:.2e} > {v['tol']:.0e}" for k, v in bad.items()
+        )
     if note:
         out["note"] = note
     return out
@@ -55,25 +57,29 @@ def _attn_inputs(dtype, quick, grad):
     else:
         B, H, Hk, T, D = (1, 2, 1, 20, 16) if quick else (1, 2, 1, 37, 16)
     g = torch.Generator().manual_seed(T)
-    return [torch.randn(B, h, T, D, generator=g).to(_dev(), dtype).requires_grad_(grad)
-            for h in (H, Hk, Hk)]
+    return [torch.randn(B, h, T, D, generator=g).to(_dev(), dtype).requires_grad_(grad) for h in (H, Hk, Hk)]
 
 
 def check_flash_attention_fwd(quick: bool) -> dict:
     _need_triton()
     from llmlab.kernels.flash_attention import flash_attention
     from llmlab.kernels.reference import attention_reference
+
     dtypes, note = _dtypes(dot=True)
     errs = {}
     for dtype in dtypes:
         for causal in (True, False):
             q, k, v = _attn_inputs(dtype, quick, grad=False)
-            out = flash_attention(q, k, v, causal, block_m=16 if not _gpu() else 64,
-                                  block_n=16 if not _gpu() else 64)
+            out = flash_attention(
+                q, k, v, causal, block_m=16 if not _gpu() else 64, block_n=16 if not _gpu() else 64
+            )
             ref = attention_reference(q.float(), k.float(), v.float(), causal)
             e = _err(out, ref)
             errs[f"{_name(dtype)}{'' if causal else ' non-causal'}"] = {
-                "err": e, "tol": TOL[dtype], "ok": e <= TOL[dtype] and out.dtype == dtype}
+                "err": e,
+                "tol": TOL[dtype],
+                "ok": e <= TOL[dtype] and out.dtype == dtype,
+            }
     return _verdict(errs, note, shape=list(q.shape))
 
 
@@ -81,6 +87,7 @@ def check_flash_attention_bwd(quick: bool) -> dict:
     _need_triton()
     from llmlab.kernels.flash_attention import flash_attention
     from llmlab.kernels.reference import attention_reference
+
     dtypes, note = _dtypes(dot=True)
     errs = {}
     for dtype in dtypes:
@@ -90,8 +97,7 @@ def check_flash_attention_bwd(quick: bool) -> dict:
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(_dev(), dtype)
         got = torch.autograd.grad(out, (q, k, v), dout)
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-        want = torch.autograd.grad(attention_reference(q32, k32, v32, True), (q32, k32, v32),
-                                   dout.float())
+        want = torch.autograd.grad(attention_reference(q32, k32, v32, True), (q32, k32, v32), dout.float())
         tol = TOL[dtype] * (2 if dtype != torch.float32 else 1)
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             e = _err(a, b)
@@ -113,6 +119,7 @@ def check_fused_rmsnorm(quick: bool) -> dict:
     _need_triton()
     from llmlab.kernels.fused_rmsnorm import rms_norm
     from llmlab.kernels.reference import rms_norm_reference
+
     dtypes, note = _dtypes(dot=False)
     errs = {}
     n, d = _rows_cols(quick)
@@ -137,6 +144,7 @@ def check_fused_swiglu(quick: bool) -> dict:
     _need_triton()
     from llmlab.kernels.fused_swiglu import swiglu
     from llmlab.kernels.reference import swiglu_reference
+
     dtypes, note = _dtypes(dot=False)
     errs = {}
     n, d = _rows_cols(quick)
@@ -161,6 +169,7 @@ def paged_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype, seed=0, devic
     import random
 
     from llmlab.inference.paged_attention import slot_mapping, write_kv
+
     dev = device or _dev()
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -175,18 +184,26 @@ def paged_case(block_size, H, Hkv, D, ctx_lens, query_lens, dtype, seed=0, devic
         table = [free.pop() for _ in range(nb)]
         k = torch.randn(ctx, Hkv, D, generator=g).to(dev, dtype)
         v = torch.randn(ctx, Hkv, D, generator=g).to(dev, dtype)
-        write_kv(k_cache, v_cache, k, v,
-                 torch.tensor(slot_mapping(table, range(ctx), block_size), device=dev))
+        write_kv(
+            k_cache, v_cache, k, v, torch.tensor(slot_mapping(table, range(ctx), block_size), device=dev)
+        )
         tables.append(table + [0] * (max(nblk) - nb))
     q = torch.randn(sum(query_lens), H, D, generator=g).to(dev, dtype)
-    return [q, k_cache, v_cache, torch.tensor(tables, device=dev),
-            torch.tensor(ctx_lens, device=dev), torch.tensor(query_lens, device=dev)]
+    return [
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(tables, device=dev),
+        torch.tensor(ctx_lens, device=dev),
+        torch.tensor(query_lens, device=dev),
+    ]
 
 
 def _check_paged(quick: bool, prefill: bool) -> dict:
     _need_triton()
     from llmlab.inference.paged_attention import paged_attention_reference
     from llmlab.kernels.paged_attention import paged_attention_triton
+
     dtypes, note = _dtypes(dot=True)
     if _gpu():
         bs, H, Hkv, D = 16, 8, 2, 64
@@ -221,9 +238,11 @@ def check_paged_attention_prefill(quick: bool) -> dict:
 def check_paged_attention_bandwidth(quick: bool) -> dict:
     from llmlab.inference.paged_attention import paged_attention_reference
     from llmlab.kernels.bench import peak_bandwidth
+
     if _gpu():
         _need_triton()
         from llmlab.kernels.paged_attention import paged_attention_triton as fn
+
         bs, H, Hkv, D, S, ctx, dtype = 16, 32, 8, 128, 64, 2048 if quick else 4096, torch.float16
         impl = "Triton"
     else:
@@ -243,9 +262,18 @@ def check_paged_attention_bandwidth(quick: bool) -> dict:
     kv_bytes = 2 * S * ctx * Hkv * D * args[1].element_size()
     bw = kv_bytes / dt
     peak = peak_bandwidth() if _gpu() else None
-    out = {"status": PASS, "impl": impl, "kv_bytes": kv_bytes, "time_s": dt,
-           "bandwidth_GBps": bw / 1e9, "peak_GBps": peak / 1e9 if peak else None,
-           "detail": f"decode over {S} x {ctx} tokens, {impl}: {bw / 1e9:.1f} GB/s of K/V read"
-                     + (f", {bw / peak:.0%} of the {peak / 1e9:.0f} GB/s peak" if peak else
-                        ", no peak figure for this device")}
+    out = {
+        "status": PASS,
+        "impl": impl,
+        "kv_bytes": kv_bytes,
+        "time_s": dt,
+        "bandwidth_GBps": bw / 1e9,
+        "peak_GBps": peak / 1e9 if peak else None,
+        "detail": f"decode over {S} x {ctx} tokens, {impl}: {bw / 1e9:.1f} GB/s of K/V read"
+        + (
+            f", {bw / peak:.0%} of the {peak / 1e9:.0f} GB/s peak"
+            if peak
+            else ", no peak figure for this device"
+        ),
+    }
     return out

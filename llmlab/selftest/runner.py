@@ -1,6 +1,7 @@
 """The self-test runner: :data:`CHECKS`, one process per check with its timeout, the report and
 the ``python -m llmlab.selftest NAME [--quick]`` entry (see :mod:`llmlab.selftest`).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,15 +15,22 @@ from typing import Callable
 from llmlab.runtime import process
 from llmlab.runtime.hardware import hardware
 from llmlab.selftest.common import FAIL, PASS, SKIP, Skip, _gpu
-from llmlab.selftest.cpu_kernels import (check_cpu_fused_ops, check_cpu_packed_linear,
-                                         check_cpu_paged_attention)
+from llmlab.selftest.cpu_kernels import (
+    check_cpu_fused_ops,
+    check_cpu_packed_linear,
+    check_cpu_paged_attention,
+)
 from llmlab.selftest.engine import check_engine_device_vs_cpu, check_engine_greedy_vs_hf
-from llmlab.selftest.kernels import (check_flash_attention_bwd, check_flash_attention_fwd,
-                                     check_fused_rmsnorm, check_fused_swiglu,
-                                     check_paged_attention_bandwidth, check_paged_attention_decode,
-                                     check_paged_attention_prefill)
-from llmlab.selftest.training import (check_collectives, check_mfu, check_train_layouts,
-                                      check_train_one_device)
+from llmlab.selftest.kernels import (
+    check_flash_attention_bwd,
+    check_flash_attention_fwd,
+    check_fused_rmsnorm,
+    check_fused_swiglu,
+    check_paged_attention_bandwidth,
+    check_paged_attention_decode,
+    check_paged_attention_prefill,
+)
+from llmlab.selftest.training import check_collectives, check_mfu, check_train_layouts, check_train_one_device
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,7 +45,7 @@ CHECKS: dict[str, tuple[Callable[[bool], dict], float, float]] = {
     "paged_attention_decode": (check_paged_attention_decode, 180, 60),
     "paged_attention_prefill": (check_paged_attention_prefill, 180, 60),
     "cpu_packed_linear": (check_cpu_packed_linear, 120, 60),
-    "cpu_paged_attention": (check_cpu_paged_attention, 300, 240),   # (a first use builds it)
+    "cpu_paged_attention": (check_cpu_paged_attention, 300, 240),  # (a first use builds it)
     "cpu_fused_ops": (check_cpu_fused_ops, 300, 240),
     "engine_greedy_vs_hf": (check_engine_greedy_vs_hf, 180, 60),
     "engine_device_vs_cpu": (check_engine_device_vs_cpu, 300, 120),
@@ -58,8 +66,12 @@ def run_check_here(name: str, quick: bool) -> dict:
         return {"status": SKIP, "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - a check's error is its verdict
         import traceback
-        return {"status": FAIL, "reason": f"{type(e).__name__}: {e}"[:1000],
-                "traceback": traceback.format_exc()[-3000:]}
+
+        return {
+            "status": FAIL,
+            "reason": f"{type(e).__name__}: {e}"[:1000],
+            "traceback": traceback.format_exc()[-3000:],
+        }
 
 
 def _child_entry(name: str, quick: bool, path: str, env: dict) -> None:
@@ -73,8 +85,11 @@ def _child_entry(name: str, quick: bool, path: str, env: dict) -> None:
     os.environ.update(env)  # TRITON_INTERPRET must be set before triton is first imported
     if built_for_gpu and not _gpu():
         # the fork server imported triton before TRITON_INTERPRET was set: a fresh interpreter
-        os.execv(sys.executable, [sys.executable, "-m", "llmlab.selftest", name, "--result", path]
-                 + (["--quick"] if quick else []))
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "llmlab.selftest", name, "--result", path]
+            + (["--quick"] if quick else []),
+        )
     res = run_check_here(name, quick)
     with open(path + ".tmp", "w") as f:
         json.dump(res, f, default=str)
@@ -99,12 +114,20 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
         proc.join(timeout)
         seconds = time.perf_counter() - t0
         if proc.exitcode is None:
-            return {"status": FAIL, "seconds": seconds, "log_tail": _tail(path + ".log"),
-                    "pid": proc.pid,
-                    "reason": f"hang: no result after {timeout:.0f} s (process group killed)"}
+            return {
+                "status": FAIL,
+                "seconds": seconds,
+                "log_tail": _tail(path + ".log"),
+                "pid": proc.pid,
+                "reason": f"hang: no result after {timeout:.0f} s (process group killed)",
+            }
         if not os.path.exists(path):
-            return {"status": FAIL, "seconds": seconds, "log_tail": _tail(path + ".log"),
-                    "reason": f"the check process died (exit code {proc.exitcode}) without a result"}
+            return {
+                "status": FAIL,
+                "seconds": seconds,
+                "log_tail": _tail(path + ".log"),
+                "reason": f"the check process died (exit code {proc.exitcode}) without a result",
+            }
         with open(path) as f:
             res = json.load(f)
         res["seconds"] = seconds
@@ -132,8 +155,12 @@ def format_line(name: str, r: dict) -> str:
     return f"{r['status']:<4}  {name:<26} {r.get('seconds', 0):6.1f}s  {what}"
 
 
-def run_selftest(quick: bool = False, json_path: str | None = None, only: list[str] | None = None,
-                 echo: Callable[[str], None] = print) -> dict:
+def run_selftest(
+    quick: bool = False,
+    json_path: str | None = None,
+    only: list[str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """Run the checks (``only``: a subset, by name) one process each; echo one line per check.
     Returns ``{"checks", "machine", "quick", "seconds", "ok"}`` (``machine``: this machine's
     inventory, :func:`llmlab.runtime.hardware.hardware`) and writes it to ``json_path``.
@@ -143,10 +170,16 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
         if n not in CHECKS:
             raise ValueError(f"no self-test check named {n!r}; checks: {', '.join(CHECKS)}")
     hw = hardware()
-    kernels = ("kernels in Triton's interpreter" if importlib.util.find_spec("triton")
-               else "no Triton: kernel checks skipped")
-    where = (f"{len(hw['gpus'])} x {hw['gpus'][0]['name']}" if hw["gpus"] else
-             f"CPU only, {hw['cpu_cores']} cores ({kernels})")
+    kernels = (
+        "kernels in Triton's interpreter"
+        if importlib.util.find_spec("triton")
+        else "no Triton: kernel checks skipped"
+    )
+    where = (
+        f"{len(hw['gpus'])} x {hw['gpus'][0]['name']}"
+        if hw["gpus"]
+        else f"CPU only, {hw['cpu_cores']} cores ({kernels})"
+    )
     echo(f"llmlab self-test{' (quick)' if quick else ''}: {where}, torch {hw['torch']}")
     if not hw["gpus"]:  # the kernels run in Triton's interpreter, chosen before triton's import
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -158,10 +191,11 @@ def run_selftest(quick: bool = False, json_path: str | None = None, only: list[s
     total = time.perf_counter() - t0
     failed = [n for n, r in checks.items() if r["status"] == FAIL]
     counts = {s: sum(r["status"] == s for r in checks.values()) for s in (PASS, FAIL, SKIP)}
-    echo(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {total:.0f} s"
-         + (f"; failed: {', '.join(failed)} (see docs/workshop.md, 'Self-test')" if failed else ""))
-    report = {"checks": checks, "machine": hw, "quick": quick, "seconds": total,
-              "ok": not failed}
+    echo(
+        f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped in {total:.0f} s"
+        + (f"; failed: {', '.join(failed)} (see docs/workshop.md, 'Self-test')" if failed else "")
+    )
+    report = {"checks": checks, "machine": hw, "quick": quick, "seconds": total, "ok": not failed}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1, default=str)
@@ -184,4 +218,3 @@ def _main(argv: list[str]) -> int:
     if res["status"] == FAIL and res.get("traceback"):
         print(res["traceback"])
     return 1 if res["status"] == FAIL else 0
-

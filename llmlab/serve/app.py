@@ -20,6 +20,7 @@ bad or unsupported fields and requests over a limit 400 naming the field, unknow
 full waiting queue or a stopping server 503. A request never stops the server: every failure is
 answered on its own connection.
 """
+
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -29,17 +30,31 @@ from fastapi import FastAPI
 from llmlab.serve.chat import ChatRenderer
 from llmlab.serve.config import LOOPBACK_HOSTS, ServerConfig
 from llmlab.serve.context import ServingContext
-from llmlab.serve.middleware import (APIKeyMiddleware, BodyLimitMiddleware, HostMiddleware,
-                                     JSONResponse, RequestIdMiddleware, install_error_handlers)
+from llmlab.serve.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    HostMiddleware,
+    JSONResponse,
+    RequestIdMiddleware,
+    install_error_handlers,
+)
 from llmlab.serve.router import Router
 from llmlab.serve.routes import chat, completions, info, profile, tokenize
 
 
-def build_app(engines: list, *, served_model_name: str, chat_template: str | None = None,
-              api_key: str | None = None, metrics=None, public_metrics: bool = False,
-              allow_special_tokens_in_chat: bool = False, routing_policy=None,
-              server: ServerConfig | None = None,
-              allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> FastAPI:
+def build_app(
+    engines: list,
+    *,
+    served_model_name: str,
+    chat_template: str | None = None,
+    api_key: str | None = None,
+    metrics=None,
+    public_metrics: bool = False,
+    allow_special_tokens_in_chat: bool = False,
+    routing_policy=None,
+    server: ServerConfig | None = None,
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+) -> FastAPI:
     """The app over started-or-not :class:`AsyncEngine` replicas (started at app startup if
     needed, shut down at app shutdown). ``chat_template``: Jinja source overriding the
     tokenizer's. ``metrics``: the :class:`ServerMetrics` the engines report to.
@@ -49,11 +64,15 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
     (:class:`~llmlab.serve.config.ServerConfig`); ``allowed_hosts``: the ``Host`` values served
     (``ServerConfig.hosts_for(bind address)``; default the loopback names)."""
     tokenizer = engines[0].engine.tokenizer
-    renderer = (ChatRenderer(tokenizer, chat_template, allow_special_tokens_in_chat)
-                if tokenizer is not None else None)
+    renderer = (
+        ChatRenderer(tokenizer, chat_template, allow_special_tokens_in_chat)
+        if tokenizer is not None
+        else None
+    )
     server = (server or ServerConfig()).validate()
-    ctx = ServingContext(engines, served_model_name, Router(engines, routing_policy), renderer,
-                         metrics, server)
+    ctx = ServingContext(
+        engines, served_model_name, Router(engines, routing_policy), renderer, metrics, server
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -75,11 +94,12 @@ def build_app(engines: list, *, served_model_name: str, chat_template: str | Non
         open_paths = ("/health", "/metrics") if public_metrics else ("/health",)
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(RequestIdMiddleware)
-    app.add_middleware(HostMiddleware, allowed=tuple(allowed_hosts))   # added last: runs first
+    app.add_middleware(HostMiddleware, allowed=tuple(allowed_hosts))  # added last: runs first
     app.add_api_route("/health", info.health, methods=["GET"])
     app.add_api_route("/metrics", info.metrics, methods=["GET"])
     app.add_api_route("/v1/models", info.models, methods=["GET"])
-    from llmlab.serve import lora               # LoRA adapters at run time (vLLM's routes)
+    from llmlab.serve import lora  # LoRA adapters at run time (vLLM's routes)
+
     app.add_api_route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/models/{model_id:path}", info.model, methods=["GET"])

@@ -17,6 +17,7 @@ the loop goes on; only :data:`MAX_CONSECUTIVE_STEP_FAILURES` failing steps in a 
 :class:`~llmlab.inference.errors.EngineDeadError` (a tensor-parallel rank exited), stop it
 (``/health`` then answers 503).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,7 @@ class Mailbox:
     not one per step. A finished output or an exception is never replaced (nothing follows it)."""
 
     def __init__(self) -> None:
-        self._item: typing.Any = None      # a RequestOutput or the exception that ends the request
+        self._item: typing.Any = None  # a RequestOutput or the exception that ends the request
         self._full = False
         self._ready = asyncio.Event()
 
@@ -114,8 +115,15 @@ class AsyncEngine:
     ``idle_wait_s``: how long the loop sleeps when there is nothing to run (a new command wakes it
     at once). Use :meth:`start` / :meth:`shutdown`, or ``with AsyncEngine(...)``."""
 
-    def __init__(self, engine, *, max_waiting_requests: int | None = None, metrics=None,
-                 name: str = "0", idle_wait_s: float = 0.5):
+    def __init__(
+        self,
+        engine,
+        *,
+        max_waiting_requests: int | None = None,
+        metrics=None,
+        name: str = "0",
+        idle_wait_s: float = 0.5,
+    ):
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 1")
         self.engine = engine
@@ -123,9 +131,9 @@ class AsyncEngine:
         self.metrics = metrics
         self.name = name
         self.idle_wait_s = idle_wait_s
-        self.num_in_flight = 0                 # requests admitted and not yet finished (routing)
+        self.num_in_flight = 0  # requests admitted and not yet finished (routing)
         self.num_steps = 0
-        self.error: str | None = None          # traceback of the step that failed, if any
+        self.error: str | None = None  # traceback of the step that failed, if any
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -169,20 +177,20 @@ class AsyncEngine:
         """``fn(engine)`` on the engine thread between two steps (loading a LoRA adapter); returns
         its result or raises its exception here."""
         if not self._thread.is_alive():
-            return fn(self.engine)              # not started (or stopped): nothing steps
+            return fn(self.engine)  # not started (or stopped): nothing steps
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("run", fn, done))
         return await asyncio.wrap_future(done)
 
-    async def add_request(self, prompt, params, request_id: str, lora: str | None = None
-                          ) -> "RequestStream":
+    async def add_request(self, prompt, params, request_id: str, lora: str | None = None) -> "RequestStream":
         """Admit a request before the next step; returns its :class:`RequestStream`.
 
         ``prompt``: text or token ids. Raises ``ValueError`` (a request the engine can never
         serve), :class:`QueueFullError`, :class:`EngineStoppedError`."""
         if not self._admitting or not self._thread.is_alive():
-            raise EngineStoppedError("the server is shutting down" if not self._admitting
-                                     else "the engine loop is not running")
+            raise EngineStoppedError(
+                "the server is shutting down" if not self._admitting else "the engine loop is not running"
+            )
         stream = _Stream(asyncio.get_running_loop(), Mailbox())
         added: concurrent.futures.Future = concurrent.futures.Future()
         # The request's arrival is now, not when the engine thread picks the command up between two
@@ -237,15 +245,19 @@ class AsyncEngine:
                     outputs = engine.step()
                     failures = 0
                 except Exception as e:
-                    failures = (MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError)
-                                else failures + 1)
-                    self._step_failed(traceback.format_exc(), failures,
-                                      f"the engine stopped: {e}" if isinstance(e, EngineDeadError) else None)
+                    failures = (
+                        MAX_CONSECUTIVE_STEP_FAILURES if isinstance(e, EngineDeadError) else failures + 1
+                    )
+                    self._step_failed(
+                        traceback.format_exc(),
+                        failures,
+                        f"the engine stopped: {e}" if isinstance(e, EngineDeadError) else None,
+                    )
                     continue
                 t1 = time.perf_counter()
                 self.num_steps += 1
                 last = engine.step_metrics[-1] if engine.step_metrics else None
-                engine.step_metrics.clear()            # a server runs for days: keep nothing
+                engine.step_metrics.clear()  # a server runs for days: keep nothing
                 if self.metrics is not None:
                     self.metrics.on_step(last, t0, t1)
                 for out in outputs:
@@ -258,15 +270,14 @@ class AsyncEngine:
         self._abort_all(EngineStoppedError("the server shut down"))
         if self.metrics is not None:
             self.metrics.on_state(engine)
-        stop = getattr(engine, "shutdown", None)      # tensor-parallel ranks, if any
+        stop = getattr(engine, "shutdown", None)  # tensor-parallel ranks, if any
         if stop is not None:
             stop()
 
     def _step_failed(self, tb: str, failures: int, reason: str | None = None) -> None:
         """Fail and free every request in flight (with ``reason``, when known); stop after too
         many failing steps in a row."""
-        log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
-                  failures, tb)
+        log.error("engine step failed (%d in a row); failing the requests in flight\n%s", failures, tb)
         self._abort_all(RuntimeError(reason or "the engine step failed; see the server log"))
         for rid in [r for r, req in self.engine.requests.items() if not req.finished]:
             self.engine.abort_request(rid)
@@ -290,30 +301,38 @@ class AsyncEngine:
                 _, fn, done = cmd
                 try:
                     done.set_result(fn(self.engine))
-                except Exception as e:      # answered to the caller, never fatal
+                except Exception as e:  # answered to the caller, never fatal
                     done.set_exception(e)
-            elif cmd[0] == "call":               # start_profile / stop_profile
+            elif cmd[0] == "call":  # start_profile / stop_profile
                 _, method, done = cmd
                 try:
                     done.set_result(getattr(self.engine, method)())
-                except Exception as e:           # noqa: BLE001  (answered to the caller)
+                except Exception as e:  # noqa: BLE001  (answered to the caller)
                     done.set_exception(e)
             elif cmd[0] == "stop":
                 return False
 
-    def _add(self, request_id, prompt, params, stream: _Stream, added, arrival: float,
-             lora: str | None = None) -> None:
+    def _add(
+        self, request_id, prompt, params, stream: _Stream, added, arrival: float, lora: str | None = None
+    ) -> None:
         engine = self.engine
         try:
             if not self._admitting:
                 raise EngineStoppedError("the server is shutting down")
             waiting = len(engine.scheduler.waiting)
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are waiting (--max-waiting-requests="
-                                     f"{self.max_waiting_requests}); retry later")
-            engine.add_request(prompt, params, request_id=request_id, arrival_time=arrival,
-                               **({"lora": lora} if lora is not None else {}))
-        except Exception as e:          # ValueError for bad requests; answered, never fatal
+                raise QueueFullError(
+                    f"{waiting} requests are waiting (--max-waiting-requests="
+                    f"{self.max_waiting_requests}); retry later"
+                )
+            engine.add_request(
+                prompt,
+                params,
+                request_id=request_id,
+                arrival_time=arrival,
+                **({"lora": lora} if lora is not None else {}),
+            )
+        except Exception as e:  # ValueError for bad requests; answered, never fatal
             added.set_exception(e)
             return
         self._streams[request_id] = stream
@@ -321,7 +340,7 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._streams:
-            return                                  # finished already (or never admitted)
+            return  # finished already (or never admitted)
         self.engine.abort_request(request_id)
         self._deliver(self.engine.get_output(request_id))
 
@@ -339,8 +358,7 @@ class AsyncEngine:
         n = sum(len(c.token_ids) for c in out.outputs)
         if self.metrics is not None:
             first = not stream.prompt_counted and n > 0
-            self.metrics.on_tokens(len(out.prompt_token_ids) if first else 0,
-                                   n - stream.num_output_tokens)
+            self.metrics.on_tokens(len(out.prompt_token_ids) if first else 0, n - stream.num_output_tokens)
             stream.prompt_counted |= first
         stream.num_output_tokens = n
         if out.finished:
@@ -349,12 +367,12 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_finish(out)
         if not _put(stream, out) and not out.finished:
-            self._abort(out.request_id)             # nobody listens any more
+            self._abort(out.request_id)  # nobody listens any more
 
 
 def _put(stream: _Stream, item) -> bool:
     try:
         stream.loop.call_soon_threadsafe(stream.queue.put, item)
         return True
-    except RuntimeError:                            # the event loop is closed
+    except RuntimeError:  # the event loop is closed
         return False

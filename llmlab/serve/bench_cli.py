@@ -6,6 +6,7 @@ or, with ``--endpoint URL``, over HTTP against a running server (:mod:`llmlab.se
     llmlab bench serve --endpoint http://127.0.0.1:8000 --request-rate 2,8,inf \\
                        --slo-ttft 0.5 --slo-tpot 0.05 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from llmlab.inference import bench
 
 def _rates(text: str):
     from llmlab.serve.load_test import parse_rates
+
     try:
         return parse_rates(text)
     except ValueError as e:
@@ -24,15 +26,25 @@ def _rates(text: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_arguments(p)
-    rate = p._option_string_actions["--request-rate"]       # one flag for both modes: R[,R...]
+    rate = p._option_string_actions["--request-rate"]  # one flag for both modes: R[,R...]
     rate.type = _rates
-    rate.help = ("Poisson arrivals, requests/s; with --endpoint a comma list, one run each "
-                 "(inf: all at once; default: offline, all at t=0)")
-    p.add_argument("--tensorboard", default=None, metavar="DIR",
-                   help="also write the results as TensorBoard scalars to DIR")
+    rate.help = (
+        "Poisson arrivals, requests/s; with --endpoint a comma list, one run each "
+        "(inf: all at once; default: offline, all at t=0)"
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write the results as TensorBoard scalars to DIR",
+    )
     g = p.add_argument_group("over HTTP (--endpoint)")
-    g.add_argument("--endpoint", default=None, metavar="URL",
-                   help="benchmark the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000)")
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="benchmark the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000)",
+    )
     g.add_argument("--served-model", default=None, help="model id to send (default: the server's)")
     g.add_argument("--api-key", default=None, help="bearer token for the server")
     g.add_argument("--slo-ttft", type=float, default=None, metavar="S", help="goodput SLO on TTFT, s")
@@ -43,6 +55,7 @@ def run(args) -> int:
     rates = args.request_rate
     if args.tensorboard:
         from llmlab.metrics.profiling import check_dir
+
         check_dir(args.tensorboard, "--tensorboard")
     if args.endpoint is None:
         if args.slo_ttft is not None or args.slo_tpot is not None:
@@ -52,16 +65,26 @@ def run(args) -> int:
         args.request_rate = None if rates is None else rates[0]
         return bench.run(args)
     from llmlab.serve.load_test import bench_endpoint, print_table
-    res = bench_endpoint(args.endpoint, rates or [float("inf")], num_requests=args.num_requests,
-                         seed=args.seed, model=args.served_model, api_key=args.api_key,
-                         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                         prompt_len_median=args.prompt_len_median,
-                         output_len_median=args.output_len_median, length_sigma=args.length_sigma)
+
+    res = bench_endpoint(
+        args.endpoint,
+        rates or [float("inf")],
+        num_requests=args.num_requests,
+        seed=args.seed,
+        model=args.served_model,
+        api_key=args.api_key,
+        slo_ttft=args.slo_ttft,
+        slo_tpot=args.slo_tpot,
+        prompt_len_median=args.prompt_len_median,
+        output_len_median=args.output_len_median,
+        length_sigma=args.length_sigma,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     if args.tensorboard:
         from llmlab.metrics.tensorboard import write_bench
+
         write_bench(res["rates"], args.tensorboard)
     print_table(res)
     return 0

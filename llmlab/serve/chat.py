@@ -16,14 +16,17 @@ the whole rendered text, exactly as ``apply_chat_template(tokenize=True)``.
 ``continue_final_message`` (as Hugging Face and vLLM): the prompt ends right after the last
 message's content, so the model continues that message instead of answering it.
 """
+
 from __future__ import annotations
 
 import re
 import secrets
 from pathlib import Path
 
-PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                  "{% if add_generation_prompt %}assistant:{% endif %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def load_template(path: str | None) -> str | None:
@@ -49,44 +52,53 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.allow_special_tokens = allow_special_tokens
         own = getattr(tokenizer, "chat_template", None)
-        self.uses_tokenizer_template = template is None and bool(own) and hasattr(
-            tokenizer, "apply_chat_template")
+        self.uses_tokenizer_template = (
+            template is None and bool(own) and hasattr(tokenizer, "apply_chat_template")
+        )
         self.template = template or (None if self.uses_tokenizer_template else PLAIN_TEMPLATE)
         self._compiled = None
         if self.template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
+
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._compiled = env.from_string(self.template)
         self.special_tokens = special_token_texts(tokenizer)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> tuple[str, list[int]]:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> tuple[str, list[int]]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: chat completions need one "
-                             "(use /v1/completions with token ids)")
+            raise ValueError(
+                "this model has no tokenizer: chat completions need one (use /v1/completions with token ids)"
+            )
         text = self._text(messages, add_generation_prompt, continue_final_message)
         if self.allow_special_tokens or not any(
-                t in (m.get("content") or "") for m in messages for t in self.special_tokens):
+            t in (m.get("content") or "") for m in messages for t in self.special_tokens
+        ):
             return text, self.encode(text)
         return text, self._encode_apart(messages, add_generation_prompt, continue_final_message)
 
     def _text(self, messages, add_generation_prompt: bool, continue_final_message: bool) -> str:
         if self.uses_tokenizer_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         else:
             special = {k: getattr(self.tokenizer, k, None) or "" for k in ("bos_token", "eos_token")}
-            text = self._compiled.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt, **special)
+            text = self._compiled.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **special
+            )
         if continue_final_message:
             final = (messages[-1].get("content") or "") if messages else ""
-            if final and final not in text:          # a template that trims its contents
+            if final and final not in text:  # a template that trims its contents
                 final = final.strip()
             i = text.rfind(final) if final else -1
             if i < 0:
-                raise ValueError("continue_final_message: the last message's content is not in "
-                                 "the rendered prompt (it needs a non-empty content)")
-            text = text[:i + len(final)]
+                raise ValueError(
+                    "continue_final_message: the last message's content is not in "
+                    "the rendered prompt (it needs a non-empty content)"
+                )
+            text = text[: i + len(final)]
         return text
 
     def _encode_apart(self, messages, add_generation_prompt, continue_final_message) -> list[int]:
@@ -98,9 +110,11 @@ class ChatRenderer:
         parts = re.split(f"{tag}(\\d+)E", text)
         order = [int(x) for x in parts[1::2]]
         if sorted(order) != list(range(len(messages))):
-            raise ValueError("a message's content holds a special token's text and this chat "
-                             "template does not place each content once, so it cannot be kept "
-                             "apart from the template's markers")
+            raise ValueError(
+                "a message's content holds a special token's text and this chat "
+                "template does not place each content once, so it cannot be kept "
+                "apart from the template's markers"
+            )
         ids: list[int] = []
         for k, piece in enumerate(parts):
             if k % 2 == 0:
@@ -112,6 +126,7 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; an HF template already holds its special tokens."""
         from llmlab.data import ByteTokenizer
+
         if isinstance(self.tokenizer, ByteTokenizer):
             return self.tokenizer.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -21,6 +21,7 @@ A killed node's actors are noticed at once (their connections reset); a node tha
 declared dead after about ``health_check_s`` x 5 seconds (``RAY_health_check_*`` for ``ray start``;
 Ray's defaults take longer). Then ``/health`` answers 503 and the requests in flight fail. :meth:`RayCluster.stop` ends every process it started and removes its directory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,14 +63,20 @@ class RayCluster:
     Raises ``TimeoutError`` (with the nodes' logs) when the nodes have not joined within
     ``start_timeout`` s; what was started is stopped first."""
 
-    def __init__(self, hosts: Any, *, num_cpus: int | list[int] = 2, health_check_s: float = 1.0,
-                 start_timeout: float = 240.0) -> None:
+    def __init__(
+        self,
+        hosts: Any,
+        *,
+        num_cpus: int | list[int] = 2,
+        health_check_s: float = 1.0,
+        start_timeout: float = 240.0,
+    ) -> None:
         self.hosts = hosts
         self.num_cpus = [num_cpus] * hosts.n if isinstance(num_cpus, int) else list(num_cpus)
         if len(self.num_cpus) != hosts.n:
             raise ValueError(f"num_cpus: {len(self.num_cpus)} values for {hosts.n} hosts")
         self.health_check_s, self.start_timeout = health_check_s, start_timeout
-        self.temp_dir = tempfile.mkdtemp(prefix="llr", dir="/tmp")    # short: Ray's socket paths
+        self.temp_dir = tempfile.mkdtemp(prefix="llr", dir="/tmp")  # short: Ray's socket paths
         head = hosts.addresses[0]
         self.port = 6379 if hosts.mode == "netns" else _free_port(head)
         self.address = f"{head}:{self.port}"
@@ -81,29 +88,55 @@ class RayCluster:
         ms = str(int(self.health_check_s * 1000))
         # a killed node's actors are noticed at once (their connections reset); the health checks
         # find a silent one, and on a loaded 2-core machine must not declare a slow one dead
-        return {**os.environ, "RAY_ADDRESS": self.address, "RAY_health_check_period_ms": ms,
-                "RAY_health_check_timeout_ms": str(3 * int(ms)),
-                "RAY_health_check_failure_threshold": "5", "RAY_raylet_start_wait_time_s": "180",
-                "RAY_health_check_initial_delay_ms": "0", "RAY_prestart_worker_first_driver": "0",
-                "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+        return {
+            **os.environ,
+            "RAY_ADDRESS": self.address,
+            "RAY_health_check_period_ms": ms,
+            "RAY_health_check_timeout_ms": str(3 * int(ms)),
+            "RAY_health_check_failure_threshold": "5",
+            "RAY_raylet_start_wait_time_s": "180",
+            "RAY_health_check_initial_delay_ms": "0",
+            "RAY_prestart_worker_first_driver": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_DEDUP_LOGS": "0",
+        }
 
     def _start_node(self, i: int) -> None:
-        common = ["--block", "--node-ip-address", self.hosts.addresses[i], "--num-cpus",
-                  str(self.num_cpus[i]), "--num-gpus", "0", "--object-store-memory", str(80 * 2**20),
-                  "--disable-usage-stats"]
-        role = (["--head", "--port", str(self.port), "--include-dashboard", "false",
-                 "--temp-dir", self.temp_dir] if i == 0 else ["--address", self.address])
+        common = [
+            "--block",
+            "--node-ip-address",
+            self.hosts.addresses[i],
+            "--num-cpus",
+            str(self.num_cpus[i]),
+            "--num-gpus",
+            "0",
+            "--object-store-memory",
+            str(80 * 2**20),
+            "--disable-usage-stats",
+        ]
+        role = (
+            ["--head", "--port", str(self.port), "--include-dashboard", "false", "--temp-dir", self.temp_dir]
+            if i == 0
+            else ["--address", self.address]
+        )
         log = os.path.join(self.temp_dir, f"ray-start-h{i}.log")
-        with open(log, "a") as f:                              # "a": a retry's output follows
-            self.procs.append(self.hosts.popen(i, [_ray_bin(), "start", *role, *common],
-                                               env=self.env(), stdout=f, stderr=subprocess.STDOUT))
+        with open(log, "a") as f:  # "a": a retry's output follows
+            self.procs.append(
+                self.hosts.popen(
+                    i,
+                    [_ray_bin(), "start", *role, *common],
+                    env=self.env(),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         if log not in self.logs:
             self.logs.append(log)
 
     def start(self) -> "RayCluster":
         try:
-            for i in range(self.hosts.n):                     # the head first: a worker node
-                self._start_node_retrying(i)                  # gives up if it is slow to come up
+            for i in range(self.hosts.n):  # the head first: a worker node
+                self._start_node_retrying(i)  # gives up if it is slow to come up
             self.wait_for_nodes(self.hosts.n, self.start_timeout)
         except BaseException:
             self.stop()
@@ -127,9 +160,11 @@ class RayCluster:
                 os.killpg(self.procs[-1].pid, signal.SIGKILL)
             self.procs.pop().wait(10)
             if attempt == attempts:
-                raise TimeoutError(f"Ray's node on host {i} did not start ({attempts} attempts; "
-                                   f"last: {why}). A raylet waits 15 s for its Python agents to report their "
-                                   f"ports: is the machine overloaded?\n{self.tail()}")
+                raise TimeoutError(
+                    f"Ray's node on host {i} did not start ({attempts} attempts; "
+                    f"last: {why}). A raylet waits 15 s for its Python agents to report their "
+                    f"ports: is the machine overloaded?\n{self.tail()}"
+                )
 
     def _raylet_aborts(self) -> list[str]:
         """The raylets of this cluster that aborted: one line of each's log (its "Check failed")."""
@@ -155,16 +190,18 @@ class RayCluster:
             if self.procs[-1].poll() is not None:
                 return f"`ray start` exited with {self.procs[-1].returncode}"
             time.sleep(0.5)
-        return f"no \"Ray runtime started\" within {timeout:g} s"
+        return f'no "Ray runtime started" within {timeout:g} s'
 
     def wait_for_nodes(self, n: int, timeout: float) -> None:
         """Wait until ``n`` nodes are alive (a short Ray driver on host 0 asks the head)."""
-        code = ("import ray, sys, time\n"
-                f"ray.init(address={self.address!r}, logging_level='ERROR')\n"
-                f"end = time.monotonic() + {timeout}\n"
-                f"while sum(x['Alive'] for x in ray.nodes()) < {n} and time.monotonic() < end:\n"
-                "    time.sleep(0.5)\n"
-                "print(sum(x['Alive'] for x in ray.nodes()))\n")
+        code = (
+            "import ray, sys, time\n"
+            f"ray.init(address={self.address!r}, logging_level='ERROR')\n"
+            f"end = time.monotonic() + {timeout}\n"
+            f"while sum(x['Alive'] for x in ray.nodes()) < {n} and time.monotonic() < end:\n"
+            "    time.sleep(0.5)\n"
+            "print(sum(x['Alive'] for x in ray.nodes()))\n"
+        )
         deadline = time.monotonic() + timeout
         while True:
             if any(p.poll() is not None for p in self.procs):
@@ -177,8 +214,10 @@ class RayCluster:
             if out is not None and out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{n} Ray nodes did not join within {timeout:g} s:\n"
-                                   f"{'' if out is None else out.stderr[-2000:]}\n{self.tail()}")
+                raise TimeoutError(
+                    f"{n} Ray nodes did not join within {timeout:g} s:\n"
+                    f"{'' if out is None else out.stderr[-2000:]}\n{self.tail()}"
+                )
             time.sleep(1.0)
 
     def tail(self, chars: int = 3000) -> str:
@@ -226,8 +265,12 @@ class RayCluster:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
         except OSError:
             return False
-        return self.temp_dir in cmd or cmd.startswith("ray::") or "ray start" in cmd.replace("\0", " ") \
+        return (
+            self.temp_dir in cmd
+            or cmd.startswith("ray::")
+            or "ray start" in cmd.replace("\0", " ")
             or "/ray/" in cmd
+        )
 
     def __enter__(self) -> "RayCluster":
         return self.start()
@@ -252,18 +295,41 @@ class ClusterServer:
     ``start_timeout`` s); :meth:`request` and :meth:`health` speak HTTP from inside host 0's network
     (:meth:`~llmlab.runtime.hosts.Hosts.entered`)."""
 
-    def __init__(self, cluster: RayCluster, *, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                 model: str = "shakespeare", args: tuple[str, ...] = (),
-                 start_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        cluster: RayCluster,
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        model: str = "shakespeare",
+        args: tuple[str, ...] = (),
+        start_timeout: float = 300.0,
+    ) -> None:
         self.cluster, self.hosts = cluster, cluster.hosts
         self.host = self.hosts.addresses[0]
         self.port = 8000 if self.hosts.mode == "netns" else _free_port(self.host)
-        self.argv = [sys.executable, "-m", "llmlab", "serve", "--model", model,
-                     "--distributed-executor-backend", "ray", "--host", self.host,
-                     "--port", str(self.port), "--tensor-parallel-size", str(tensor_parallel_size),
-                     "--pipeline-parallel-size", str(pipeline_parallel_size),
-                     "--data-parallel-size", str(data_parallel_size), *map(str, args)]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "llmlab",
+            "serve",
+            "--model",
+            model,
+            "--distributed-executor-backend",
+            "ray",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(pipeline_parallel_size),
+            "--data-parallel-size",
+            str(data_parallel_size),
+            *map(str, args),
+        ]
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[str] | None = None
         self.output: list[str] = []
@@ -275,17 +341,20 @@ class ClusterServer:
     def start(self) -> "ClusterServer":
         env = self.cluster.env()
         env.setdefault("LLMLAB_RAY_PLACEMENT_TIMEOUT", "60")
-        self.proc = self.hosts.popen(0, self.argv, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = self.hosts.popen(
+            0, self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
         if not ready.wait(self.start_timeout):
             self.stop()
-            raise TimeoutError(f"llmlab serve did not start within {self.start_timeout:g} s:\n"
-                               + "".join(self.output[-40:]))
+            raise TimeoutError(
+                f"llmlab serve did not start within {self.start_timeout:g} s:\n" + "".join(self.output[-40:])
+            )
         if self.proc.poll() is not None:
-            raise RuntimeError(f"llmlab serve exited with {self.proc.returncode}:\n"
-                               + "".join(self.output[-60:]))
+            raise RuntimeError(
+                f"llmlab serve exited with {self.proc.returncode}:\n" + "".join(self.output[-60:])
+            )
         return self
 
     def _read(self, ready: threading.Event) -> None:
@@ -294,21 +363,23 @@ class ClusterServer:
             self.output.append(line)
             if "llmlab serve: serving" in line:
                 ready.set()
-        ready.set()                                  # exited: start() reports it
+        ready.set()  # exited: start() reports it
 
     def placement(self) -> dict[int, list[str]]:
         """``{stage: [node address, ...]}`` from the server's "Ray placement" line (one address per
         stage when its ranks share a node)."""
         line = next((x for x in self.output if "Ray placement:" in x), "")
-        return {int(s): addrs.split(", ")
-                for s, addrs in re.findall(r"stage (\d+) ranks \d+-\d+ on ([\d., ]+?)(?:;|$)", line.strip())}
+        return {
+            int(s): addrs.split(", ")
+            for s, addrs in re.findall(r"stage (\d+) ranks \d+-\d+ on ([\d., ]+?)(?:;|$)", line.strip())
+        }
 
-    def request(self, path: str, body: dict[str, Any] | None = None,
-                timeout: float = 60.0) -> tuple[int, Any]:
+    def request(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0
+    ) -> tuple[int, Any]:
         """``(status, JSON body)`` of a GET (or, with ``body``, a POST) to ``path``."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         with self.hosts.entered(0):
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -329,9 +400,10 @@ class ClusterServer:
 
     def complete(self, prompt: str, max_tokens: int = 16, **fields: Any) -> Any:
         """A greedy ``/v1/completions`` answer (raises ``RuntimeError`` for an error status)."""
-        status, out = self.request("/v1/completions", {"model": "shakespeare", "prompt": prompt,
-                                                       "max_tokens": max_tokens, "temperature": 0,
-                                                       **fields})
+        status, out = self.request(
+            "/v1/completions",
+            {"model": "shakespeare", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields},
+        )
         if status != 200:
             raise RuntimeError(f"/v1/completions answered {status}: {out}")
         return out
@@ -364,16 +436,24 @@ def lose_a_node(server: ClusterServer, host: int = 1, timeout: float = 30.0) -> 
     answer: dict[str, Any] = {}
 
     def long_request() -> None:
-        status, body = server.request("/v1/completions", {
-            "model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True}, timeout=timeout + 60)
+        status, body = server.request(
+            "/v1/completions",
+            {
+                "model": "shakespeare",
+                "prompt": "ROMEO:",
+                "max_tokens": 480,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=timeout + 60,
+        )
         answer.update(status=status, body=body, at=time.monotonic())
 
     t = threading.Thread(target=long_request, daemon=True)
     t.start()
     end = time.monotonic() + 60
     while "llmlab:num_requests_running{" not in _running(server) and time.monotonic() < end:
-        time.sleep(0.2)                           # until the request is in the engine
+        time.sleep(0.2)  # until the request is in the engine
     killed = time.monotonic()
     server.cluster.kill_node(host)
     while server.health() != 503:
@@ -385,9 +465,12 @@ def lose_a_node(server: ClusterServer, host: int = 1, timeout: float = 30.0) -> 
     if t.is_alive():
         raise TimeoutError(f"the request in flight was not answered {timeout:g} s after host {host} died")
     error = answer["body"].get("error", {})
-    return {"seconds_to_503": to_503, "seconds_to_fail": answer["at"] - killed,
-            "request_status": answer["status"],
-            "request_error": error.get("message") if isinstance(error, dict) else str(error)}
+    return {
+        "seconds_to_503": to_503,
+        "seconds_to_fail": answer["at"] - killed,
+        "request_status": answer["status"],
+        "request_error": error.get("message") if isinstance(error, dict) else str(error),
+    }
 
 
 def _running(server: ClusterServer) -> str:
@@ -399,20 +482,33 @@ def _running(server: ClusterServer) -> str:
                 text = r.read().decode()
         except OSError:
             return ""
-    return "".join(line for line in text.splitlines(keepends=True)
-                   if line.startswith("llmlab:num_requests_running{") and not line.rstrip().endswith(" 0.0"))
+    return "".join(
+        line
+        for line in text.splitlines(keepends=True)
+        if line.startswith("llmlab:num_requests_running{") and not line.rstrip().endswith(" 0.0")
+    )
 
 
 @contextlib.contextmanager
-def serve_across_hosts(hosts: Any, *, tensor_parallel_size: int = 2, pipeline_parallel_size: int = 2,
-                       data_parallel_size: int = 1, num_cpus: int | None = None,
-                       args: tuple[str, ...] = ()) -> Iterator[ClusterServer]:
+def serve_across_hosts(
+    hosts: Any,
+    *,
+    tensor_parallel_size: int = 2,
+    pipeline_parallel_size: int = 2,
+    data_parallel_size: int = 1,
+    num_cpus: int | None = None,
+    args: tuple[str, ...] = (),
+) -> Iterator[ClusterServer]:
     """Lab 13's step 5: a Ray cluster over ``hosts`` and ``llmlab serve`` on it, TP inside a host
     and PP across (see the module docstring); yields the started :class:`ClusterServer` (its
     ``.cluster`` the :class:`RayCluster`); both are stopped on leaving."""
     cpus = num_cpus if num_cpus is not None else tensor_parallel_size * data_parallel_size
     with RayCluster(hosts, num_cpus=cpus) as cluster:
-        with ClusterServer(cluster, tensor_parallel_size=tensor_parallel_size,
-                           pipeline_parallel_size=pipeline_parallel_size,
-                           data_parallel_size=data_parallel_size, args=args) as server:
+        with ClusterServer(
+            cluster,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            args=args,
+        ) as server:
             yield server

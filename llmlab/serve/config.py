@@ -22,6 +22,7 @@ two outputs (its token ids, text and logprobs: O(tokens), never O(tokens²)), 64
 chunk and the kernel's buffer, for at most ``stream_timeout_s`` seconds, and at most
 ``max_concurrent_streams`` such streams exist.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,12 @@ class ServerConfig:
     allowed_local_media_path: str | None = None
 
     def validate(self) -> "ServerConfig":
-        for name in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_streams",
-                     "send_buffer_bytes"):
+        for name in (
+            "max_request_body_bytes",
+            "max_prompts_per_request",
+            "max_concurrent_streams",
+            "send_buffer_bytes",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -56,10 +61,10 @@ class ServerConfig:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"stream_timeout_s={t!r} must be a finite number > 0")
         if self.allowed_hosts is not None:
-            if not self.allowed_hosts or not all(isinstance(h, str) and h.strip()
-                                                 for h in self.allowed_hosts):
-                raise ValueError(f"allowed_hosts={self.allowed_hosts!r} must list host names "
-                                 "(or '*')")
+            if not self.allowed_hosts or not all(
+                isinstance(h, str) and h.strip() for h in self.allowed_hosts
+            ):
+                raise ValueError(f"allowed_hosts={self.allowed_hosts!r} must list host names (or '*')")
         d = self.allowed_local_media_path
         if d is not None and not os.path.isdir(d):
             raise ValueError(f"allowed_local_media_path={d!r} is not a directory")
@@ -88,9 +93,9 @@ FIELD_HELP = {
     "max_prompts_per_request": "most prompts in one /v1/completions request (default 64)",
     "max_concurrent_streams": "streamed responses open at once; one more gets 503 (default 256)",
     "stream_timeout_s": "seconds a stream waits for its client to read the next chunk before the "
-                        "client is disconnected and its request aborted (default 60)",
+    "client is disconnected and its request aborted (default 60)",
     "send_buffer_bytes": "kernel send buffer of each connection, bytes (SO_SNDBUF; bounds what a "
-                         "client that stops reading leaves queued; default 256 KiB)",
+    "client that stops reading leaves queued; default 256 KiB)",
 }
 
 
@@ -100,21 +105,34 @@ def add_server_arguments(p) -> None:
     defaults = ServerConfig()
     for name, help_ in FIELD_HELP.items():
         kind = float if name.endswith("_s") else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
-                       help=help_, metavar="X" if kind is float else "N")
-    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
-                   help="Host header values served, others get 400 (names, with or without a "
-                        "port; '*' = any). Default: localhost, 127.0.0.1 and [::1] when bound to "
-                        "a loopback address, else any")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="directory chat image_url file:// URLs may read images from (default: "
-                        "none; file URLs are refused)")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(defaults, name),
+            help=help_,
+            metavar="X" if kind is float else "N",
+        )
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Host header values served, others get 400 (names, with or without a "
+        "port; '*' = any). Default: localhost, 127.0.0.1 and [::1] when bound to "
+        "a loopback address, else any",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="directory chat image_url file:// URLs may read images from (default: "
+        "none; file URLs are refused)",
+    )
 
 
 def server_config(args) -> ServerConfig:
     """The :class:`ServerConfig` of the flags :func:`add_server_arguments` added."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)
-          if hasattr(args, f.name)}
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     if kw.get("allowed_hosts") is not None:
         kw["allowed_hosts"] = tuple(kw["allowed_hosts"])
     return ServerConfig(**kw).validate()

@@ -7,6 +7,7 @@ Tokenizing and rendering chat templates run on :attr:`ServingContext.tokenizer_p
 thread: Hugging Face tokenizers are not safe to call from several threads at once), never on the
 event loop, so a long prompt does not stop ``/health`` or other clients' streams.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,11 @@ class ServingContext:
     renderer: ChatRenderer | None
     metrics: object = None
     server: ServerConfig = field(default_factory=ServerConfig)
-    open_streams: int = 0                   # streamed responses running (max_concurrent_streams)
+    open_streams: int = 0  # streamed responses running (max_concurrent_streams)
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "llmlab-tokenize"))
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "llmlab-tokenize")
+    )
 
     @property
     def engine(self):
@@ -73,8 +75,11 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name and self.adapter_for(name) is None:
-            raise APIError(f"The model `{name}` does not exist (this server serves "
-                           f"`{self.served_model_name}`).", 404, "model")
+            raise APIError(
+                f"The model `{name}` does not exist (this server serves `{self.served_model_name}`).",
+                404,
+                "model",
+            )
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -89,10 +94,13 @@ class ServingContext:
             max_tokens = max(1, self.max_model_len - num_prompt)
             max_tokens = min(max_tokens, cap) if cap is not None else max_tokens
         if num_prompt + max_tokens > self.max_model_len:
-            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. "
-                           f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} "
-                           f"in the prompt, {max_tokens} for the completion). Please reduce the "
-                           "length of the prompt or max_tokens.", param="max_tokens")
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} "
+                f"in the prompt, {max_tokens} for the completion). Please reduce the "
+                "length of the prompt or max_tokens.",
+                param="max_tokens",
+            )
         return max_tokens
 
 

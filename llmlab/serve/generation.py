@@ -16,6 +16,7 @@ streams are open (one more is a 503); a stream whose client takes no chunk for
 client reads slowly, each of its prompts holds one pending output (the engine's
 :class:`~llmlab.serve.async_engine.Mailbox`) and :func:`merge` one more: never a backlog.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,10 +40,10 @@ ABORT_CONNECTION = "llmlab.abort_connection"
 
 @dataclass
 class Prompt:
-    echo: str               # text put before the generated text ("" without echo)
+    echo: str  # text put before the generated text ("" without echo)
     token_ids: list[int]
     params: SamplingParams
-    mm: object = None       # the images' MultimodalState (llmlab.serve.images), token_ids expanded
+    mm: object = None  # the images' MultimodalState (llmlab.serve.images), token_ids expanded
 
 
 @dataclass
@@ -53,8 +54,8 @@ class _Job:
     prompts: list[Prompt]
     n: int
     chat: bool
-    k: int | None           # top logprobs per token, None: no logprobs
-    echo_logprobs: bool     # completions echo + logprobs: the prompt's too
+    k: int | None  # top logprobs per token, None: no logprobs
+    echo_logprobs: bool  # completions echo + logprobs: the prompt's too
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,8 +77,9 @@ class _Job:
         return R.completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.ctx.decode, 0)
 
 
-async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt], chat: bool,
-                   echo_logprobs: bool = False):
+async def generate(
+    ctx: ServingContext, raw: Request, req, prompts: list[Prompt], chat: bool, echo_logprobs: bool = False
+):
     """Admit ``prompts`` and answer: a JSON response, or a streamed one with ``req.stream``.
     The response's ``id`` carries the request's ``x-request-id``."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(raw)}"
@@ -92,9 +94,12 @@ async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt]
         return await _whole(job, raw)
     limit = ctx.server.max_concurrent_streams
     if ctx.open_streams >= limit:
-        raise APIError(f"{ctx.open_streams} streams are open (--max-concurrent-streams={limit}); "
-                       "retry later", 503, "max_concurrent_streams")
-    ctx.open_streams += 1                       # until the response ends, however it ends
+        raise APIError(
+            f"{ctx.open_streams} streams are open (--max-concurrent-streams={limit}); retry later",
+            503,
+            "max_concurrent_streams",
+        )
+    ctx.open_streams += 1  # until the response ends, however it ends
     try:
         streams = await _admit(ctx, rid, prompts, ctx.adapter_for(req.model))
     except BaseException:
@@ -102,8 +107,7 @@ async def generate(ctx: ServingContext, raw: Request, req, prompts: list[Prompt]
         raise
     job = _Job(ctx, rid, streams, prompts, req.n, chat, prompts[0].params.logprobs, echo_logprobs)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _EngineStream(_stream_body(job, include_usage), streams, ctx,
-                         media_type="text/event-stream")
+    return _EngineStream(_stream_body(job, include_usage), streams, ctx, media_type="text/event-stream")
 
 
 def request_id(raw: Request) -> str:
@@ -112,13 +116,13 @@ def request_id(raw: Request) -> str:
 
 
 async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt], lora: str | None = None) -> list:
-    streams = []                # engine ids "<id>-<prompt>": an x-request-id in use is a 400, as vLLM
+    streams = []  # engine ids "<id>-<prompt>": an x-request-id in use is a 400, as vLLM
     try:
         for i, p in enumerate(prompts):
-            prompt = p.token_ids if p.mm is None else {"prompt_token_ids": p.token_ids,
-                                                       "multi_modal_state": p.mm}
-            streams.append(await ctx.router.pick().add_request(prompt, p.params, f"{rid}-{i}",
-                                                               lora=lora))
+            prompt = (
+                p.token_ids if p.mm is None else {"prompt_token_ids": p.token_ids, "multi_modal_state": p.mm}
+            )
+            streams.append(await ctx.router.pick().add_request(prompt, p.params, f"{rid}-{i}", lora=lora))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -126,7 +130,7 @@ async def _admit(ctx: ServingContext, rid: str, prompts: list[Prompt], lora: str
             raise APIError(str(e), param=param_of(str(e))) from None
         if isinstance(e, (QueueFullError, EngineStoppedError)):
             raise APIError(str(e), 503) from None
-        if isinstance(e, KeyError):         # its LoRA adapter was unloaded meanwhile
+        if isinstance(e, KeyError):  # its LoRA adapter was unloaded meanwhile
             raise APIError(f"The model `{lora}` does not exist.", 404, "model") from None
         raise
     return streams
@@ -141,9 +145,9 @@ async def _whole(job: _Job, raw: Request):
     except EngineStoppedError as e:
         raise APIError(str(e), 503) from None
     if len(finals) < len(job.streams):
-        return Response(status_code=499)        # the client went away; nothing was generated for it
+        return Response(status_code=499)  # the client went away; nothing was generated for it
     failed = [o.error for o in finals.values() if getattr(o, "error", None)]
-    if failed:                                  # e.g. non-finite logits: this request only
+    if failed:  # e.g. non-finite logits: this request only
         raise APIError(f"the request failed in the engine: {failed[0]}", 500)
     choices, num_gen = [], 0
     for i, p in enumerate(job.prompts):
@@ -154,14 +158,16 @@ async def _whole(job: _Job, raw: Request):
             pre = job.prompt_logprobs(i, out)
             if pre is not None:
                 lp = R.join_completion_logprobs(pre, lp)
-            choices.append({"index": i * job.n + c.index, "text": text,
-                            "finish_reason": c.finish_reason, "logprobs": lp})
+            choices.append(
+                {"index": i * job.n + c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": lp}
+            )
             if out.prompt_logprobs is not None and not job.echo_logprobs:
                 choices[-1]["prompt_logprobs"] = R.vllm_prompt_logprobs(out.prompt_logprobs)
             num_gen += len(c.token_ids)
     choices.sort(key=lambda c: c["index"])
-    return R.completion_response(job.rid, job.ctx.served_model_name, choices,
-                                 job.num_prompt_tokens, num_gen, job.chat)
+    return R.completion_response(
+        job.rid, job.ctx.served_model_name, choices, job.num_prompt_tokens, num_gen, job.chat
+    )
 
 
 async def _stream_body(job: _Job, include_usage: bool):
@@ -171,8 +177,7 @@ async def _stream_body(job: _Job, include_usage: bool):
     cursors: dict[int, R.LogprobCursor] = {}
     if job.chat:
         for idx in range(len(job.streams) * n):
-            yield R.sse(R.chunk(job.rid, name, created, idx, None, None, True, include_usage,
-                                role=True))
+            yield R.sse(R.chunk(job.rid, name, created, idx, None, None, True, include_usage, role=True))
     try:
         async for i, out in merge(job.streams, None):
             if getattr(out, "error", None):
@@ -189,14 +194,16 @@ async def _stream_body(job: _Job, include_usage: bool):
                 lp = job.logprobs(cursor, c, len(deltas.sent[idx]))
                 if first and (pre := job.prompt_logprobs(i, out)) is not None:
                     lp = R.join_completion_logprobs(pre, lp)
-                yield R.sse(R.chunk(job.rid, name, created, idx, d[0], d[1], job.chat,
-                                    include_usage, logprobs=lp))
+                yield R.sse(
+                    R.chunk(job.rid, name, created, idx, d[0], d[1], job.chat, include_usage, logprobs=lp)
+                )
     except (APIError, RuntimeError) as e:
         status = e.status if isinstance(e, APIError) else 500
         yield R.sse(error_body(str(e), status))
     if include_usage:
-        yield R.sse(R.usage_chunk(job.rid, name, created, job.num_prompt_tokens,
-                                  sum(gen_tokens.values()), job.chat))
+        yield R.sse(
+            R.usage_chunk(job.rid, name, created, job.num_prompt_tokens, sum(gen_tokens.values()), job.chat)
+        )
     yield R.sse("[DONE]")
 
 
@@ -211,8 +218,9 @@ async def _wait_disconnect(raw: Request) -> None:
 async def merge(streams: list, raw: Request | None):
     """``(prompt index, RequestOutput)`` from several request streams as they come. With ``raw``
     the client's disconnect ends it at once; the requests are then aborted."""
-    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))   # bounded: a slow consumer
-                                                             # leaves the newest in each mailbox
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(streams))  # bounded: a slow consumer
+
+    # leaves the newest in each mailbox
     async def pump(i, s):
         try:
             async for out in s:
@@ -226,11 +234,12 @@ async def merge(streams: list, raw: Request | None):
     try:
         while remaining:
             get = asyncio.ensure_future(q.get())
-            done, _ = await asyncio.wait([get] + ([gone] if gone else []),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [get] + ([gone] if gone else []), return_when=asyncio.FIRST_COMPLETED
+            )
             if get not in done:
                 get.cancel()
-                return                              # the client left
+                return  # the client left
             i, out = get.result()
             if isinstance(out, BaseException):
                 raise out
@@ -267,18 +276,20 @@ class _EngineStream(StreamingResponse):
 
         try:
             await super().__call__(scope, receive, timed_send)
-        except BaseException as e:               # a slow reader is cut here
+        except BaseException as e:  # a slow reader is cut here
             if not _is_slow_reader(e):
                 raise
-            log.warning("a client read nothing for %.1f s (--stream-timeout-s): disconnected, "
-                        "its request aborted", timeout)
+            log.warning(
+                "a client read nothing for %.1f s (--stream-timeout-s): disconnected, its request aborted",
+                timeout,
+            )
             abort = (scope.get("extensions") or {}).get(ABORT_CONNECTION)
             if abort is None:
                 raise SlowReaderError("the client stopped reading") from None
             abort()
-            await asyncio.sleep(0)               # let uvicorn see the connection is gone
+            await asyncio.sleep(0)  # let uvicorn see the connection is gone
         finally:
-            await self.body_iterator.aclose()    # the body's merge() stops its tasks now
+            await self.body_iterator.aclose()  # the body's merge() stops its tasks now
             for s in self._streams:
                 s.abort()
             self._ctx.open_streams -= 1
@@ -287,5 +298,5 @@ class _EngineStream(StreamingResponse):
 def _is_slow_reader(e: BaseException) -> bool:
     if isinstance(e, SlowReaderError):
         return True
-    group = getattr(e, "exceptions", None) or ()    # an exception group (anyio's task group)
+    group = getattr(e, "exceptions", None) or ()  # an exception group (anyio's task group)
     return bool(group) and all(_is_slow_reader(x) for x in group)

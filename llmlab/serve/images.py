@@ -16,6 +16,7 @@ placeholder is expanded to its image tokens before the request is admitted, so t
 ``prompt_tokens`` counts them. Every problem is a 400 naming it; nothing of the request is left
 in the engine.
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,8 +34,11 @@ from llmlab.serve.protocol import APIError, text_part
 
 def has_images(messages: list) -> bool:
     """Whether any message holds an ``image_url`` content part."""
-    return any(isinstance(m.content, list) and any(
-        isinstance(p, dict) and p.get("type") == "image_url" for p in m.content) for m in messages)
+    return any(
+        isinstance(m.content, list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m.content)
+        for m in messages
+    )
 
 
 def _image_url(part: dict, at: str) -> str:
@@ -44,8 +48,9 @@ def _image_url(part: dict, at: str) -> str:
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else None
     if not isinstance(url, str) or not url:
-        raise APIError(f"{at}.image_url.url must be a string (a data: or file:// URL)",
-                       param=f"{at}.image_url.url")
+        raise APIError(
+            f"{at}.image_url.url must be a string (a data: or file:// URL)", param=f"{at}.image_url.url"
+        )
     assert isinstance(spec, dict)
     for key in spec:
         if key not in ("url", "detail"):
@@ -78,8 +83,7 @@ def split_parts(messages: list, tag: str) -> tuple[list[dict], list[str]]:
 def _data_url(url: str) -> bytes:
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
-        raise APIError("image_url: a data: URL must be base64 (data:image/...;base64,...)",
-                       param="messages")
+        raise APIError("image_url: a data: URL must be base64 (data:image/...;base64,...)", param="messages")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -88,17 +92,18 @@ def _data_url(url: str) -> bytes:
 
 def _file_url(url: str, allowed: str | None) -> str:
     if not allowed:
-        raise APIError("image_url: file:// URLs are refused; start the server with "
-                       "--allowed-local-media-path DIR to read images under DIR", param="messages")
+        raise APIError(
+            "image_url: file:// URLs are refused; start the server with "
+            "--allowed-local-media-path DIR to read images under DIR",
+            param="messages",
+        )
     u = urllib.parse.urlparse(url)
     if u.netloc not in ("", "localhost"):
-        raise APIError("image_url: a file:// URL must name a local path (file:///...)",
-                       param="messages")
+        raise APIError("image_url: a file:// URL must name a local path (file:///...)", param="messages")
     root = os.path.realpath(allowed)
     path = os.path.realpath(urllib.parse.unquote(u.path))
     if os.path.commonpath([root, path]) != root:
-        raise APIError("image_url: the file is outside --allowed-local-media-path",
-                       param="messages")
+        raise APIError("image_url: the file is outside --allowed-local-media-path", param="messages")
     return path
 
 
@@ -111,11 +116,12 @@ def fetch(url: str, allowed: str | None) -> bytes | str:
     if scheme == "file":
         return _file_url(url, allowed)
     if scheme in ("http", "https"):
-        raise APIError("image_url: http(s) URLs are not fetched by this server; send the image as "
-                       "a data: URL (base64) or a file:// URL under --allowed-local-media-path",
-                       param="messages")
-    raise APIError(f"image_url: unsupported URL scheme {scheme!r} (data:, file://)",
-                   param="messages")
+        raise APIError(
+            "image_url: http(s) URLs are not fetched by this server; send the image as "
+            "a data: URL (base64) or a file:// URL under --allowed-local-media-path",
+            param="messages",
+        )
+    raise APIError(f"image_url: unsupported URL scheme {scheme!r} (data:, file://)", param="messages")
 
 
 def pixel_bounds(cfg: Any, kwargs: dict | None) -> tuple[int, int]:
@@ -124,34 +130,47 @@ def pixel_bounds(cfg: Any, kwargs: dict | None) -> tuple[int, int]:
     kw = dict(kwargs or {})
     bad = set(kw) - {"min_pixels", "max_pixels"}
     if bad:
-        raise APIError(f"mm_processor_kwargs: unknown keys {sorted(bad)} (min_pixels, max_pixels)",
-                       param="mm_processor_kwargs")
+        raise APIError(
+            f"mm_processor_kwargs: unknown keys {sorted(bad)} (min_pixels, max_pixels)",
+            param="mm_processor_kwargs",
+        )
     try:
         hi = int(kw.get("max_pixels", cfg.max_pixels))
         lo = int(kw.get("min_pixels", min(cfg.min_pixels, hi)))
     except (TypeError, ValueError):
-        raise APIError("mm_processor_kwargs: min_pixels and max_pixels must be integers",
-                       param="mm_processor_kwargs") from None
+        raise APIError(
+            "mm_processor_kwargs: min_pixels and max_pixels must be integers", param="mm_processor_kwargs"
+        ) from None
     if hi > cfg.max_pixels:
-        raise APIError(f"mm_processor_kwargs: max_pixels={hi} is over the server's "
-                       f"--max-pixels {cfg.max_pixels}", param="mm_processor_kwargs")
+        raise APIError(
+            f"mm_processor_kwargs: max_pixels={hi} is over the server's --max-pixels {cfg.max_pixels}",
+            param="mm_processor_kwargs",
+        )
     return lo, hi
 
 
-def render(ctx: Any, messages: list, req_kwargs: dict | None, add_generation_prompt: bool,
-           continue_final_message: bool) -> tuple[list[int], Any]:
+def render(
+    ctx: Any,
+    messages: list,
+    req_kwargs: dict | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> tuple[list[int], Any]:
     """Token ids (image placeholders expanded) and the engine's multimodal state of a chat
     request with image parts; runs on the tokenizer thread. Raises :class:`APIError`."""
     engine, cfg = ctx.engine, ctx.config
     mm = getattr(engine, "mm_config", None)
     if mm is None:
-        raise APIError("this model is text-only: image_url parts need a vision-language model",
-                       param="messages")
+        raise APIError(
+            "this model is text-only: image_url parts need a vision-language model", param="messages"
+        )
     tag = f"LLMLABIMAGE{secrets.token_hex(8)}N"
     plain, urls = split_parts(messages, tag)
     if len(urls) > cfg.limit_mm_per_prompt:
-        raise APIError(f"{len(urls)} images in one request are over --limit-mm-per-prompt "
-                       f"{cfg.limit_mm_per_prompt}", param="messages")
+        raise APIError(
+            f"{len(urls)} images in one request are over --limit-mm-per-prompt {cfg.limit_mm_per_prompt}",
+            param="messages",
+        )
     r = ctx.renderer
     if any(t in m["content"] for m in plain for t in r.special_tokens):
         raise APIError("a message with images may not hold special-token text", param="messages")
@@ -161,8 +180,9 @@ def render(ctx: Any, messages: list, req_kwargs: dict | None, add_generation_pro
     for url in urls:
         try:
             img = load_image(fetch(url, ctx.server.allowed_local_media_path), cfg.max_image_pixels)
-            images.append(process_image(img, lo, hi, v.patch_size, v.spatial_merge_size,
-                                        v.temporal_patch_size))
+            images.append(
+                process_image(img, lo, hi, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+            )
         except ImageError as e:
             raise APIError(f"image_url: {e}", param="messages") from None
     text, _ = r.render(plain, add_generation_prompt, continue_final_message)

@@ -7,6 +7,7 @@ replica's engine thread between two steps (:meth:`~llmlab.serve.async_engine.Asy
 so a request admitted after the answer runs with the adapter. The engine side (slots, per-row
 selection, checks against the base) is :mod:`llmlab.inference.lora`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -65,7 +66,7 @@ async def load_lora_adapter(raw: Request) -> dict[str, str]:
             await e.call(lambda eng: eng.add_lora(name, path))
             done.append(e)
     except ValueError as err:
-        for e in done:                  # all replicas or none
+        for e in done:  # all replicas or none
             await e.call(lambda eng: eng.remove_lora(name))
         raise APIError(str(err), 400, "lora_path") from None
     return {"object": "lora_adapter", "id": name, "root": path}

@@ -21,6 +21,7 @@ And the source articles' two other monitoring figures:
 A :class:`ServerMetrics` owns its own ``CollectorRegistry`` (several servers in one process, as in
 the tests and the lab, do not collide).
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,21 +33,86 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 from prometheus_client import disable_created_metrics
 
-disable_created_metrics()         # no *_created series (as vLLM): counters and histograms only
+disable_created_metrics()  # no *_created series (as vLLM): counters and histograms only
 
 PREFIX = "llmlab:"
 # vLLM v1's buckets (seconds)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0)
-METRIC_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                "num_preemptions_total", "time_to_first_token_seconds",
-                "time_per_output_token_seconds", "e2e_request_latency_seconds",
-                "prompt_tokens_total", "generation_tokens_total", "kv_cache_fragmentation_perc",
-                "engine_busy_perc")
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+METRIC_NAMES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "num_preemptions_total",
+    "time_to_first_token_seconds",
+    "time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "kv_cache_fragmentation_perc",
+    "engine_busy_perc",
+)
 
 
 class BusyWindow:
@@ -54,7 +120,7 @@ class BusyWindow:
 
     def __init__(self, window_s: float = 10.0):
         self.window_s = window_s
-        self._steps: collections.deque = collections.deque()      # (start, end)
+        self._steps: collections.deque = collections.deque()  # (start, end)
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
@@ -88,26 +154,44 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests with KV blocks in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. swapped).")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: used / total blocks (1 = full).")
-        self.kv_frag = gauge("kv_cache_fragmentation_perc",
-                             "Share of allocated KV slots holding no token (last step).")
+        self.kv_frag = gauge(
+            "kv_cache_fragmentation_perc", "Share of allocated KV slots holding no token (last step)."
+        )
         self.busy = gauge("engine_busy_perc", "Share of recent wall time spent in engine steps.")
-        self.gpu_util = (gauge("gpu_utilization_perc", "GPU utilisation from NVML (0..1).")
-                         if device_type == "cuda" else None)
-        self.preemptions = Counter(PREFIX + "num_preemptions", "Preempted sequences.", labels,
-                                   registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
-                                         registry=r)
-        self.success = Counter(PREFIX + "request_success", "Finished requests.",
-                               labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", labels,
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
-                             labels, buckets=E2E_BUCKETS, registry=r)
+        self.gpu_util = (
+            gauge("gpu_utilization_perc", "GPU utilisation from NVML (0..1).")
+            if device_type == "cuda"
+            else None
+        )
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Preempted sequences.", labels, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", labels, registry=r)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self.success = Counter(
+            PREFIX + "request_success", "Finished requests.", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
 
     def replica(self, replica: str) -> "ReplicaMetrics":
         return ReplicaMetrics(self, str(replica))
@@ -169,8 +253,14 @@ class ReplicaMetrics:
             self.tpot.observe(m.tpot)
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
-        self.recent.append({"request_id": output.request_id, "arrival": m.arrival_time,
-                            "first_token": m.first_token_time, "finish": m.finish_time})
+        self.recent.append(
+            {
+                "request_id": output.request_id,
+                "arrival": m.arrival_time,
+                "first_token": m.first_token_time,
+                "finish": m.finish_time,
+            }
+        )
         for c in output.outputs:
             self.parent.success.labels(*self._lab, c.finish_reason or "abort").inc()
 
@@ -178,8 +268,9 @@ class ReplicaMetrics:
 def _nvml_utilization() -> float:
     try:
         import torch
+
         return torch.cuda.utilization() / 100.0
-    except Exception:                       # no pynvml / no NVML: report nothing useful
+    except Exception:  # no pynvml / no NVML: report nothing useful
         return float("nan")
 
 
@@ -188,6 +279,7 @@ def scrape(base_url: str, timeout: float = 10.0) -> dict[str, list[tuple[dict, f
     samples are ``<name>_bucket`` with an ``le`` label, ``<name>_sum``, ``<name>_count``)."""
     import urllib.request
     from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
         text = r.read().decode()
     out: dict[str, list[tuple[dict, float]]] = {}

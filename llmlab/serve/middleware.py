@@ -17,6 +17,7 @@ Both middlewares are plain ASGI (no ``BaseHTTPMiddleware``), so a route still se
 Error bodies are JSON with non-ASCII escaped, so any string a client sent (a lone surrogate
 too) can be echoed in an error without failing to encode.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,9 +43,13 @@ class JSONResponse(_JSONResponse):
 
 async def _send_json(send, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -82,9 +87,15 @@ class HostMiddleware:
             raw = dict(scope.get("headers") or []).get(b"host", b"")
             host = raw.decode("latin-1")
             if not host_allowed(host, self.allowed):
-                return await _send_json(send, 400, error_body(
-                    f"Host {host!r} is not allowed (--allowed-hosts: {', '.join(self.allowed)})",
-                    400, "host"))
+                return await _send_json(
+                    send,
+                    400,
+                    error_body(
+                        f"Host {host!r} is not allowed (--allowed-hosts: {', '.join(self.allowed)})",
+                        400,
+                        "host",
+                    ),
+                )
         return await self.app(scope, receive, send)
 
 
@@ -106,9 +117,13 @@ class RequestIdMiddleware:
 
         async def with_id(msg):
             if msg["type"] == "http.response.start":
-                msg = {**msg, "headers": [*(h for h in msg.get("headers", [])
-                                            if h[0].lower() != b"x-request-id"),
-                                          (b"x-request-id", rid.encode())]}
+                msg = {
+                    **msg,
+                    "headers": [
+                        *(h for h in msg.get("headers", []) if h[0].lower() != b"x-request-id"),
+                        (b"x-request-id", rid.encode()),
+                    ],
+                }
             await send(msg)
 
         return await self.app(scope, receive, with_id)
@@ -119,8 +134,11 @@ class BodyLimitMiddleware:
         self.app, self.max_bytes = app, max_bytes
 
     def _error(self) -> dict:
-        return error_body(f"the request body is larger than the limit of {self.max_bytes} bytes "
-                          "(--max-request-body-bytes)", 413, "max_request_body_bytes")
+        return error_body(
+            f"the request body is larger than the limit of {self.max_bytes} bytes (--max-request-body-bytes)",
+            413,
+            "max_request_body_bytes",
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -135,7 +153,7 @@ class BodyLimitMiddleware:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:                  # FastAPI re-raises HTTPException
+                if seen > self.max_bytes:  # FastAPI re-raises HTTPException
                     raise HTTPException(413, self._error()["error"]["message"])
             return msg
 
@@ -146,7 +164,7 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except HTTPException as e:                 # read outside a route's body parsing
+        except HTTPException as e:  # read outside a route's body parsing
             if e.status_code != 413 or started:
                 raise
             await _send_json(send, 413, self._error())
@@ -163,8 +181,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
         errs = exc.errors()
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                        for e in errs) or "invalid request"
+        msg = (
+            "; ".join(
+                f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs
+            )
+            or "invalid request"
+        )
         param = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
         return JSONResponse(error_body(msg, 400, param or None), status_code=400)
 

@@ -27,6 +27,7 @@ K <= the engine's ``max_logprobs``, the model's raw log-softmax as the engine re
 Errors raised here are :class:`APIError` (HTTP status, OpenAI ``type``, ``param``); the app turns
 them into ``{"error": {"message", "type", "param", "code"}}``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmlab.inference.sampling import SamplingParams
 
-MAX_LOGPROBS = 20          # the OpenAI API's limit for top_logprobs
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+MAX_LOGPROBS = 20  # the OpenAI API's limit for top_logprobs
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def param_of(message: str) -> str | None:
     """The field a ``SamplingParams``/engine error names: ``"top_p=2 must ..."`` -> ``top_p``."""
     m = re.match(r"([a-z_]+)(\[|=|:| )", message)
@@ -61,12 +69,18 @@ class APIError(Exception):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API (and vLLM) answer."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
 
 
 _STRICT = ConfigDict(extra="allow", strict=True)
-_TOKEN_ID = re.compile(r"[0-9]{1,12}")          # logit_bias keys: ASCII digits only
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")  # logit_bias keys: ASCII digits only
 
 
 def lone_surrogate_path(value, path: str = "") -> str | None:
@@ -78,8 +92,9 @@ def lone_surrogate_path(value, path: str = "") -> str | None:
         except UnicodeEncodeError:
             return path or "body"
         return None
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, list) else ())
+    items = (
+        value.items() if isinstance(value, dict) else (enumerate(value) if isinstance(value, list) else ())
+    )
     for k, v in items:
         sub = f"{path}.{k}" if path else str(k)
         found = lone_surrogate_path(k, sub) if isinstance(k, str) else None
@@ -94,20 +109,21 @@ def refuse_lone_surrogates(data):
     from a validator, it is not a ``ValueError``: pydantic lets it through to the 400 handler."""
     path = lone_surrogate_path(data)
     if path is not None:
-        raise APIError(f"{path}: a string holds a lone surrogate (not valid Unicode text)",
-                       param=path)
+        raise APIError(f"{path}: a string holds a lone surrogate (not valid Unicode text)", param=path)
     return data
 
 
-def text_part(part: Any, at: str, kinds: str = "text only",
-              shape: str = '{"type": "text", "text": ...}') -> str:
+def text_part(
+    part: Any, at: str, kinds: str = "text only", shape: str = '{"type": "text", "text": ...}'
+) -> str:
     """A chat content part ``{"type": "text", "text": str}``'s text, or :class:`APIError` naming
     the field at ``at`` (``kinds``: the part types the caller supports, for the message)."""
     if not isinstance(part, dict):
         raise APIError(f"{at} must be an object {shape}", param=at)
     if part.get("type") != "text":
-        raise APIError(f"content part of type {part.get('type')!r} is not supported ({kinds})",
-                       param=f"{at}.type")
+        raise APIError(
+            f"content part of type {part.get('type')!r} is not supported ({kinds})", param=f"{at}.type"
+        )
     for key in part:
         if key not in ("type", "text"):
             raise APIError(f"{at}.{key} is not a field of a text part", param=f"{at}.{key}")
@@ -117,7 +133,7 @@ def text_part(part: Any, at: str, kinds: str = "text only",
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)      # an unknown key is a 400
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown key is a 400
 
     include_usage: bool = False
 
@@ -172,26 +188,31 @@ class _SamplingRequest(BaseModel):
         for name in self.model_extra or {}:
             raise APIError(f"{name} is not supported by this server", param=name)
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)",
-                           param="best_of")
+            raise APIError(f"best_of={self.best_of} is not supported (only best_of == n)", param="best_of")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed when stream is true",
-                           param="stream_options")
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise APIError("response_format: only {\"type\": \"text\"} is supported",
-                           param="response_format")
+            raise APIError('response_format: only {"type": "text"} is supported', param="response_format")
         for key in self.logit_bias or {}:
             if not _TOKEN_ID.fullmatch(key):
-                raise APIError(f"logit_bias keys must be token ids written in ASCII digits, "
-                               f"got {key!r}", param="logit_bias")
+                raise APIError(
+                    f"logit_bias keys must be token ids written in ASCII digits, got {key!r}",
+                    param="logit_bias",
+                )
 
     def sampling_params(self, max_tokens: int, prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; raises :class:`APIError` (400) naming the bad field."""
         self.check_fields()
         k = self.num_logprobs()
-        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "seed": self.seed,
-                              "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
-                              "ignore_eos": self.ignore_eos, "logprobs": k}
+        kw: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "logprobs": k,
+        }
         for name in _PASSED:
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -206,9 +227,19 @@ class _SamplingRequest(BaseModel):
 
 
 # fields handed to SamplingParams under their own names when a request sets them
-_PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "include_stop_str_in_output",
-           "skip_special_tokens", "prompt_logprobs")
+_PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "prompt_logprobs",
+)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -240,16 +271,17 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Any = None             # checked by text(): a string, text parts or null
-    name: str | None = None         # accepted and ignored (as the OpenAI API allows it)
+    content: Any = None  # checked by text(): a string, text parts or null
+    name: str | None = None  # accepted and ignored (as the OpenAI API allows it)
 
     def check_fields(self, i: int) -> None:
         """Raise :class:`APIError` for a field of message ``i`` this server does not implement
         (``tool_calls``, ...); null values, as clients echo them back, are fine."""
         for name, value in (self.model_extra or {}).items():
             if value not in (None, [], ""):
-                raise APIError(f"messages[{i}].{name} is not supported by this server",
-                               param=f"messages.{i}.{name}")
+                raise APIError(
+                    f"messages[{i}].{name} is not supported by this server", param=f"messages.{i}.{name}"
+                )
 
     def text(self, i: int = 0) -> str:
         """The content of message ``i`` as one string (``{"type": "text", "text": ...}`` parts
@@ -292,9 +324,11 @@ class ChatCompletionRequest(_SamplingRequest):
         for i, m in enumerate(self.messages):
             m.check_fields(i)
         if self.continue_final_message and self.add_generation_prompt:
-            raise APIError("Cannot set both continue_final_message and add_generation_prompt to "
-                           "true (continue the last message, or open a new one)",
-                           param="continue_final_message")
+            raise APIError(
+                "Cannot set both continue_final_message and add_generation_prompt to "
+                "true (continue the last message, or open a new one)",
+                param="continue_final_message",
+            )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -12,6 +12,7 @@ text already sent. A trailing U+FFFD (an incomplete UTF-8 character of a byte-le
 incomplete multi-byte token) is held back until the next token completes it or the choice ends,
 so the streamed pieces concatenate to exactly the non-streamed text.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(obj) -> str:
@@ -48,9 +52,9 @@ class ChoiceDeltas:
         prev = self.sent.get(index, "")
         if finish_reason is None:
             text = text.rstrip("\ufffd")
-        if not text.startswith(prev):          # cannot happen with the engine's text; be safe
+        if not text.startswith(prev):  # cannot happen with the engine's text; be safe
             text = prev
-        piece = text[len(prev):]
+        piece = text[len(prev) :]
         if not piece and finish_reason is None:
             return None
         self.sent[index] = text
@@ -84,8 +88,7 @@ class LogprobCursor:
         return first, self.count, offset
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
-                        text_offset: int = 0) -> dict:
+def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode, text_offset: int = 0) -> dict:
     """The completions API's ``logprobs`` of generated tokens: ``tokens`` (their text),
     ``token_logprobs``, ``top_logprobs`` (``{text: logprob}`` of the top K and the sampled
     token) and ``text_offset`` (where each token's text starts in the choice's text).
@@ -95,16 +98,21 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
     for tid, d in zip(token_ids, logprobs):
         if d is None:
             text = decode([tid])
-            for key, v in (("tokens", text), ("token_logprobs", None), ("top_logprobs", None),
-                           ("text_offset", text_offset)):
+            for key, v in (
+                ("tokens", text),
+                ("token_logprobs", None),
+                ("top_logprobs", None),
+                ("text_offset", text_offset),
+            ):
                 out[key].append(v)
             text_offset += len(text)
             continue
         text = _token_text(d.get(tid), tid, decode)
         out["tokens"].append(text)
         out["token_logprobs"].append(d[tid].logprob if tid in d else None)
-        out["top_logprobs"].append({_token_text(lp, t, decode): lp.logprob
-                                    for t, lp in sorted(d.items(), key=lambda x: x[1].rank)})
+        out["top_logprobs"].append(
+            {_token_text(lp, t, decode): lp.logprob for t, lp in sorted(d.items(), key=lambda x: x[1].rank)}
+        )
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
@@ -113,9 +121,15 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode,
 def vllm_prompt_logprobs(prompt_logprobs: list) -> list:
     """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or
     ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token}
-                                    for t, lp in d.items()} for d in prompt_logprobs]
+    return [
+        None
+        if d is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in d.items()
+        }
+        for d in prompt_logprobs
+    ]
 
 
 def join_completion_logprobs(first: dict, then: dict | None) -> dict:
@@ -128,9 +142,11 @@ def join_completion_logprobs(first: dict, then: dict | None) -> dict:
 def chat_logprobs(token_ids: list[int], logprobs: list[dict], decode, top: int) -> dict:
     """The chat API's ``logprobs``: ``{"content": [{"token", "logprob", "bytes",
     "top_logprobs": [{"token", "logprob", "bytes"}] (the ``top`` most likely)}]}``."""
+
     def entry(t, lp):
         text = _token_text(lp, t, decode)
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
     content = []
     for tid, d in zip(token_ids, logprobs):
         ranked = sorted(d.items(), key=lambda x: x[1].rank)
@@ -140,44 +156,81 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict], decode, top: int) 
     return {"content": content}
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], prompt_tokens: int,
-                        completion_tokens: int, chat: bool) -> dict:
+def completion_response(
+    request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int, chat: bool
+) -> dict:
     """A whole response. ``choices``: ``{"index", "text", "finish_reason"}`` (and ``"logprobs"``)
     in index order."""
     if chat:
-        body = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                 "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices]
+        body = [
+            {
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c["finish_reason"],
+            }
+            for c in choices
+        ]
     else:
-        body = [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                 "finish_reason": c["finish_reason"]}
-                | ({"prompt_logprobs": c["prompt_logprobs"]} if "prompt_logprobs" in c else {})
-                for c in choices]
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": body,
-            "usage": usage(prompt_tokens, completion_tokens)}
+        body = [
+            {
+                "index": c["index"],
+                "text": c["text"],
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c["finish_reason"],
+            }
+            | ({"prompt_logprobs": c["prompt_logprobs"]} if "prompt_logprobs" in c else {})
+            for c in choices
+        ]
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": body,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
-def chunk(request_id: str, model: str, created: int, index: int, text: str | None,
-          finish_reason: str | None, chat: bool, include_usage: bool, role: bool = False,
-          logprobs: dict | None = None) -> dict:
+def chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    chat: bool,
+    include_usage: bool,
+    role: bool = False,
+    logprobs: dict | None = None,
+) -> dict:
     """One streamed chunk for one choice. ``role``: the chat stream's opening delta;
     ``logprobs``: those of the tokens new since the choice's previous chunk."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else (
-            {"content": text} if text else {})
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-    out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-           "created": created, "model": model, "choices": [choice]}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    out = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
     if include_usage:
         out["usage"] = None
     return out
 
 
-def usage_chunk(request_id: str, model: str, created: int, prompt_tokens: int,
-                completion_tokens: int, chat: bool) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def usage_chunk(
+    request_id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int, chat: bool
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }

@@ -8,6 +8,7 @@ counts each replica's requests in flight (admitted, not finished) and picks the 
 ties going round-robin from the replica after the last one picked (vLLM's data-parallel load
 balancer routes on queue lengths the same way).
 """
+
 from __future__ import annotations
 
 
@@ -41,8 +42,10 @@ class Router:
         alive = [e for e in self.engines if e.is_running] or self.engines
         i = self.policy([e.num_in_flight for e in alive], self._next % len(alive))
         if not isinstance(i, int) or not 0 <= i < len(alive):
-            raise ValueError(f"routing policy {getattr(self.policy, '__name__', self.policy)!r} "
-                             f"returned {i!r}: expected an index in [0, {len(alive)})")
+            raise ValueError(
+                f"routing policy {getattr(self.policy, '__name__', self.policy)!r} "
+                f"returned {i!r}: expected an index in [0, {len(alive)})"
+            )
         self._next = i + 1
         return alive[i]
 

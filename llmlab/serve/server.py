@@ -7,6 +7,7 @@ already running finish within ``shutdown_timeout`` seconds (after that they are 
 aborts them and frees their blocks), then the app's shutdown stops the engine loops. The process
 exits with status 0 (uvicorn would re-raise the signal after its shutdown; this server does not).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -52,7 +53,7 @@ class AbortableH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        scope = getattr(self, "scope", None)   # the request this call parsed, its task not yet run
+        scope = getattr(self, "scope", None)  # the request this call parsed, its task not yet run
         if scope is not None:
             scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.abort_connection
 
@@ -93,15 +94,25 @@ class LLMLabServer(uvicorn.Server):
                 signal.signal(s, h)
 
 
-def make_server(app, engines: list, *, log_level: str = "warning",
-                shutdown_timeout: float = 30.0, send_buffer_bytes: int | None = None) -> LLMLabServer:
+def make_server(
+    app,
+    engines: list,
+    *,
+    log_level: str = "warning",
+    shutdown_timeout: float = 30.0,
+    send_buffer_bytes: int | None = None,
+) -> LLMLabServer:
     """uvicorn's server over ``app`` with :class:`AbortableH11Protocol` (each connection's kernel
     send buffer ``send_buffer_bytes``; None: the OS's autotuning)."""
-    protocol = type("AbortableH11Protocol", (AbortableH11Protocol,),
-                    {"send_buffer_bytes": send_buffer_bytes})
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", http=protocol,
-                            timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))),
-                            access_log=log_level in ("info", "debug"))
+    protocol = type("AbortableH11Protocol", (AbortableH11Protocol,), {"send_buffer_bytes": send_buffer_bytes})
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        http=protocol,
+        timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))),
+        access_log=log_level in ("info", "debug"),
+    )
     return LLMLabServer(config, engines)
 
 
@@ -111,16 +122,29 @@ class ServerThread:
     ``start`` waits until it answers (``TimeoutError`` after ``start_timeout`` s); ``stop`` shuts it
     down and joins the thread (and the engine threads, through the app's shutdown)."""
 
-    def __init__(self, app, engines: list, host: str = "127.0.0.1", port: int = 0,
-                 shutdown_timeout: float = 5.0, log_level: str = "warning",
-                 send_buffer_bytes: int | None = None):
+    def __init__(
+        self,
+        app,
+        engines: list,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout: float = 5.0,
+        log_level: str = "warning",
+        send_buffer_bytes: int | None = None,
+    ):
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.engines = engines
-        self.server = make_server(app, engines, log_level=log_level, shutdown_timeout=shutdown_timeout,
-                                  send_buffer_bytes=send_buffer_bytes)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="llmlab-http", daemon=True)
+        self.server = make_server(
+            app,
+            engines,
+            log_level=log_level,
+            shutdown_timeout=shutdown_timeout,
+            send_buffer_bytes=send_buffer_bytes,
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="llmlab-http", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -128,8 +152,8 @@ class ServerThread:
 
     def start(self, start_timeout: float = 60.0) -> "ServerThread":
         if self.thread.ident is not None:
-            return self                                # already started
-        atexit.register(self.stop)                     # a notebook kernel that exits stops it too
+            return self  # already started
+        atexit.register(self.stop)  # a notebook kernel that exits stops it too
         self.thread.start()
         deadline = time.monotonic() + start_timeout
         while not self.server.started:
@@ -151,7 +175,7 @@ class ServerThread:
         if self.thread.is_alive():
             self.server.force_exit = True
             self.thread.join(5)
-        for e in self.engines:                 # if startup never ran the app's shutdown
+        for e in self.engines:  # if startup never ran the app's shutdown
             e.shutdown()
         self.sock.close()
 

@@ -9,6 +9,7 @@ their ``_sum`` and ``_count``), step = sample number. :func:`~llmlab.metrics.ten
 numbers as ``bench/<system or rate>/<key>``
 (:func:`llmlab.metrics.tensorboard.write_bench`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,9 @@ def gauge_values(metrics: Any) -> dict[str, float]:
             if s.value != s.value or s.value in (float("inf"), float("-inf")):
                 continue
             name = s.name.removeprefix("llmlab:")
-            extra = "".join(f"_{v}" for k, v in sorted(s.labels.items())
-                            if k not in ("model_name", "replica"))
+            extra = "".join(
+                f"_{v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "replica")
+            )
             out[f"{name}{extra}/replica{s.labels.get('replica', '0')}"] = float(s.value)
     return out
 

@@ -5,16 +5,42 @@ them on. It sits below both :mod:`llmlab.check` (which checks a function against
 ``llmlab/solutions/labNN.py`` holds lab NN's solutions (each docstring is the exercise statement)
 and lists them in ``EXERCISES``; ``llmlab/check/labNN.py`` holds their checks, under the same names.
 """
+
 from __future__ import annotations
 
 import os
 
-from llmlab.solutions import (lab00, lab01, lab02, lab03, lab04, lab05, lab06, lab07, lab08, lab09,
-                              lab10, lab11, lab12)
+from llmlab.solutions import (
+    lab00,
+    lab01,
+    lab02,
+    lab03,
+    lab04,
+    lab05,
+    lab06,
+    lab07,
+    lab08,
+    lab09,
+    lab10,
+    lab11,
+    lab12,
+)
 
-MODULES = {"00": lab00, "01": lab01, "02": lab02, "03": lab03, "04": lab04, "05": lab05, "06": lab06,
-           "07": lab07, "08": lab08, "09": lab09, "10": lab10, "11": lab11,
-           "12": lab12}
+MODULES = {
+    "00": lab00,
+    "01": lab01,
+    "02": lab02,
+    "03": lab03,
+    "04": lab04,
+    "05": lab05,
+    "06": lab06,
+    "07": lab07,
+    "08": lab08,
+    "09": lab09,
+    "10": lab10,
+    "11": lab11,
+    "12": lab12,
+}
 LABS = tuple(MODULES)
 
 

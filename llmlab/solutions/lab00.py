@@ -1,18 +1,22 @@
 """Lab 00 exercises: reference solutions (each docstring is the exercise statement)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 
 def training_memory_bytes(num_params: int, bytes_per_param: int = 4, optimizer_states: int = 2) -> dict:
     """Lab 00. Bytes of parameters, gradients and optimizer states for plain fp32 Adam training:
     return ``{"params", "grads", "optimizer_states"}`` (Adam keeps ``optimizer_states`` = 2 fp32
     tensors per parameter: m and v)."""
-    return {"params": num_params * bytes_per_param, "grads": num_params * bytes_per_param,
-            "optimizer_states": num_params * bytes_per_param * optimizer_states}
+    return {
+        "params": num_params * bytes_per_param,
+        "grads": num_params * bytes_per_param,
+        "optimizer_states": num_params * bytes_per_param * optimizer_states,
+    }
 
 
-def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per_s: float,
-                            mfu: float, num_gpus: int = 1) -> dict:
+def training_flops_and_time(
+    num_params: float, num_tokens: float, peak_flops_per_s: float, mfu: float, num_gpus: int = 1
+) -> dict:
     """Lab 00. The compute wall: return ``{"flops": F, "seconds": t}`` for training a model of
     ``num_params`` parameters on ``num_tokens`` tokens, where ``F = 6·N·T`` FLOPs (2 per parameter
     per token forward, 4 backward; Kaplan et al. 2020, §2.1) and ``t = F / (num_gpus ·
@@ -23,8 +27,9 @@ def training_flops_and_time(num_params: float, num_tokens: float, peak_flops_per
     return {"flops": flops, "seconds": flops / (num_gpus * peak_flops_per_s * mfu)}
 
 
-def ring_all_reduce_seconds(nbytes: float, world_size: int, bandwidth_bytes_per_s: float,
-                            latency_s: float = 0.0) -> float:
+def ring_all_reduce_seconds(
+    nbytes: float, world_size: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0
+) -> float:
     """Lab 00. The communication wall: seconds for one ring all-reduce of ``nbytes`` bytes over
     ``world_size`` ranks, each link carrying ``bandwidth_bytes_per_s`` (bytes/s): a reduce-scatter
     then an all-gather, each N-1 steps in which every rank sends one chunk of nbytes/N and pays the

@@ -1,4 +1,5 @@
 """Lab 01 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ def ring_all_gather(chunks: list[torch.Tensor], rank: int, world: int) -> torch.
     return torch.cat(chunks)
 
 
-def ddp_buckets(param_bytes: list[int], bucket_cap_bytes: int,
-                first_bucket_cap_bytes: int = 2**20) -> list[list[int]]:
+def ddp_buckets(
+    param_bytes: list[int], bucket_cap_bytes: int, first_bucket_cap_bytes: int = 2**20
+) -> list[list[int]]:
     """Lab 01. DDP's gradient buckets (PyTorch DDP, Li et al. 2020 "PyTorch Distributed", §3.2.3).
 
     ``param_bytes[i]``: bytes of parameter ``i`` in registration order (bytes = numel x element

@@ -1,12 +1,14 @@
 """Lab 02 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 
-def row_parallel_forward(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
-                         group=None) -> torch.Tensor:
+def row_parallel_forward(
+    x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group=None
+) -> torch.Tensor:
     """Lab 02. ``RowParallelLinear.forward`` (Megatron-LM, Shoeybi et al. 2019, §3).
 
     ``x_shard [B, in/tp]`` is this rank's slice of the input features, ``w_shard [out, in/tp]`` the
@@ -18,8 +20,9 @@ def row_parallel_forward(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: tor
     return y if bias is None else y + bias
 
 
-def column_parallel_forward(x: torch.Tensor, w_shard: torch.Tensor, b_shard: torch.Tensor | None,
-                            gather_output: bool, group=None) -> torch.Tensor:
+def column_parallel_forward(
+    x: torch.Tensor, w_shard: torch.Tensor, b_shard: torch.Tensor | None, gather_output: bool, group=None
+) -> torch.Tensor:
     """Lab 02. ``ColumnParallelLinear.forward`` (Megatron-LM, Shoeybi et al. 2019, §3).
 
     ``x [B, in]`` is the full input (the same on every rank); ``w_shard [out/tp, in]`` is this
@@ -39,8 +42,9 @@ def column_parallel_forward(x: torch.Tensor, w_shard: torch.Tensor, b_shard: tor
     return torch.cat(parts, dim=-1)
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, vocab_start: int, group=None
+) -> torch.Tensor:
     """Lab 02. Cross-entropy from vocabulary-parallel logits, never gathering ``[T, V]``
     (Megatron-LM, Shoeybi et al. 2019, §3: the output GEMM fused with the loss).
 

@@ -1,9 +1,9 @@
 """Lab 03 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 
 
 def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:

@@ -1,4 +1,5 @@
 """Lab 04 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,9 @@ def topk_route(logits: torch.Tensor, k: int, capacity: int | None):
     return e, w, kept
 
 
-def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(
+    router_probs: torch.Tensor, expert_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
     """Lab 04. Switch Transformer's auxiliary load-balancing loss, without its coefficient α
     (Fedus et al. 2021, §2.2, eq. 4-6).
 

@@ -1,4 +1,5 @@
 """Lab 05 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
@@ -34,11 +35,12 @@ def zero2_grad_shard(flat_grad: torch.Tensor, rank: int, world: int) -> torch.Te
     comm.reduce_scatter_tensor(out, padded)
     out /= world
     start, end = shard_range(numel, world, rank)
-    return out[:end - start]
+    return out[: end - start]
 
 
-def zero1_update(flat_param: torch.Tensor, grad_shard: torch.Tensor, rank: int, world: int,
-                 lr: float) -> torch.Tensor:
+def zero1_update(
+    flat_param: torch.Tensor, grad_shard: torch.Tensor, rank: int, world: int, lr: float
+) -> torch.Tensor:
     """Lab 05. The ZeRO-1/2 parameter update, on real ranks (Rajbhandari et al. 2020, §5.1, §7.2.1).
 
     ``flat_param [numel]``: the full flat parameters (identical on every rank); ``grad_shard``:
@@ -53,7 +55,7 @@ def zero1_update(flat_param: torch.Tensor, grad_shard: torch.Tensor, rank: int, 
     per = -(-numel // world)
     start, end = shard_range(numel, world, rank)
     mine = torch.zeros(per, dtype=flat_param.dtype)
-    mine[:end - start] = flat_param[start:end] - lr * grad_shard
+    mine[: end - start] = flat_param[start:end] - lr * grad_shard
     full = torch.empty(per * world, dtype=flat_param.dtype)
     comm.all_gather_into_tensor(full, mine)
     return full[:numel]

@@ -1,11 +1,17 @@
 """Lab 06 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 from llmlab.inference.block_manager import chain_hash
 
 
-def append_slot(block_table: list[int], num_tokens: int, block_size: int,
-                ref_counts: dict[int, int], free_blocks: list[int]) -> tuple[list[int], int | None]:
+def append_slot(
+    block_table: list[int],
+    num_tokens: int,
+    block_size: int,
+    ref_counts: dict[int, int],
+    free_blocks: list[int],
+) -> tuple[list[int], int | None]:
     """Lab 06. Where does token number ``num_tokens`` (0-based) of a sequence go?
 
     If it starts a new block, take ``free_blocks.pop(0)`` and append it to the table. If it lands in
@@ -57,7 +63,7 @@ def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """
     hashes, parent = [], None
     for i in range(len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
 

@@ -1,11 +1,16 @@
 """Lab 07 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import math
 
 
-def schedule_step(running: list[tuple[str, int]], waiting: list[tuple[str, int]],
-                  max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[str, int]]:
+def schedule_step(
+    running: list[tuple[str, int]],
+    waiting: list[tuple[str, int]],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> list[tuple[str, int]]:
     """Lab 07. One continuous-batching step (Orca, Yu et al. 2022; vLLM v1 style).
 
     ``running``/``waiting``: ``(request_id, tokens_still_to_compute)`` in FCFS order. First every
@@ -38,6 +43,7 @@ def serving_metrics(requests: list[dict]) -> dict:
       numpy's default);
     - throughput = all output tokens / (last finish - first arrival), tokens/s.
     """
+
     def pct(xs, q):
         xs = sorted(xs)
         pos = (len(xs) - 1) * q / 100.0
@@ -46,16 +52,22 @@ def serving_metrics(requests: list[dict]) -> dict:
         return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
     ttft = [r["first_token"] - r["arrival"] for r in requests]
-    tpot = [(r["finish"] - r["first_token"]) / (r["num_output_tokens"] - 1)
-            for r in requests if r["num_output_tokens"] > 1]
+    tpot = [
+        (r["finish"] - r["first_token"]) / (r["num_output_tokens"] - 1)
+        for r in requests
+        if r["num_output_tokens"] > 1
+    ]
     span = max(r["finish"] for r in requests) - min(r["arrival"] for r in requests)
-    return {"ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
-            "tpot_s": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
-            "throughput_tokens_per_s": sum(r["num_output_tokens"] for r in requests) / span}
+    return {
+        "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)},
+        "tpot_s": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)},
+        "throughput_tokens_per_s": sum(r["num_output_tokens"] for r in requests) / span,
+    }
 
 
-def preempt_victims(running: list[tuple[str, float, int, int]],
-                    num_free_blocks: int) -> tuple[list[str], int]:
+def preempt_victims(
+    running: list[tuple[str, float, int, int]], num_free_blocks: int
+) -> tuple[list[str], int]:
     """Lab 07. Who is preempted when the KV cache runs out (vLLM, Kwon et al. SOSP 2023 §4.5).
 
     ``running``: ``(request_id, arrival_time, blocks_held, blocks_needed)`` of every running
@@ -65,7 +77,7 @@ def preempt_victims(running: list[tuple[str, float, int, int]],
     list), by recompute: all its blocks return to the pool and it needs nothing this step.
     Return ``(victim ids in preemption order, free blocks afterwards)``.
     """
-    alive = sorted(enumerate(running), key=lambda x: (x[1][1], x[0]))   # earliest first
+    alive = sorted(enumerate(running), key=lambda x: (x[1][1], x[0]))  # earliest first
     victims, free = [], num_free_blocks
     while alive and sum(r[3] for _, r in alive) > free:
         _, (rid, _, held, _) = alive.pop()

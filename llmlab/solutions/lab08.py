@@ -1,6 +1,6 @@
 """Lab 08 exercises: reference solutions (each docstring is the exercise statement)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 
 def rank_coords(rank: int, dp: int, tp: int, pp: int) -> dict:
@@ -19,15 +19,20 @@ def parallel_groups(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     ranks, ``tp*pp`` DP groups of ``dp`` ranks and ``dp*tp`` PP groups of ``pp`` ranks. E.g. for
     dp2 x tp2 x pp1: tp ``[[0, 1], [2, 3]]``, dp ``[[0, 2], [1, 3]]``, pp ``[[0], [1], [2], [3]]``.
     """
+
     def rank(d, t, p):
         return (p * dp + d) * tp + t
-    return {"tp": [[rank(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-            "dp": [[rank(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-            "pp": [[rank(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)]}
+
+    return {
+        "tp": [[rank(d, t, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(d, t, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(d, t, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
 
 
-def pick_layout(num_params: float, num_gpus: int, gpu_bytes: float,
-                gpus_per_node: int = 8) -> tuple[int, int, int]:
+def pick_layout(
+    num_params: float, num_gpus: int, gpu_bytes: float, gpus_per_node: int = 8
+) -> tuple[int, int, int]:
     """Lab 08. Choose ``(dp, tp, pp)`` for a model of ``num_params`` parameters on ``num_gpus``
     GPUs of ``gpu_bytes`` bytes each (Narayanan et al. 2021, §3.3, takeaways #1-#2).
 
@@ -50,8 +55,10 @@ def pick_layout(num_params: float, num_gpus: int, gpu_bytes: float,
             if best is None or (dp, -pp) > (best[0], -best[2]):
                 best = (dp, tp, pp)
     if best is None:
-        raise ValueError(f"a model of {num_params:.3g} parameters (16 bytes each) does not fit on "
-                         f"{num_gpus} GPUs of {gpu_bytes:.3g} bytes with any dp x tp x pp layout")
+        raise ValueError(
+            f"a model of {num_params:.3g} parameters (16 bytes each) does not fit on "
+            f"{num_gpus} GPUs of {gpu_bytes:.3g} bytes with any dp x tp x pp layout"
+        )
     return best
 
 

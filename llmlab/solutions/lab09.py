@@ -1,11 +1,13 @@
 """Lab 09 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
 
 
-def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,
-                          scores: torch.Tensor, v: torch.Tensor):
+def online_softmax_update(
+    m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor, v: torch.Tensor
+):
     """Lab 09. One tile of FlashAttention's online softmax (Dao et al. 2022, Alg. 1).
 
     State per query row: running max ``m [Q]``, running sum of exponentials ``l [Q]``, unnormalised

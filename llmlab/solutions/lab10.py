@@ -1,11 +1,11 @@
 """Lab 10 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import torch
 
 
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor):
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
     """Lab 10. Merge two partial attention results over disjoint sets of keys (the log-sum-exp
     rule of ring attention, Liu et al. 2023 §3; FlashAttention-2 §3.1 per tile).
 
@@ -48,6 +48,7 @@ def seq_to_head(x: torch.Tensor, group=None) -> torch.Tensor:
     the destination rank first), then lay the received token chunks out in rank order.
     """
     from llmlab.runtime import comm
+
     N = comm.group_size(group)
     B, H, T, D = x.shape
     send = x.permute(1, 0, 2, 3).reshape(N, H // N, B, T, D).contiguous()

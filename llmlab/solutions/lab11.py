@@ -1,4 +1,5 @@
 """Lab 11 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,11 @@ def goodput(requests: list[dict], slo_ttft: float | None, slo_tpot: float | None
     good = 0
     for r in requests:
         ttft = r["first_token"] - r["send"]
-        tpot = (None if r["num_output_tokens"] < 2
-                else (r["finish"] - r["first_token"]) / (r["num_output_tokens"] - 1))
+        tpot = (
+            None
+            if r["num_output_tokens"] < 2
+            else (r["finish"] - r["first_token"]) / (r["num_output_tokens"] - 1)
+        )
         if (slo_ttft is None or ttft <= slo_ttft) and (slo_tpot is None or tpot is None or tpot <= slo_tpot):
             good += 1
     span = max(r["finish"] for r in requests) - min(r["send"] for r in requests)

@@ -1,9 +1,11 @@
 """Lab 12 exercises: reference solutions (each docstring is the exercise statement)."""
+
 from __future__ import annotations
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: float,
-                       tp: int = 1) -> float:
+def kv_bytes_per_token(
+    num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: float, tp: int = 1
+) -> float:
     """Lab 12. Bytes of KV cache one token takes on one GPU.
 
     Every layer stores a key and a value vector per KV head for each token: 2 (K and V) x
@@ -15,8 +17,7 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype_byte
     return 2 * num_layers * (kv_heads // tp) * head_dim * dtype_bytes
 
 
-def kv_concurrency(kv_budget_bytes: float, bytes_per_token: float, block_size: int,
-                   seq_len: int) -> int:
+def kv_concurrency(kv_budget_bytes: float, bytes_per_token: float, block_size: int, seq_len: int) -> int:
     """Lab 12. How many sequences of ``seq_len`` tokens a paged KV cache holds at once.
 
     The engine cuts its KV budget into whole blocks of ``block_size`` tokens:
@@ -31,8 +32,9 @@ def kv_concurrency(kv_budget_bytes: float, bytes_per_token: float, block_size: i
     return blocks // -(-seq_len // block_size)
 
 
-def decode_tpot(weight_bytes: float, kv_bytes_per_token: float, batch: int, context: int,
-                hbm_bandwidth: float) -> float:
+def decode_tpot(
+    weight_bytes: float, kv_bytes_per_token: float, batch: int, context: int, hbm_bandwidth: float
+) -> float:
     """Lab 12. The memory roofline of one decode step (seconds): the time per output token.
 
     A decode step computes one token for each of ``batch`` sequences. It reads every weight once

@@ -19,6 +19,7 @@ Example::
 
     llmlab bench comm --world-size 2 --max-bytes 4M --json comm.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def parse_size(text: str) -> int:
 
 def default_sizes(min_bytes: int = 1024, max_bytes: int = 4 * 2**20, factor: int = 4) -> list[int]:
     if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
-        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got "
-                         f"{min_bytes}, {max_bytes}, {factor}")
+        raise ValueError(
+            f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}"
+        )
     sizes, s = [], min_bytes
     while s <= max_bytes:
         sizes.append(s)
@@ -63,6 +65,7 @@ def _rank_bench(ops, sizes, iters, warmup):
     import torch.distributed as dist
 
     from llmlab.runtime import comm
+
     n, rank = dist.get_world_size(), dist.get_rank()
     cuda = dist.get_backend() == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -95,15 +98,24 @@ def _rank_bench(ops, sizes, iters, warmup):
             sec = t.item()
             nbytes = count * 4
             algbw = nbytes / sec
-            out.append({"op": op, "size_bytes": nbytes, "count": count, "dtype": "float32",
-                        "time_s": sec, "algbw_GBps": algbw / 1e9,
-                        "busbw_GBps": algbw * bus_factor(op, n) / 1e9,
-                        "payload_bytes_counted": payload})
+            out.append(
+                {
+                    "op": op,
+                    "size_bytes": nbytes,
+                    "count": count,
+                    "dtype": "float32",
+                    "time_s": sec,
+                    "algbw_GBps": algbw / 1e9,
+                    "busbw_GBps": algbw * bus_factor(op, n) / 1e9,
+                    "payload_bytes_counted": payload,
+                }
+            )
     return out
 
 
-def bench_collectives(world_size: int = 2, ops=OPS, sizes=None, iters: int = 5, warmup: int = 2,
-                      backend: str = "auto") -> dict:
+def bench_collectives(
+    world_size: int = 2, ops=OPS, sizes=None, iters: int = 5, warmup: int = 2, backend: str = "auto"
+) -> dict:
     """Launch ``world_size`` ranks and time every collective in ``ops`` at every size (bytes).
 
     Returns ``{"world_size", "backend", "results": [{"op", "size_bytes", "count", "time_s",
@@ -111,6 +123,7 @@ def bench_collectives(world_size: int = 2, ops=OPS, sizes=None, iters: int = 5, 
     ``ValueError`` for an unknown op or backend, or non-positive counts.
     """
     from llmlab.runtime.launch import launch, resolve_backend
+
     for op in ops:
         bus_factor(op, 2)
     if world_size < 2:
@@ -131,8 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                   help="auto: nccl if there is a GPU per rank, else gloo")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl"],
+        help="auto: nccl if there is a GPU per rank, else gloo",
+    )
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -143,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"# {res['world_size']} ranks, backend {res['backend']}; GB/s = 1e9 bytes/s")
     print(f"# {'op':>15} {'size(B)':>12} {'time(us)':>12} {'algbw':>9} {'busbw':>9}")
     for r in res["results"]:
-        print(f"  {r['op']:>15} {r['size_bytes']:>12} {r['time_s'] * 1e6:>12.1f} "
-              f"{r['algbw_GBps']:>9.3f} {r['busbw_GBps']:>9.3f}")
+        print(
+            f"  {r['op']:>15} {r['size_bytes']:>12} {r['time_s'] * 1e6:>12.1f} "
+            f"{r['algbw_GBps']:>9.3f} {r['busbw_GBps']:>9.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

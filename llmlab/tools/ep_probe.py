@@ -12,6 +12,7 @@ over the global batch), ``dropped_fraction``, ``a2a_bytes_per_layer`` (mean payl
 per MoE layer this step, forward + backward, split sizes included), ``step_time_s``,
 ``tokens_per_s``. Used by ``labs/04_expert_parallel.ipynb`` and ``benchmarks/moe_ep.py``.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,9 +21,19 @@ import torch
 import torch.distributed as dist
 
 
-def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
-             global_batch_size: int = 8, seq_len: int = 32, lr: float = 3e-3, seed: int = 0,
-             tag: str = "", device: str = "cpu", **model_overrides) -> list[dict]:
+def ep_probe(
+    dp: int = 1,
+    ep: int = 1,
+    steps: int = 5,
+    model: str = "tiny-moe",
+    global_batch_size: int = 8,
+    seq_len: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    tag: str = "",
+    device: str = "cpu",
+    **model_overrides,
+) -> list[dict]:
     """Run on ``dp`` ranks; returns this rank's list of step records (see module doc).
 
     ``model_overrides`` are :class:`~llmlab.model.config.ModelConfig` fields, e.g.
@@ -64,18 +75,22 @@ def ep_probe(dp: int = 1, ep: int = 1, steps: int = 5, model: str = "tiny-moe",
         if dev.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        a2a = torch.tensor([float(comm.COUNTER.bytes["all_to_all"]), loss.item(), dt],
-                           dtype=torch.float64)
-        if dist.is_initialized() and dp > 1:      # bookkeeping, not counted
+        a2a = torch.tensor([float(comm.COUNTER.bytes["all_to_all"]), loss.item(), dt], dtype=torch.float64)
+        if dist.is_initialized() and dp > 1:  # bookkeeping, not counted
             a2a = a2a.to(dev)
             dist.all_reduce(a2a, group=mesh.groups.get("dp"))
             a2a = a2a.cpu() / dp
         stats = collect_moe_stats(net, mesh.groups.get("dp"))
         routed = sum(map(sum, stats["tokens_per_expert"]))
-        rec = {"step": step, "loss": float(a2a[1]), "step_time_s": float(a2a[2]),
-               "tokens_per_s": global_batch_size * seq_len / float(a2a[2]),
-               "a2a_bytes_per_layer": float(a2a[0]) / n_layers,
-               "dropped_fraction": stats["dropped_tokens"] / max(1, routed), "tag": tag} | stats
+        rec = {
+            "step": step,
+            "loss": float(a2a[1]),
+            "step_time_s": float(a2a[2]),
+            "tokens_per_s": global_batch_size * seq_len / float(a2a[2]),
+            "a2a_bytes_per_layer": float(a2a[0]) / n_layers,
+            "dropped_fraction": stats["dropped_tokens"] / max(1, routed),
+            "tag": tag,
+        } | stats
         records.append(rec)
         if mesh.rank == 0:
             report(rec)

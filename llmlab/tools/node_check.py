@@ -18,6 +18,7 @@ a local check (an interface that cannot work), no rank builds the process group:
 printed from what the ranks posted in the rendezvous store, and every rank exits at once (no
 rank waits for a collective that cannot happen). Only JSON and tensors cross the network.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ PREFIX = "llmlab-doctor/"
 
 
 def _row(check: str, where: str, ok: bool, detail: str, fix: str = "") -> dict:
-    return {"check": check, "where": where, "result": "PASS" if ok else "FAIL", "detail": detail,
-            "fix": "" if ok else fix}
+    return {
+        "check": check,
+        "where": where,
+        "result": "PASS" if ok else "FAIL",
+        "detail": detail,
+        "fix": "" if ok else fix,
+    }
 
 
 def local_report(backend: str) -> dict:
@@ -57,11 +63,19 @@ def local_report(backend: str) -> dict:
         problem = None
     except ValueError as e:
         problem = str(e)
-    return {"rank": int(os.environ["RANK"]), "node": int(os.environ.get("GROUP_RANK", "0")),
-            "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "host": socket.gethostname(),
-            "cpu_cores": usable_cores(), "gpus": gpu_count(), "torch": torch.__version__,
-            "address": ifaces.get(name) if name else None, "interface": name or None,
-            "vars": {v: os.environ.get(v) for v in VARS}, "problem": problem}
+    return {
+        "rank": int(os.environ["RANK"]),
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "host": socket.gethostname(),
+        "cpu_cores": usable_cores(),
+        "gpus": gpu_count(),
+        "torch": torch.__version__,
+        "address": ifaces.get(name) if name else None,
+        "interface": name or None,
+        "vars": {v: os.environ.get(v) for v in VARS},
+        "problem": problem,
+    }
 
 
 def _post_and_collect(store, key: str, value: dict, world: int) -> list[dict]:
@@ -96,8 +110,10 @@ def _links(reports: list[dict]) -> list[tuple[str, str, list[int]]]:
     ranks = {k: [r["rank"] for r in reports if r["node"] == k] for k in nodes}
     leaders = {k: min(v) for k, v in ranks.items()}
     out = [("all-reduce inside node", f"node{k}", v) for k, v in ranks.items() if len(v) > 1]
-    out += [("all-reduce between nodes", f"node{a}-node{b}", [leaders[a], leaders[b]])
-            for a, b in itertools.combinations(nodes, 2)]
+    out += [
+        ("all-reduce between nodes", f"node{a}-node{b}", [leaders[a], leaders[b]])
+        for a, b in itertools.combinations(nodes, 2)
+    ]
     return out
 
 
@@ -112,11 +128,19 @@ def _link_rows(reports, store, nbytes, min_bw, device) -> list[dict]:
         dist.barrier()
         m = json.loads(store.get(f"{PREFIX}link/{i}"))
         ok = m["busbw_GBps"] >= min_bw
-        rows.append({"busbw_GBps": m["busbw_GBps"], "latency_ms": m["latency_ms"]} | _row(check, where, ok, f"{len(members)} ranks: bus bandwidth "
-                         f"{m['busbw_GBps']:.3f} GB/s ({nbytes / 2**20:.0f} MiB), latency "
-                         f"{m['latency_ms']:.2f} ms",
-                         f"below --min-bandwidth {min_bw} GB/s: check the link (its rate, MTU, the "
-                         f"interface in GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME)"))
+        rows.append(
+            {"busbw_GBps": m["busbw_GBps"], "latency_ms": m["latency_ms"]}
+            | _row(
+                check,
+                where,
+                ok,
+                f"{len(members)} ranks: bus bandwidth "
+                f"{m['busbw_GBps']:.3f} GB/s ({nbytes / 2**20:.0f} MiB), latency "
+                f"{m['latency_ms']:.2f} ms",
+                f"below --min-bandwidth {min_bw} GB/s: check the link (its rate, MTU, the "
+                f"interface in GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME)",
+            )
+        )
     return rows
 
 
@@ -144,11 +168,14 @@ def _checkpoint_row(directory: str, reports: list[dict], store, token: str) -> d
         with contextlib.suppress(OSError):  # not there when it could not be written
             path.unlink(missing_ok=True)
     errors = [s["err"] for s in seen if s["err"]]
-    return _row("checkpoint dir", "all nodes", not errors,
-                f"{directory}: " + ("; ".join(errors) if errors else
-                                    f"written and read by all {len(nodes)} nodes"),
-                "use a directory on a filesystem every node mounts (NFS, Lustre, a cloud share), "
-                "writable by the user running the job")
+    return _row(
+        "checkpoint dir",
+        "all nodes",
+        not errors,
+        f"{directory}: " + ("; ".join(errors) if errors else f"written and read by all {len(nodes)} nodes"),
+        "use a directory on a filesystem every node mounts (NFS, Lustre, a cloud share), "
+        "writable by the user running the job",
+    )
 
 
 def _reads(path: Path, token: str) -> bool:
@@ -164,24 +191,49 @@ def _static_rows(reports: list[dict]) -> list[dict]:
     for k in sorted({r["node"] for r in reports}):
         mine = [r for r in reports if r["node"] == k]
         r0 = mine[0]
-        rows.append(_row("inventory", f"node{k}", True,
-                         f"{r0['host']}: {len(mine)} ranks, {r0['cpu_cores']} CPU cores, {r0['gpus']} GPUs, "
-                         f"torch {r0['torch']}, {r0['interface'] or 'default interface'} "
-                         f"{r0['address'] or ''}".rstrip()))
+        rows.append(
+            _row(
+                "inventory",
+                f"node{k}",
+                True,
+                f"{r0['host']}: {len(mine)} ranks, {r0['cpu_cores']} CPU cores, {r0['gpus']} GPUs, "
+                f"torch {r0['torch']}, {r0['interface'] or 'default interface'} "
+                f"{r0['address'] or ''}".rstrip(),
+            )
+        )
         problems = sorted({r["problem"] for r in mine if r["problem"]})
-        rows.append(_row("interface", f"node{k}", not problems, problems[0] if problems else
-                         "the interface variables name usable interfaces here",
-                         "set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME with NCCL) on this node to its interface "
-                         "between nodes, one of those listed"))
-        rows.append(_row("rendezvous", f"node{k}", True,
-                         f"{len(mine)} ranks reached the job's store {os.environ.get('MASTER_ADDR')}:"
-                         f"{os.environ.get('MASTER_PORT')} (slowest in {max(r['join_s'] for r in mine):.2f} s)"))
+        rows.append(
+            _row(
+                "interface",
+                f"node{k}",
+                not problems,
+                problems[0] if problems else "the interface variables name usable interfaces here",
+                "set GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME with NCCL) on this node to its interface "
+                "between nodes, one of those listed",
+            )
+        )
+        rows.append(
+            _row(
+                "rendezvous",
+                f"node{k}",
+                True,
+                f"{len(mine)} ranks reached the job's store {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} (slowest in {max(r['join_s'] for r in mine):.2f} s)",
+            )
+        )
     for v in VARS:
         values = {r["node"]: r["vars"][v] for r in reports}
         same = len(set(values.values())) == 1
         shown = next(iter(values.values())) if same else ", ".join(f"node{k}={x}" for k, x in values.items())
-        rows.append(_row("same variable", "all nodes", same, f"{v}={shown}",
-                         f"export the same {v} on every node before torchrun"))
+        rows.append(
+            _row(
+                "same variable",
+                "all nodes",
+                same,
+                f"{v}={shown}",
+                f"export the same {v} on every node before torchrun",
+            )
+        )
     return rows
 
 
@@ -199,14 +251,17 @@ def format_table(rows: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
-def check_nodes(checkpoint_dir: str | None = None, nbytes: int = 4 << 20,
-                min_bandwidth: float = 0.0) -> list[dict]:
+def check_nodes(
+    checkpoint_dir: str | None = None, nbytes: int = 4 << 20, min_bandwidth: float = 0.0
+) -> list[dict]:
     """Every rank of a torchrun job: run the checks, return the table's rows (the same on every
     rank). Raises ``ValueError`` outside torchrun."""
     if not under_torchrun():
-        raise ValueError("--nodes runs under torchrun on every host: torchrun --nnodes N "
-                         "--nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HEAD:PORT "
-                         "-m llmlab doctor --nodes")
+        raise ValueError(
+            "--nodes runs under torchrun on every host: torchrun --nnodes N "
+            "--nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HEAD:PORT "
+            "-m llmlab doctor --nodes"
+        )
     backend = resolve_torchrun_backend("auto")
     t0 = time.perf_counter()
     store, rank, world = next(dist.rendezvous("env://", timeout=pg_timeout()))
@@ -215,11 +270,15 @@ def check_nodes(checkpoint_dir: str | None = None, nbytes: int = 4 << 20,
     if any(r["problem"] for r in reports):  # no collective that cannot work is tried
         _finish(store, rank, world)
         return _static_rows(reports)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=world, timeout=pg_timeout())
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=pg_timeout()
+    )
     try:
-        device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                  if backend == "nccl" else torch.device("cpu"))
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         rows = _static_rows(reports) + _link_rows(reports, store, nbytes, min_bandwidth, device)
         if checkpoint_dir:
             token = json.loads(store.get(PREFIX + "token")) if rank else uuid.uuid4().hex[:12]
@@ -246,8 +305,10 @@ def run(args: argparse.Namespace) -> int:
     rows = check_nodes(args.checkpoint_dir, args.bytes, args.min_bandwidth)
     if os.environ.get("RANK", "0") == "0":
         nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        print(format_table(rows, f"llmlab doctor --nodes: {nodes} nodes, "
-                                 f"{os.environ['WORLD_SIZE']} ranks"), flush=True)
+        print(
+            format_table(rows, f"llmlab doctor --nodes: {nodes} nodes, {os.environ['WORLD_SIZE']} ranks"),
+            flush=True,
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     return 1 if any(r["result"] == "FAIL" for r in rows) else 0

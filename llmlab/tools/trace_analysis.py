@@ -16,6 +16,7 @@ On GPUs HTA's own ``get_comm_comp_overlap`` reads the same from the CUDA kernels
 trace has no kernels, and the named regions are what there is.
 Needs ``HolisticTraceAnalysis`` (extra ``llmlab[observe]``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,7 @@ def llmlab_phases(trace_dir: str | Path) -> dict[int, list[Phase]]:
     """rank -> its llmlab phases, by start time, as HTA parses the traces in ``trace_dir``."""
     logging.getLogger("hta").setLevel(logging.ERROR)
     from hta.trace_analysis import TraceAnalysis
+
     # llmlab's traces end with their last recorded step complete: keep it (HTA drops it by default)
     ta = TraceAnalysis(trace_dir=str(trace_dir), include_last_profiler_step=True)
     sym = ta.t.symbol_table.sym_table
@@ -93,11 +95,16 @@ def ddp_overlap(phases: list[Phase]) -> dict:
         windows.append(hi - lo)
         fractions.append(_covered(lo, hi, back) / (hi - lo) if hi > lo else 0.0)
     if not nbuckets:
-        raise ValueError("no 'llmlab.ddp bucket all_reduce' in the trace: profile a --dp > 1 run "
-                         "with --dp-mode ddp")
-    return {"buckets": nbuckets[0], "launched_in_backward": launched[0],
-            "comm_window_us": sum(windows) / len(windows),
-            "overlap_fraction": sum(fractions) / len(fractions), "steps": len(nbuckets)}
+        raise ValueError(
+            "no 'llmlab.ddp bucket all_reduce' in the trace: profile a --dp > 1 run with --dp-mode ddp"
+        )
+    return {
+        "buckets": nbuckets[0],
+        "launched_in_backward": launched[0],
+        "comm_window_us": sum(windows) / len(windows),
+        "overlap_fraction": sum(fractions) / len(fractions),
+        "steps": len(nbuckets),
+    }
 
 
 def pipeline_idle(phases: list[Phase]) -> dict:
@@ -109,13 +116,19 @@ def pipeline_idle(phases: list[Phase]) -> dict:
         raise ValueError("no 'llmlab.step' in the trace: a training trace is needed")
     fr, comp = [], []
     for st in steps:
-        work = [p for p in phases if p.name in ("forward", "backward") and "action" in p.args
-                and st.start <= p.start <= st.end]
+        work = [
+            p
+            for p in phases
+            if p.name in ("forward", "backward") and "action" in p.args and st.start <= p.start <= st.end
+        ]
         c = sum(p.dur for p in work)
         comp.append(c)
         fr.append(1 - c / st.dur)
-    return {"compute_us": sum(comp) / len(comp), "step_us": sum(s.dur for s in steps) / len(steps),
-            "idle_fraction": sum(fr) / len(fr)}
+    return {
+        "compute_us": sum(comp) / len(comp),
+        "step_us": sum(s.dur for s in steps) / len(steps),
+        "idle_fraction": sum(fr) / len(fr),
+    }
 
 
 def engine_breakdown(phases: list[Phase]) -> dict[str, float]:
@@ -124,7 +137,14 @@ def engine_breakdown(phases: list[Phase]) -> dict[str, float]:
     ``sampling``."""
     out: dict[str, float] = {}
     for p in phases:
-        if p.name in ("engine step", "schedule", "prefill", "decode", "decode+prefill",
-                      "attention", "sampling"):
+        if p.name in (
+            "engine step",
+            "schedule",
+            "prefill",
+            "decode",
+            "decode+prefill",
+            "attention",
+            "sampling",
+        ):
             out[p.name] = out.get(p.name, 0.0) + p.dur
     return out

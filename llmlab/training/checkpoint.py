@@ -34,6 +34,7 @@ Layout of ``--checkpoint-dir``::
 * Resume is exact: the data of step ``s`` depends only on (seed, s), so continuing at the next step
   with the restored weights and optimizer state gives the losses of an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,10 +115,12 @@ def check_resume_flags(cfg: TrainConfig, meta: dict, path) -> None:
         for k in DATA_FLAGS:
             if k in data and data[k] != getattr(cfg, k):
                 flag = "--" + k.replace("_", "-")
-                raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} "
-                                 f"was made with {flag} {data[k]!r} (the data of every step "
-                                 f"depends on it); resume with the same value, or pass "
-                                 f"--override-data-order to take the new one")
+                raise ValueError(
+                    f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} "
+                    f"was made with {flag} {data[k]!r} (the data of every step "
+                    f"depends on it); resume with the same value, or pass "
+                    f"--override-data-order to take the new one"
+                )
     saved = meta.get("schedule_flags")
     if not saved or cfg.override_opt_param_scheduler:
         return
@@ -126,9 +129,11 @@ def check_resume_flags(cfg: TrainConfig, meta: dict, path) -> None:
             continue
         if k in saved and saved[k] != getattr(cfg, k):
             flag = "--" + k.replace("_", "-")
-            raise ValueError(f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} was "
-                             f"made with {flag} {saved[k]!r}; resume with the same value, or pass "
-                             f"--override-opt-param-scheduler to take the new one")
+            raise ValueError(
+                f"--resume: {flag} is {getattr(cfg, k)!r} but the checkpoint {path} was "
+                f"made with {flag} {saved[k]!r}; resume with the same value, or pass "
+                f"--override-opt-param-scheduler to take the new one"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,6 +146,7 @@ def full_names(model: torch.nn.Module) -> dict[int, str]:
     as ``model.layers.0-1`` still names them ``model.layers.2-3``.
     """
     from llmlab.model.llama import DecoderLayer
+
     names = {}
     for mname, module in model.named_modules():
         if isinstance(module, DecoderLayer):
@@ -165,8 +171,10 @@ def slice_spec(local_shape, full_shape, tp_index: int, tp: int):
         if full_shape[d] % local_shape[d] == 0 and tp % (full_shape[d] // local_shape[d]) == 0:
             parts = full_shape[d] // local_shape[d]
             return (d, tp_index // (tp // parts), parts)
-    raise CheckpointError(f"cannot express a local tensor of shape {local_shape} as a slice of the "
-                          f"full shape {full_shape} with tp={tp}")
+    raise CheckpointError(
+        f"cannot express a local tensor of shape {local_shape} as a slice of the "
+        f"full shape {full_shape} with tp={tp}"
+    )
 
 
 def _cut(full: torch.Tensor, spec) -> torch.Tensor:
@@ -221,6 +229,7 @@ def _lookup(engine: Checkpointable, full: dict, path) -> Callable[[torch.nn.Para
             if t is not None:
                 out[key] = t if t.dim() == 0 else _cut(t, spec)
         return out
+
     return lookup
 
 
@@ -240,8 +249,14 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: str | Path, keep: int = 3,
-                    extra: dict | None = None) -> Path | None:
+def save_checkpoint(
+    engine: Checkpointable,
+    step: int,
+    loss: float,
+    directory: str | Path,
+    keep: int = 3,
+    extra: dict | None = None,
+) -> Path | None:
     """Collectively save this step. Ranks holding a distinct part of the model write a file
     (data-parallel replicas do not repeat it). ``extra`` (JSON) joins ``metadata.json`` (the
     trainer's wall-clock time, elapsed time, hardware: :mod:`llmlab.training.checkpoint_clock`).
@@ -255,28 +270,43 @@ def save_checkpoint(engine: Checkpointable, step: int, loss: float, directory: s
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    tensors, slices = _collect(engine)   # every rank: under ZeRO gathering the shards is collective
+    tensors, slices = _collect(engine)  # every rank: under ZeRO gathering the shards is collective
     # one copy per distinct shard (experts differ across ep; context-parallel ranks are replicas)
     if mesh.coords["dp"] < mesh.ep and mesh.coords.get("cp", 0) == 0:
         # The slices ride in the shard's (JSON) header; rank 0 copies them into metadata.json.
-        header = {"rank": rank, "coords": dict(mesh.coords),
-                  "slices": {n: None if s is None else list(s) for n, s in slices.items()}}
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"rank{rank:05d}.safetensors"),
-                  metadata={"format": "pt", "llmlab": json.dumps(header)})
+        header = {
+            "rank": rank,
+            "coords": dict(mesh.coords),
+            "slices": {n: None if s is None else list(s) for n, s in slices.items()},
+        }
+        save_file(
+            {n: t.contiguous() for n, t in tensors.items()},
+            str(tmp / f"rank{rank:05d}.safetensors"),
+            metadata={"format": "pt", "llmlab": json.dumps(header)},
+        )
     _barrier()
     if rank == 0:
-        files = {f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size, **_header(f)}
-                 for f in sorted(tmp.glob("rank*.safetensors"))}
+        files = {
+            f.name: {"crc32": _crc32(f), "bytes": f.stat().st_size, **_header(f)}
+            for f in sorted(tmp.glob("rank*.safetensors"))
+        }
         cfg = engine.cfg
-        meta = {"step": step, "loss": loss, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
-                "model": cfg.model, "seed": cfg.seed, "next_data_step": step + 1, "files": files,
-                # the schedule's position (its rate is a function of the step) and the fp16 scaler
-                "lr_schedule": {"step": step, "lr": engine.last.get("lr")},
-                # the flags the schedule and optimizer were made with (checked on resume)
-                "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
-                "data_flags": {k: getattr(cfg, k) for k in DATA_FLAGS},
-                "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
+        meta = {
+            "step": step,
+            "loss": loss,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "layout": {k: getattr(cfg, k) for k in ("dp", "tp", "pp", "ep", "cp", "zero", "dtype")},
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "next_data_step": step + 1,
+            "files": files,
+            # the schedule's position (its rate is a function of the step) and the fp16 scaler
+            "lr_schedule": {"step": step, "lr": engine.last.get("lr")},
+            # the flags the schedule and optimizer were made with (checked on resume)
+            "schedule_flags": {k: getattr(cfg, k) for k in SCHEDULE_FLAGS},
+            "data_flags": {k: getattr(cfg, k) for k in DATA_FLAGS},
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        }
         meta.update(extra or {})
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -297,13 +327,20 @@ def _header(f: Path) -> dict:
     try:
         with safe_open(str(f), framework="pt") as st:
             info = json.loads((st.metadata() or {}).get("llmlab", "null"))
-            tensors = {n: {"dtype": st.get_slice(n).get_dtype(), "shape": list(st.get_slice(n).get_shape())}
-                       for n in st.keys()}
+            tensors = {
+                n: {"dtype": st.get_slice(n).get_dtype(), "shape": list(st.get_slice(n).get_shape())}
+                for n in st.keys()
+            }
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: refused, not a safetensors file ({e}); llmlab checkpoints hold "
-                              f"tensors only and are never unpickled") from None
-    if not isinstance(info, dict) or not isinstance(info.get("slices"), dict) \
-            or set(info["slices"]) != set(tensors):
+        raise CheckpointError(
+            f"{f}: refused, not a safetensors file ({e}); llmlab checkpoints hold "
+            f"tensors only and are never unpickled"
+        ) from None
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("slices"), dict)
+        or set(info["slices"]) != set(tensors)
+    ):
         raise CheckpointError(f"{f}: refused, its header does not describe its tensors")
     for n, t in tensors.items():
         t["slice"] = info["slices"][n]
@@ -320,7 +357,9 @@ def verify(path: Path) -> dict:
     try:
         meta = json.loads(meta_file.read_text())
         files = meta["files"]
-        claims = {name: (int(info["bytes"]), int(info["crc32"]), info["tensors"]) for name, info in files.items()}
+        claims = {
+            name: (int(info["bytes"]), int(info["crc32"]), info["tensors"]) for name, info in files.items()
+        }
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}/metadata.json is corrupted: {type(e).__name__}: {e}") from None
     if not claims:
@@ -328,9 +367,11 @@ def verify(path: Path) -> dict:
     for name, (size, crc, tensors) in claims.items():
         f = path / name
         if not SHARD.match(name):
-            raise CheckpointError(f"{f}: refused, not a rank<NNNNN>.safetensors shard (a checkpoint of "
-                                  f"an older llmlab, in pickle format, is not loaded: saving it again "
-                                  f"needs the code that wrote it)")
+            raise CheckpointError(
+                f"{f}: refused, not a rank<NNNNN>.safetensors shard (a checkpoint of "
+                f"an older llmlab, in pickle format, is not loaded: saving it again "
+                f"needs the code that wrote it)"
+            )
         if not f.exists():
             raise CheckpointError(f"{f}: missing")
         if f.stat().st_size != size:
@@ -359,8 +400,13 @@ def _spec(f: Path, n: str, spec):
     """A slice from JSON: ``None`` or ``(dim, index, parts)`` with ``0 <= index < parts``."""
     if spec is None:
         return None
-    if (isinstance(spec, list) and len(spec) == 3 and all(type(v) is int for v in spec)
-            and spec[0] >= 0 and 0 <= spec[1] < spec[2]):
+    if (
+        isinstance(spec, list)
+        and len(spec) == 3
+        and all(type(v) is int for v in spec)
+        and spec[0] >= 0
+        and 0 <= spec[1] < spec[2]
+    ):
         return tuple(spec)
     raise CheckpointError(f"{f}: tensor {n!r} has an invalid slice {spec!r}")
 

@@ -13,6 +13,7 @@ summed over every resumed run: the time between the last checkpoint and a crash 
 it was lost), and ``hardware`` (host name, nodes, world size, backend, device, CPU cores, torch,
 the last step's time and tokens/s).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,8 +32,15 @@ class CheckpointClock:
     final step). ``resumed``: the metadata of the checkpoint this run resumed from, if any (its
     ``elapsed_training_s`` is carried on). ``device``: where the broadcast tensor lives."""
 
-    def __init__(self, directory: str | None, every: int, minutes: float, last: int,
-                 resumed: dict | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        directory: str | None,
+        every: int,
+        minutes: float,
+        last: int,
+        resumed: dict | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.directory, self.every, self.minutes, self.last = directory, every, minutes, last
         self.device = torch.device(device)
         self.start = time.monotonic()
@@ -63,9 +71,12 @@ class CheckpointClock:
     def record(self, step_record: dict) -> dict:
         """What this checkpoint's ``metadata.json`` records beside the tensors (module docstring)."""
         now = time.time()
-        return {"saved_at": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
-                "saved_at_unix": now, "elapsed_training_s": self.elapsed(),
-                "hardware": hardware_summary(step_record)}
+        return {
+            "saved_at": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+            "saved_at_unix": now,
+            "elapsed_training_s": self.elapsed(),
+            "hardware": hardware_summary(step_record),
+        }
 
 
 def hardware_summary(step_record: dict | None = None) -> dict:
@@ -75,10 +86,15 @@ def hardware_summary(step_record: dict | None = None) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cuda = torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
-    out = {"host": socket.gethostname(), "nodes": max(1, world // max(1, local)), "world_size": world,
-           "backend": dist.get_backend() if dist.is_initialized() else None,
-           "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "cpu_cores": usable_cores(), "torch": torch.__version__}
+    out = {
+        "host": socket.gethostname(),
+        "nodes": max(1, world // max(1, local)),
+        "world_size": world,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cpu_cores": usable_cores(),
+        "torch": torch.__version__,
+    }
     for k in ("step_time_s", "tokens_per_s"):
         if step_record and k in step_record:
             out[k] = step_record[k]

@@ -9,6 +9,7 @@ Every loader offers ``microbatches(step, dp_rank, dp_size, num_microbatches) -> 
 global batch is a function of ``(seed, step)`` only, so every layout sees the same tokens and a
 resume at step ``s`` continues exactly.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,11 +22,15 @@ def data_tokenizer(cfg: Any) -> Any:
     with a 256-symbol vocabulary); ``ValueError`` naming the flags otherwise."""
     if cfg.init_from:
         from llmlab.training.hf_init import load_tokenizer
+
         return load_tokenizer(cfg.init_from)
     from llmlab.model.config import get_preset
+
     if get_preset(cfg.model).vocab_size != 256:
-        raise ValueError(f"--data with --model {cfg.model}: the preset has no tokenizer; use "
-                         f"--init-from a checkpoint, or a byte-level preset (vocabulary 256)")
+        raise ValueError(
+            f"--data with --model {cfg.model}: the preset has no tokenizer; use "
+            f"--init-from a checkpoint, or a byte-level preset (vocabulary 256)"
+        )
     return ByteTokenizer()
 
 
@@ -40,6 +45,7 @@ def pad_id(tokenizer: Any) -> int:
 def example_split(cfg: Any) -> tuple[list[Any], list[Any]]:
     """``(train, held_out)`` examples of ``--data`` (``ValueError`` naming file:line)."""
     from llmlab.data.jsonl import read_examples, split_examples
+
     ex = read_examples(cfg.data, data_tokenizer(cfg), cfg.seq_len, cfg.loss_tokens == "all")
     return split_examples(ex, cfg.eval_fraction, cfg.seed)
 
@@ -55,8 +61,10 @@ def check_data(cfg: Any) -> None:
     if cfg.eval_every and cfg.eval_fraction == 0:
         raise ValueError("--eval-every needs held-out examples: --eval-fraction > 0")
     if cfg.eval_every and cfg.pp > 1:
-        raise ValueError("--eval-every with --pp > 1 is not supported (the pipeline schedule runs "
-                         "forward and backward together); evaluate the --save-model output")
+        raise ValueError(
+            "--eval-every with --pp > 1 is not supported (the pipeline schedule runs "
+            "forward and backward together); evaluate the --save-model output"
+        )
     example_split(cfg)
 
 
@@ -64,11 +72,23 @@ def make_loader(cfg: Any) -> BatchLoader:
     """The training loader of ``cfg`` (see the module docstring)."""
     if cfg.data:
         from llmlab.data.jsonl import ExampleLoader
+
         train, held_out = example_split(cfg)
-        return ExampleLoader(train, held_out, global_batch_size=cfg.global_batch_size,
-                             seq_len=cfg.seq_len, seed=cfg.seed, pad_id=pad_id(data_tokenizer(cfg)))
+        return ExampleLoader(
+            train,
+            held_out,
+            global_batch_size=cfg.global_batch_size,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            pad_id=pad_id(data_tokenizer(cfg)),
+        )
     if cfg.init_from:
         from llmlab.training.hf_init import corpus_token_ids
-        return BatchLoader(corpus_token_ids(cfg.init_from), global_batch_size=cfg.global_batch_size,
-                           seq_len=cfg.seq_len, seed=cfg.seed)
+
+        return BatchLoader(
+            corpus_token_ids(cfg.init_from),
+            global_batch_size=cfg.global_batch_size,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+        )
     return BatchLoader(global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, seed=cfg.seed)

@@ -25,6 +25,7 @@ The same all-reduce carries a count of non-finite elements over *everything* a r
 The all-reduce (two float64 numbers) goes straight to ``torch.distributed``, like the loss
 bookkeeping, so the strategies' communication counters keep matching their formulas.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def owns(p: torch.Tensor, mesh, sharded_over_dp: bool) -> bool:
         return False
     if sharded_over_dp:
         return True
-    if mesh.coords.get("cp", 0) != 0:   # context-parallel ranks hold the same reduced gradient
+    if mesh.coords.get("cp", 0) != 0:  # context-parallel ranks hold the same reduced gradient
         return False
     if rec.expert_parallel:
         return mesh.index("edp") == 0

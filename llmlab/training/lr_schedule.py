@@ -13,6 +13,7 @@ last step. Steps are numbered ``1..steps`` as in the trainer's metrics, so with 
 The rate is a pure function of the step number, so a run resumed at step ``s`` from a checkpoint
 (whose metadata records ``next_data_step``) continues on the same curve.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,9 @@ def check_schedule(schedule: str, lr: float, min_lr: float, warmup_steps: int, s
         raise ValueError(f"--min-lr {min_lr} must be in [0, --lr {lr}]")
 
 
-def lr_at(step: int, lr: float, steps: int, schedule: str = "constant", warmup_steps: int = 0,
-          min_lr: float = 0.0) -> float:
+def lr_at(
+    step: int, lr: float, steps: int, schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0
+) -> float:
     """The learning rate of step ``step`` (1-based) of a ``steps``-step run (see module doc)."""
     if warmup_steps and step <= warmup_steps:
         return lr * step / warmup_steps

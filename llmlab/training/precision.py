@@ -8,14 +8,14 @@ fp32's exponent range, so it needs no loss scaling (Kalamkar et al. 2019).
 Per parameter this costs 2 (16-bit weight) + 2 (16-bit gradient) + 4 (fp32 master) + 8 (Adam m, v)
 = 16 bytes: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ (Rajbhandari et al. 2020, §3.1).
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-from llmlab.parallel.protocols import (ParamStateLookup, load_replica_param_state,
-                                      replica_param_state)
+from llmlab.parallel.protocols import ParamStateLookup, load_replica_param_state, replica_param_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,16 +24,21 @@ class DynamicLossScaler:
     """Scale the loss by ``scale``; on an overflow (inf/nan gradient) skip the step and halve it,
     after ``growth_interval`` clean steps double it (Micikevicius et al. 2018, §3.2)."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
-                 backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+        min_scale: float = 1.0,
+    ):
         self.scale, self.growth_interval = init_scale, growth_interval
         self.backoff, self.growth, self.min_scale = backoff, growth, min_scale
         self.clean_steps = 0
         self.skipped_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps,
-                "skipped_steps": self.skipped_steps}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale, self.clean_steps = float(sd["scale"]), int(sd["clean_steps"])
@@ -112,8 +117,7 @@ class MixedPrecisionOptimizer:
         """
         self.unscale()
         if self.scaler is not None:
-            overflow = not all(bool(torch.isfinite(m.grad).all()) for m in self.master
-                               if m.grad is not None)
+            overflow = not all(bool(torch.isfinite(m.grad).all()) for m in self.master if m.grad is not None)
             self.scaler.update(overflow)
             if overflow:
                 self.last_step_skipped = True

@@ -7,6 +7,7 @@ internal activations are recomputed during backward, trading about one extra for
 bytes. Works for any layer a rank holds (a pipeline stage's slice, tensor-parallel layers: their
 collectives are simply re-run during recomputation, as in Megatron).
 """
+
 from __future__ import annotations
 
 import types
@@ -27,6 +28,7 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     Idempotent. Returns the model.
     """
     from llmlab.model.llama import DecoderLayer
+
     for layer in model.modules():
         if isinstance(layer, DecoderLayer) and not hasattr(layer, "_llmlab_inner_forward"):
             layer._llmlab_inner_forward = layer.forward

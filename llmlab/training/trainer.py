@@ -20,6 +20,7 @@ layout reports the same number as one rank (CONTRACT: relative difference < 1e-4
 
 Strategy modules plug in through the small contracts of :mod:`llmlab.parallel.protocols`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,16 +35,27 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from llmlab.metrics.memory import (SavedActivations, cuda_memory, optimizer_state_bytes,
-                                   param_bytes, reset_cuda_peak, tensor_bytes)
+from llmlab.metrics.memory import (
+    SavedActivations,
+    cuda_memory,
+    optimizer_state_bytes,
+    param_bytes,
+    reset_cuda_peak,
+    tensor_bytes,
+)
 from llmlab.metrics.profiling import StepProfiler, phase
 from llmlab.metrics.schema import strict_json
 from llmlab.metrics.throughput import mfu, peak_flops, training_flops_per_token
 from llmlab.model.llama import LlamaForCausalLM
-from llmlab.parallel.protocols import (ParamStateLookup, TrainedModule, TrainerOptimizer,
-                                      load_replica_param_state, replica_grads, replica_param_state)
-from llmlab.parallel import (context_parallel, data_parallel, expert_parallel, pipeline_parallel,
-                             tp_plan, zero)
+from llmlab.parallel.protocols import (
+    ParamStateLookup,
+    TrainedModule,
+    TrainerOptimizer,
+    load_replica_param_state,
+    replica_grads,
+    replica_param_state,
+)
+from llmlab.parallel import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tp_plan, zero
 from llmlab.parallel.records import model_record
 from llmlab.runtime import comm
 from llmlab.runtime.launch import launch, report
@@ -111,8 +123,7 @@ class FP32Optimizer:
         pass
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(p.grad, p) for g in self.optimizer.param_groups for p in g["params"]
-                if p.grad is not None]
+        return [(p.grad, p) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def apply(self) -> None:
         self.optimizer.step()
@@ -150,8 +161,9 @@ class Engine:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_config = model_config(cfg)
         self.strategies = strategy_configs(cfg)
-        if cfg.init_from:   # a Hugging Face checkpoint's weights, sharded below like any model
+        if cfg.init_from:  # a Hugging Face checkpoint's weights, sharded below like any model
             from llmlab.training.hf_init import load_pretrained
+
             model = load_pretrained(cfg.init_from)
         else:
             model = LlamaForCausalLM(self.model_config, seed=cfg.seed)
@@ -165,11 +177,13 @@ class Engine:
             self.scaler = DynamicLossScaler()
         if cfg.dtype != "fp32" and cfg.zero == 0:  # ZeRO casts its own flat buffers
             from llmlab.training.precision import cast_model
+
             cast_model(local, cfg.dtype)
-        elif cfg.dtype != "fp32" and cfg.lora_rank is not None:   # ZeRO casts the adapters only
+        elif cfg.dtype != "fp32" and cfg.lora_rank is not None:  # ZeRO casts the adapters only
             from llmlab.training.precision import DTYPES
+
             for p in local.parameters():
-                if not p.requires_grad:        # the frozen base computes in the run's dtype too
+                if not p.requires_grad:  # the frozen base computes in the run's dtype too
                     p.data = p.data.to(DTYPES[cfg.dtype])
         self.wrapper: TrainedModule
         self.optimizer: TrainerOptimizer
@@ -177,8 +191,9 @@ class Engine:
         self.pipeline = None
         if cfg.pp > 1:  # runs this rank's stages, with the wrapper's no_sync() for accumulation
             assert isinstance(local, pipeline_parallel.PipelineModule)
-            self.pipeline = pipeline_parallel.build_runner(self.model, local, mesh,
-                                                           self.strategies.pp, self.wrapper)
+            self.pipeline = pipeline_parallel.build_runner(
+                self.model, local, mesh, self.strategies.pp, self.wrapper
+            )
         self.local = local
         self.force_overflow_at = _force_overflow(mesh.rank)
         self.consecutive_skips = 0
@@ -195,13 +210,20 @@ class Engine:
         model = tp_plan.apply(model, mesh, sc.tp)
         model = context_parallel.apply(model, mesh, sc.cp)
         model = expert_parallel.apply(model, mesh, sc.ep)
-        if self.cfg.lora_rank is not None:   # adapters on the frozen base (llmlab.model.lora)
+        if self.cfg.lora_rank is not None:  # adapters on the frozen base (llmlab.model.lora)
             from llmlab.model.lora import apply_lora, parse_targets
-            apply_lora(model, parse_targets(self.cfg.lora_target), self.cfg.lora_rank,
-                       self.cfg.lora_alpha, self.cfg.seed)
+
+            apply_lora(
+                model,
+                parse_targets(self.cfg.lora_target),
+                self.cfg.lora_rank,
+                self.cfg.lora_alpha,
+                self.cfg.seed,
+            )
             self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
         if self.cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
+
             apply_activation_checkpointing(model)
         local = pipeline_parallel.apply(model, mesh, sc.pp) if mesh.pp > 1 else model
         return model, local
@@ -215,14 +237,19 @@ class Engine:
         dp_mesh = self.mesh.data_parallel_view()
         opt_factory = functools.partial(make_optimizer, cfg=cfg)
         if sc.zero.stage > 0:
-            return cast(tuple[TrainedModule, TrainerOptimizer],
-                        zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler))
-        wrapper = cast(TrainedModule, data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1
-                       else LocalModule(local))
-        trainable = [p for p in local.parameters() if p.requires_grad]   # LoRA: adapters only
+            return cast(
+                tuple[TrainedModule, TrainerOptimizer],
+                zero.apply(local, dp_mesh, sc.zero, opt_factory, self.scaler),
+            )
+        wrapper = cast(
+            TrainedModule,
+            data_parallel.apply(local, dp_mesh, sc.dp) if dp_mesh.dp > 1 else LocalModule(local),
+        )
+        trainable = [p for p in local.parameters() if p.requires_grad]  # LoRA: adapters only
         if cfg.dtype != "fp32":
             # 16-bit compute, fp32 master weights (+ loss scaling for fp16).
             from llmlab.training.precision import MixedPrecisionOptimizer
+
             opt: TrainerOptimizer = MixedPrecisionOptimizer(trainable, opt_factory, self.scaler)
         else:
             opt = FP32Optimizer(opt_factory(trainable))
@@ -239,7 +266,7 @@ class Engine:
         (and context-parallel) ranks with one small all-reduce."""
         counts = [int((y != -100).sum()) for _, y in micro]
         total = sum(counts)
-        dp_mesh = self.mesh.data_parallel_view()      # dp x cp ranks: different tokens
+        dp_mesh = self.mesh.data_parallel_view()  # dp x cp ranks: different tokens
         group = dp_mesh.groups.get("dp")
         if dp_mesh.dp > 1 and group is not None:
             t = torch.tensor([total], dtype=torch.float64, device=self.device)
@@ -276,8 +303,9 @@ class Engine:
         weighted as :meth:`loss_weights`); :func:`global_loss` makes it the job's. Not with
         pipeline parallelism (its schedule runs forward and backward together)."""
         weights = self.loss_weights(micro)
-        return sum(float((self.wrapper(x, y) - self.model.aux_loss()) * w)
-                   for (x, y), w in zip(micro, weights))
+        return sum(
+            float((self.wrapper(x, y) - self.model.aux_loss()) * w) for (x, y), w in zip(micro, weights)
+        )
 
     def loss_scale(self) -> float:
         """The fp16 loss scale (1 for fp32/bf16); pipeline runners multiply their loss by it too."""
@@ -307,7 +335,8 @@ class Engine:
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive steps had a non-finite (inf/nan) gradient and "
                 f"were skipped (--max-consecutive-skips {limit}); the run is diverging: lower --lr, "
-                f"set --grad-clip, or use --dtype bf16/fp32")
+                f"set --grad-clip, or use --dtype bf16/fp32"
+            )
 
     def train_step(self, micro, step: int | None = None) -> float | None:
         """One optimizer step over the micro-batches ``micro``; ``step`` (1-based) sets the learning
@@ -316,6 +345,7 @@ class Engine:
         element on any rank, in any dtype: the update is not applied, :meth:`_count_skip`)."""
         from llmlab.training.grad_norm import clip_, global_grad_norm, owns
         from llmlab.training.lr_schedule import lr_at
+
         cfg = self.cfg
         with SavedActivations(self.parameters()) as act:
             local_loss = self.forward_backward(micro)
@@ -330,9 +360,8 @@ class Engine:
         if step is not None and step == self.force_overflow_at and pieces:
             pieces[0][0].view(-1)[0] = float("inf")  # LLMLAB_FORCE_OVERFLOW: a test's fault
         sharded = cfg.zero > 0
-        norm, finite = global_grad_norm([(g, owns(p, self.mesh, sharded)) for g, p in pieces],
-                                        self.device)
-        skipped = not finite       # decided once for the job, in every dtype
+        norm, finite = global_grad_norm([(g, owns(p, self.mesh, sharded)) for g, p in pieces], self.device)
+        skipped = not finite  # decided once for the job, in every dtype
         self._count_skip(skipped)
         lr = lr_at(step or 1, cfg.lr, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
         if not skipped:
@@ -395,10 +424,11 @@ def _eval_micro(loader, cfg: TrainConfig, mesh: Mesh, device) -> list:
     x, y = loader.eval_batch(mesh.dp * cfg.num_microbatches)
     n = x.shape[0] // mesh.dp
     r = mesh.coords["dp"]
-    x, y = x[r * n:(r + 1) * n].to(device), y[r * n:(r + 1) * n].to(device)
+    x, y = x[r * n : (r + 1) * n].to(device), y[r * n : (r + 1) * n].to(device)
     micro = list(zip(x.chunk(cfg.num_microbatches), y.chunk(cfg.num_microbatches)))
     if cfg.cp > 1:
         from llmlab.parallel.context_parallel import shard_microbatches
+
         micro = shard_microbatches(micro, mesh, cfg.cp_mode)
     return micro
 
@@ -408,13 +438,16 @@ def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
     if not cfg.profile_steps:
         return None
     from llmlab.metrics.profiling import parse_steps
+
     return parse_steps(cfg.profile_steps, 1, cfg.steps)
 
 
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    )
     torch.manual_seed(cfg.seed)
     mesh = Mesh.build(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
     engine = Engine(cfg, mesh, device)
@@ -428,11 +461,13 @@ def rank_main(cfg: TrainConfig) -> dict:
         check_shared_directory(cfg.checkpoint_dir)
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
+
         meta = load_checkpoint(engine, cfg.checkpoint_dir)
         if meta is not None:
             first = meta["next_data_step"]
-    clock = CheckpointClock(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.checkpoint_every_minutes,
-                            cfg.steps, meta, device)  # when to save: steps, minutes, the last
+    clock = CheckpointClock(
+        cfg.checkpoint_dir, cfg.checkpoint_every, cfg.checkpoint_every_minutes, cfg.steps, meta, device
+    )  # when to save: steps, minutes, the last
     comm.COUNTER.reset()
     steps = []
     kill_at = _fault_injection(mesh.rank)
@@ -440,10 +475,13 @@ def rank_main(cfg: TrainConfig) -> dict:
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
-        micro = [(x.to(device), y.to(device)) for x, y in
-                 loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)]
+        micro = [
+            (x.to(device), y.to(device))
+            for x, y in loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
+        ]
         if cfg.cp > 1:  # this rank's tokens of the same sequences
             from llmlab.parallel.context_parallel import shard_microbatches
+
             micro = shard_microbatches(micro, mesh, cfg.cp_mode)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -459,8 +497,15 @@ def rank_main(cfg: TrainConfig) -> dict:
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tps} | engine.last
         if mc.num_experts:  # routing statistics of this step, summed over dp and pp (collective)
             from llmlab.model.moe import collect_moe_stats
-            rec.update(collect_moe_stats(engine.model, mesh.groups.get("dp"), mesh.groups.get("pp"),
-                                         num_layers=mc.num_hidden_layers))
+
+            rec.update(
+                collect_moe_stats(
+                    engine.model,
+                    mesh.groups.get("dp"),
+                    mesh.groups.get("pp"),
+                    num_layers=mc.num_hidden_layers,
+                )
+            )
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
@@ -470,6 +515,7 @@ def rank_main(cfg: TrainConfig) -> dict:
             report(rec)
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
+
             save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
     prof.close()
     out = {
@@ -488,7 +534,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         out["memory_bytes"]["cuda"] = cuda_memory(device)
     if engine.pipeline is not None:
         out["pipeline"] = engine.pipeline.stats()
-    if cfg.save_model:   # collective: gathered from every layout's shards (training/export.py)
+    if cfg.save_model:  # collective: gathered from every layout's shards (training/export.py)
         save_model(engine, cfg.save_model)
     return out
 
@@ -505,12 +551,14 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     validate(cfg)
     if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
         from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
+
         found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
         if found is not None:
             check_resume_flags(cfg, found[1], found[0])
     bar = None
     if progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=cfg.steps, desc=f"train {cfg.model} x{cfg.world_size}", unit="step")
 
     def on_metric(rank, rec):
@@ -521,8 +569,13 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
             on_step(rec)
 
     try:
-        results = launch(rank_main, cfg.world_size, cfg, on_metric=on_metric,
-                         backend=resolve_backend("auto", None, device=resolve_device(cfg)))
+        results = launch(
+            rank_main,
+            cfg.world_size,
+            cfg,
+            on_metric=on_metric,
+            backend=resolve_backend("auto", None, device=resolve_device(cfg)),
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -531,6 +584,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
         write_metrics(metrics, cfg.metrics_json)
     if cfg.tensorboard and os.environ.get("RANK", "0") == "0":
         from llmlab.metrics.tensorboard import write_train_metrics
+
         write_train_metrics(metrics, cfg.tensorboard)
     return metrics
 
@@ -557,6 +611,10 @@ def assemble_metrics(cfg: TrainConfig, results: list[dict]) -> dict:
             "schedule": cfg.pp_schedule,
             "bubble_fraction_measured": sum(p["bubble_fraction_measured"] for p in pipes) / len(pipes),
             "bubble_fraction_theory": pipes[0]["bubble_fraction_theory"],
-        } | {k: v for k, v in pipes[0].items() if k not in ("bubble_fraction_measured", "bubble_fraction_theory")}
+        } | {
+            k: v
+            for k, v in pipes[0].items()
+            if k not in ("bubble_fraction_measured", "bubble_fraction_theory")
+        }
         metrics["pipeline"]["per_rank"] = pipes
     return strict_json(metrics)

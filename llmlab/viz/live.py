@@ -11,6 +11,7 @@ Example::
     llmlab.train(cfg, progress=False, on_step=plot.update)
     plot.finish()
 """
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ from collections import defaultdict
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython
+
         ip = get_ipython()
         return ip is not None and "IPKernelApp" in ip.config
     except ImportError:
@@ -30,21 +32,39 @@ def _in_notebook() -> bool:
 STYLE = {
     # One look for every llmlab figure: readable in a notebook column, light grid, no top/right
     # frame, the same colour cycle. Applied by :func:`use_style` (on importing llmlab.viz).
-    "figure.dpi": 100, "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
-    "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 8, "legend.frameon": False,
-    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
-    "lines.linewidth": 1.6, "lines.markersize": 5, "figure.titlesize": 11,
+    "figure.dpi": 100,
+    "font.size": 10,
+    "axes.titlesize": 10,
+    "axes.labelsize": 10,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "lines.linewidth": 1.6,
+    "lines.markersize": 5,
+    "figure.titlesize": 11,
 }
 # Axis labels of the metrics llmlab's records carry (``llmlab.train(on_step=...)``, the trainer's
 # metrics JSON), used when ``LivePlot(ylabels=...)`` does not name one.
-UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "mfu": "fraction of peak",
-         "lb_loss": "balancing loss", "imbalance": "max / mean tokens per expert"}
-WIDTH = 10.0   # inches: a figure this wide fits a notebook column without shrinking its text
+UNITS = {
+    "loss": "nats/token",
+    "tokens_per_s": "tokens/s",
+    "step_time_s": "s",
+    "mfu": "fraction of peak",
+    "lb_loss": "balancing loss",
+    "imbalance": "max / mean tokens per expert",
+}
+WIDTH = 10.0  # inches: a figure this wide fits a notebook column without shrinking its text
 
 
 def use_style() -> None:
     """Apply :data:`STYLE` to matplotlib (all later figures)."""
     import matplotlib
+
     matplotlib.rcParams.update(STYLE)
 
 
@@ -55,12 +75,14 @@ class LiveFigure:
 
     def _show(self, fig, interval: float) -> None:
         import matplotlib.pyplot as plt
+
         self.fig, self.interval, self._last = fig, interval, 0.0
         plt.close(fig)  # the inline backend must not show it a second time
         self.live = os.environ.get("LLMLAB_LIVE", "1") != "0"
         self.handle = None
         if _in_notebook():
             from IPython.display import display
+
             self.handle = display(fig, display_id=True)
 
     def _maybe_draw(self) -> None:
@@ -85,9 +107,11 @@ class LiveFigure:
 def pyplot():
     """``matplotlib.pyplot``, on the Agg backend outside notebooks (no window, no display)."""
     import matplotlib
+
     if not _in_notebook():
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -107,12 +131,24 @@ class LivePlot(LiveFigure):
     inside each (when every panel has the same lines and a legend would cover them).
     """
 
-    def __init__(self, series: list[str], title: str | None = None, interval: float = 0.25,
-                 figsize: tuple[float, float] | None = None, logy: tuple[str, ...] = (),
-                 ylabels: dict[str, str] | None = None, x: str = "step", xlabel: str | None = None,
-                 ncols: int = 3, logx: bool = False, markers: bool = False,
-                 xticks: dict[float, str] | None = None, legend_outside: bool = False):
+    def __init__(
+        self,
+        series: list[str],
+        title: str | None = None,
+        interval: float = 0.25,
+        figsize: tuple[float, float] | None = None,
+        logy: tuple[str, ...] = (),
+        ylabels: dict[str, str] | None = None,
+        x: str = "step",
+        xlabel: str | None = None,
+        ncols: int = 3,
+        logx: bool = False,
+        markers: bool = False,
+        xticks: dict[float, str] | None = None,
+        legend_outside: bool = False,
+    ):
         import math
+
         plt = pyplot()
         use_style()
         self.series, self.logy = list(series), set(logy)
@@ -126,7 +162,7 @@ class LivePlot(LiveFigure):
             figsize = (min(WIDTH, 3.6 * ncols), 2.8 * nrows + (0.3 if title else 0.0))
         fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=False)
         flat = list(axes.flat)
-        for ax in flat[len(series):]:
+        for ax in flat[len(series) :]:
             ax.set_visible(False)
         self.axes = dict(zip(series, flat))
         if title:
@@ -136,8 +172,9 @@ class LivePlot(LiveFigure):
     def update(self, record: dict, label: str = "") -> None:
         for name in self.series:
             if name in record and record[name] is not None:
-                self.data[name][label].append((record.get(self.x, len(self.data[name][label]) + 1),
-                                               record[name]))
+                self.data[name][label].append(
+                    (record.get(self.x, len(self.data[name][label]) + 1), record[name])
+                )
         self._maybe_draw()
 
     def _draw(self) -> None:
@@ -157,10 +194,12 @@ class LivePlot(LiveFigure):
                 ax.set_xscale("log", base=2)
             if self.xticks:
                 from matplotlib.ticker import NullLocator
+
                 ax.set_xticks(list(self.xticks), list(self.xticks.values()))
                 ax.xaxis.set_minor_locator(NullLocator())
             elif self.x == "step" and not self.logx:  # steps are whole numbers: no tick at 2.5
                 from matplotlib.ticker import MaxNLocator
+
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             self._decorate(name, ax)
             if any(self.data[name].keys() - {""}) or ax.get_legend_handles_labels()[1]:
@@ -183,9 +222,15 @@ class LiveBars(LiveFigure):
     the final state.
     """
 
-    def __init__(self, kinds: list[str], title: str | None = None, ylabel: str = "",
-                 figsize: tuple[float, float] | None = None, interval: float = 0.0,
-                 reference_label: str = "formula"):
+    def __init__(
+        self,
+        kinds: list[str],
+        title: str | None = None,
+        ylabel: str = "",
+        figsize: tuple[float, float] | None = None,
+        interval: float = 0.0,
+        reference_label: str = "formula",
+    ):
         plt = pyplot()
         use_style()
         self.kinds, self.title, self.ylabel = list(kinds), title, ylabel
@@ -212,12 +257,18 @@ class LiveBars(LiveFigure):
             bottom = [b + v for b, v in zip(bottom, vals)]
         xs = [i for i, n in enumerate(names) if n in self.refs]
         if xs:
-            ax.hlines([self.refs[names[i]] for i in xs], [i - 0.4 for i in xs], [i + 0.4 for i in xs],
-                      colors="k", linewidth=2, label=self.reference_label)
+            ax.hlines(
+                [self.refs[names[i]] for i in xs],
+                [i - 0.4 for i in xs],
+                [i + 0.4 for i in xs],
+                colors="k",
+                linewidth=2,
+                label=self.reference_label,
+            )
         ax.set_ylabel(self.ylabel)
         if self.title:
             ax.set_title(self.title)
-        if names:   # outside the axes, right of them: a legend never covers a bar
+        if names:  # outside the axes, right of them: a legend never covers a bar
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
             ax.tick_params(axis="x", labelsize=8)
             ax.figure.tight_layout()

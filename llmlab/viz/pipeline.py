@@ -10,11 +10,15 @@ Example::
     fig, ax = plt.subplots()
     draw_timeline(simulate(build_schedule("1f1b", 4, 8))["timeline"], ax, title="1F1B")
 """
+
 from __future__ import annotations
 
-COLORS = {"F": ("#9ecae1", "#3182bd", "#08519c", "#6baed6"),
-          "B": ("#a1d99b", "#31a354", "#006d2c", "#74c476"),
-          "send": ("#fd8d3c",), "recv": ("#e6550d",)}
+COLORS = {
+    "F": ("#9ecae1", "#3182bd", "#08519c", "#6baed6"),
+    "B": ("#a1d99b", "#31a354", "#006d2c", "#74c476"),
+    "send": ("#fd8d3c",),
+    "recv": ("#e6550d",),
+}
 
 
 def timeline_from_metrics(metrics: dict, step: int = -1) -> list[list]:
@@ -22,13 +26,15 @@ def timeline_from_metrics(metrics: dict, step: int = -1) -> list[list]:
     return [per["timeline"][step]["events"] for per in metrics["pipeline"]["per_rank"]]
 
 
-def draw_timeline(timeline: list[list], ax=None, title: str | None = None, unit: str = "s",
-                  show_comm: bool = True):
+def draw_timeline(
+    timeline: list[list], ax=None, title: str | None = None, unit: str = "s", show_comm: bool = True
+):
     """Draw one row per rank (rank 0 on top): forward (blue) and backward (green) bars labelled
     with the micro-batch (``chunk.mb`` when there are several chunks), p2p waits in orange/red,
     idle time left white. Returns the matplotlib axes."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.5 + 0.5 * len(timeline)))
     p = len(timeline)
@@ -41,8 +47,15 @@ def draw_timeline(timeline: list[list], ax=None, title: str | None = None, unit:
                 continue
             colors = COLORS.get(op, ("#999999",))
             h = 0.8 if op in ("F", "B") else 0.3
-            ax.barh(y, t1 - t0, left=t0, height=h, color=colors[chunk % len(colors)],
-                    edgecolor="black" if op in ("F", "B") else "none", linewidth=0.3)
+            ax.barh(
+                y,
+                t1 - t0,
+                left=t0,
+                height=h,
+                color=colors[chunk % len(colors)],
+                edgecolor="black" if op in ("F", "B") else "none",
+                linewidth=0.3,
+            )
             if op in ("F", "B") and (t1 - t0) > end / 60:
                 label = f"{chunk}.{mb}" if chunks > 1 else str(mb)
                 ax.text((t0 + t1) / 2, y, label, ha="center", va="center", fontsize=6)
@@ -54,7 +67,10 @@ def draw_timeline(timeline: list[list], ax=None, title: str | None = None, unit:
         ax.set_title(title, fontsize=10)
     handles = [Patch(color=COLORS["F"][1], label="forward"), Patch(color=COLORS["B"][1], label="backward")]
     if show_comm:
-        handles += [Patch(color=COLORS["send"][0], label="send"), Patch(color=COLORS["recv"][0], label="recv wait")]
+        handles += [
+            Patch(color=COLORS["send"][0], label="send"),
+            Patch(color=COLORS["recv"][0], label="recv wait"),
+        ]
     ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=len(handles))
     return ax
 
@@ -71,6 +87,7 @@ def measured_bubble(metrics: dict, skip: int = 1) -> float:
     ``metrics``: ``llmlab.train``'s metrics (``assemble_metrics``) of a run with ``pp > 1``.
     """
     import statistics
+
     per_rank = [r["bubble_fraction_per_step"] for r in metrics["pipeline"]["per_rank"]]
     return sum(statistics.median(b[skip:] or b) for b in per_rank) / len(per_rank)
 
@@ -85,6 +102,7 @@ def compute_time_spread(metrics: dict, skip: int = 1) -> float:
     that waits lends its core to one that computes, so idle time is no longer the schedule's.
     """
     import statistics
+
     ratios = []
     for per in metrics["pipeline"]["per_rank"]:
         groups: dict[tuple, list[float]] = {}

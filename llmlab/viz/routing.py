@@ -6,6 +6,7 @@ model (they carry ``tokens_per_expert``: ``[layers][experts]`` token counts of t
 routing next to the load imbalance (max/mean tokens per expert, mean over layers) so far. Same display-handle
 mechanism as every llmlab live plot (:class:`llmlab.viz.live.LiveFigure`), so it passes nbval.
 """
+
 from __future__ import annotations
 
 from llmlab.viz.live import LiveFigure, pyplot
@@ -15,8 +16,9 @@ class RoutingHeatmap(LiveFigure):
     """Heat-map ``layers x experts`` of the last step's token counts, plus imbalance vs step."""
 
     def __init__(self, title: str | None = None, interval: float = 0.25):
-        fig, (self.ax_map, self.ax_imb) = pyplot().subplots(1, 2, figsize=(9, 3.2),
-                                                            gridspec_kw={"width_ratios": [1, 1.3]})
+        fig, (self.ax_map, self.ax_imb) = pyplot().subplots(
+            1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.3]}
+        )
         if title:
             fig.suptitle(title)
         self.steps: list[int] = []

@@ -18,13 +18,19 @@ Driven from the notebook loop, with what the engine already exposes::
 or ``LLMEngine(on_step=dash.on_step)`` for the step panels alone. The data (``dash.steps``,
 ``dash.finished``) are plain lists of dicts, in seconds, so they can be tested and exported.
 """
+
 from __future__ import annotations
 
 from llmlab.inference.metrics import p50_p99
 from llmlab.viz.live import LivePlot
 
-PANELS = {"seqs": "sequences", "tokens": "tokens per step", "kv": "KV blocks in use",
-          "ttft": "TTFT of finished requests", "tpot": "TPOT of finished requests"}
+PANELS = {
+    "seqs": "sequences",
+    "tokens": "tokens per step",
+    "kv": "KV blocks in use",
+    "ttft": "TTFT of finished requests",
+    "tpot": "TPOT of finished requests",
+}
 UNITS = {"seqs": "requests", "tokens": "tokens", "kv": "% of the pool", "ttft": "ms", "tpot": "ms"}
 
 
@@ -37,12 +43,22 @@ class ServingDashboard(LivePlot):
     each finished request is recorded once. ``interval``: seconds between redraws.
     """
 
-    def __init__(self, title: str | None = "serving: live engine metrics", interval: float = 0.5,
-                 figsize: tuple[float, float] = (10.0, 5.6)):
-        super().__init__(list(PANELS.values()), title=title, interval=interval, figsize=figsize,
-                         ylabels={PANELS[k]: u for k, u in UNITS.items()}, ncols=3)
-        self.steps: list[dict] = []       # one dict per engine step
-        self.finished: list[dict] = []    # one dict per finished request, in finishing order
+    def __init__(
+        self,
+        title: str | None = "serving: live engine metrics",
+        interval: float = 0.5,
+        figsize: tuple[float, float] = (10.0, 5.6),
+    ):
+        super().__init__(
+            list(PANELS.values()),
+            title=title,
+            interval=interval,
+            figsize=figsize,
+            ylabels={PANELS[k]: u for k, u in UNITS.items()},
+            ncols=3,
+        )
+        self.steps: list[dict] = []  # one dict per engine step
+        self.finished: list[dict] = []  # one dict per finished request, in finishing order
         self._seen: set[str] = set()
         self._last_step = 0
 
@@ -52,12 +68,17 @@ class ServingDashboard(LivePlot):
         if m is None or m.step <= self._last_step:
             return
         self._last_step = m.step
-        rec = {"step": m.step, "duration_s": m.duration_s, "num_running": m.num_running,
-               "num_waiting": m.num_waiting, "num_seqs": m.num_seqs,
-               "num_batched_tokens": m.num_batched_tokens,
-               "num_prefill_tokens": m.num_prefill_tokens,
-               "kv_usage": m.kv_blocks_used / m.kv_blocks_total if m.kv_blocks_total else 0.0,
-               "num_preemptions": m.num_preemptions}
+        rec = {
+            "step": m.step,
+            "duration_s": m.duration_s,
+            "num_running": m.num_running,
+            "num_waiting": m.num_waiting,
+            "num_seqs": m.num_seqs,
+            "num_batched_tokens": m.num_batched_tokens,
+            "num_prefill_tokens": m.num_prefill_tokens,
+            "kv_usage": m.kv_blocks_used / m.kv_blocks_total if m.kv_blocks_total else 0.0,
+            "num_preemptions": m.num_preemptions,
+        }
         self.steps.append(rec)
         P = PANELS
         LivePlot.update(self, {"step": m.step, P["seqs"]: m.num_running}, label="running")
@@ -73,17 +94,20 @@ class ServingDashboard(LivePlot):
                 continue
             self._seen.add(o.request_id)
             mt = o.metrics
-            rec = {"request_id": o.request_id, "step": self._last_step, "ttft_s": mt.ttft,
-                   "tpot_s": mt.tpot, "num_output_tokens": mt.num_output_tokens,
-                   "e2e_s": None if mt.finish_time is None else mt.finish_time - mt.arrival_time}
+            rec = {
+                "request_id": o.request_id,
+                "step": self._last_step,
+                "ttft_s": mt.ttft,
+                "tpot_s": mt.tpot,
+                "num_output_tokens": mt.num_output_tokens,
+                "e2e_s": None if mt.finish_time is None else mt.finish_time - mt.arrival_time,
+            }
             self.finished.append(rec)
             P = PANELS
             if rec["ttft_s"] is not None:
-                LivePlot.update(self, {"step": rec["step"], P["ttft"]: 1e3 * rec["ttft_s"]},
-                                label="request")
+                LivePlot.update(self, {"step": rec["step"], P["ttft"]: 1e3 * rec["ttft_s"]}, label="request")
             if rec["tpot_s"] is not None:
-                LivePlot.update(self, {"step": rec["step"], P["tpot"]: 1e3 * rec["tpot_s"]},
-                                label="request")
+                LivePlot.update(self, {"step": rec["step"], P["tpot"]: 1e3 * rec["tpot_s"]}, label="request")
 
     def update(self, step_metrics=None, outputs=()) -> None:
         """Record one engine step and the requests it finished, then redraw if it is time."""
@@ -94,13 +118,16 @@ class ServingDashboard(LivePlot):
         """``{"ttft_s", "tpot_s", "e2e_s"}`` (each ``{"p50", "p99"}``, seconds) over the finished
         requests, plus ``num_finished``, ``num_steps``, ``max_kv_usage`` (fraction of blocks),
         ``num_preemptions`` and ``max_batched_tokens``."""
-        return {"ttft_s": p50_p99(r["ttft_s"] for r in self.finished),
-                "tpot_s": p50_p99(r["tpot_s"] for r in self.finished),
-                "e2e_s": p50_p99(r["e2e_s"] for r in self.finished),
-                "num_finished": len(self.finished), "num_steps": len(self.steps),
-                "max_kv_usage": max((s["kv_usage"] for s in self.steps), default=0.0),
-                "num_preemptions": sum(s["num_preemptions"] for s in self.steps),
-                "max_batched_tokens": max((s["num_batched_tokens"] for s in self.steps), default=0)}
+        return {
+            "ttft_s": p50_p99(r["ttft_s"] for r in self.finished),
+            "tpot_s": p50_p99(r["tpot_s"] for r in self.finished),
+            "e2e_s": p50_p99(r["e2e_s"] for r in self.finished),
+            "num_finished": len(self.finished),
+            "num_steps": len(self.steps),
+            "max_kv_usage": max((s["kv_usage"] for s in self.steps), default=0.0),
+            "num_preemptions": sum(s["num_preemptions"] for s in self.steps),
+            "max_batched_tokens": max((s["num_batched_tokens"] for s in self.steps), default=0),
+        }
 
     # --- drawing ------------------------------------------------------------------------------
     def _decorate(self, name: str, ax) -> None:
@@ -113,8 +140,13 @@ class ServingDashboard(LivePlot):
             pct = p50_p99(r[key] for r in self.finished)
             for q, style in (("p50", "-"), ("p99", "--")):
                 if pct[q] is not None:
-                    ax.axhline(1e3 * pct[q], color="k", linestyle=style, linewidth=1,
-                               label=f"{q} {1e3 * pct[q]:.1f} ms")
+                    ax.axhline(
+                        1e3 * pct[q],
+                        color="k",
+                        linestyle=style,
+                        linewidth=1,
+                        label=f"{q} {1e3 * pct[q]:.1f} ms",
+                    )
         elif name == PANELS["kv"]:
             ax.set_ylim(0, 105)
             pre = [s["step"] for s in self.steps if s["num_preemptions"]]

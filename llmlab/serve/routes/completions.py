@@ -6,6 +6,7 @@ context whatever its tokens) are checked; tokenizing runs on the tokenizer threa
 the prompt before each choice's text and, with ``logprobs``, the prompt tokens' log-probabilities
 before the generated ones (vLLM's ``prompt_logprobs``; the first prompt token has none).
 """
+
 from __future__ import annotations
 
 from fastapi import Request
@@ -20,8 +21,11 @@ def check_text_size(ctx: ServingContext, text: str, param: str) -> None:
     limit = 2 * ctx.max_model_len * ctx.max_token_bytes
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > limit:
-        raise APIError(f"{param}: {size} bytes of text cannot fit the context of "
-                       f"{ctx.max_model_len} tokens (at most {limit} bytes are tokenized)", param=param)
+        raise APIError(
+            f"{param}: {size} bytes of text cannot fit the context of "
+            f"{ctx.max_model_len} tokens (at most {limit} bytes are tokenized)",
+            param=param,
+        )
 
 
 def _encode_all(ctx: ServingContext, prompts: list, echo: bool) -> list[tuple[str, list[int]]]:
@@ -48,14 +52,30 @@ async def completions(req: CompletionRequest, raw: Request):
     prompts = req.prompts()
     limit = ctx.server.max_prompts_per_request
     if len(prompts) > limit:
-        raise APIError(f"prompt: {len(prompts)} prompts are over the limit "
-                       f"max_prompts_per_request={limit}", param="prompt")
+        raise APIError(
+            f"prompt: {len(prompts)} prompts are over the limit max_prompts_per_request={limit}",
+            param="prompt",
+        )
     for p in prompts:
         if isinstance(p, str):
             check_text_size(ctx, p, "prompt")
     encoded = await ctx.off_loop(_encode_all, ctx, prompts, req.echo)
     echo_lp = req.echo and req.logprobs is not None
-    return await generate(ctx, raw, req, [
-        Prompt(text, ids, req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens),
-                                              prompt_logprobs=req.logprobs if echo_lp else None))
-        for text, ids in encoded], chat=False, echo_logprobs=echo_lp)
+    return await generate(
+        ctx,
+        raw,
+        req,
+        [
+            Prompt(
+                text,
+                ids,
+                req.sampling_params(
+                    ctx.max_tokens_for(len(ids), req.max_tokens),
+                    prompt_logprobs=req.logprobs if echo_lp else None,
+                ),
+            )
+            for text, ids in encoded
+        ],
+        chat=False,
+        echo_logprobs=echo_lp,
+    )

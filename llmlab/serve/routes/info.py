@@ -1,6 +1,7 @@
 """``GET /health`` (200 while every engine loop runs, else 503), ``GET /metrics`` (Prometheus
 text, :mod:`llmlab.serve.metrics`), ``GET /v1/models`` (the one served model) and
 ``GET /v1/models/{id}`` (it, or 404: the ``openai`` client's ``models.retrieve``)."""
+
 from __future__ import annotations
 
 from fastapi import Request
@@ -24,16 +25,31 @@ async def metrics(raw: Request):
 
 
 def _card(ctx) -> dict:
-    return {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
-            "owned_by": "llmlab", "root": ctx.served_model_name, "parent": None,
-            "max_model_len": ctx.max_model_len}
+    return {
+        "id": ctx.served_model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "llmlab",
+        "root": ctx.served_model_name,
+        "parent": None,
+        "max_model_len": ctx.max_model_len,
+    }
 
 
 async def models(raw: Request):
     ctx = get_context(raw)
-    adapters = [{"id": n, "object": "model", "created": ctx.created, "owned_by": "llmlab",
-                 "root": path, "parent": ctx.served_model_name, "max_model_len": ctx.max_model_len}
-                for n, path in ctx.engine.lora_adapters().items()]      # LoRA (serve/lora.py)
+    adapters = [
+        {
+            "id": n,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "llmlab",
+            "root": path,
+            "parent": ctx.served_model_name,
+            "max_model_len": ctx.max_model_len,
+        }
+        for n, path in ctx.engine.lora_adapters().items()
+    ]  # LoRA (serve/lora.py)
     return {"object": "list", "data": [_card(ctx)] + adapters}
 
 

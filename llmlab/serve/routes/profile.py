@@ -3,6 +3,7 @@ every engine replica's steps into the server's ``--profile-dir`` (``engine-N.pt.
 named phases: ``llmlab.engine step``, ``schedule``, ``prefill``/``decode``, ``attention``,
 ``sampling``; docs/profiling.md). Behind the API key like every route; without
 ``--profile-dir``, or stopping when not recording, a 400 that says so."""
+
 from __future__ import annotations
 
 from fastapi import Request

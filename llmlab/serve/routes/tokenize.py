@@ -6,6 +6,7 @@ request; ``add_generation_prompt``, ``continue_final_message``) -> ``{"count", "
 "tokens"}`` (and ``"token_strs"`` with ``return_token_strs``). ``/detokenize``: ``{"tokens":
 [ids]}`` -> ``{"prompt": text}``; an id outside the vocabulary is a 400.
 """
+
 from __future__ import annotations
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from llmlab.serve.routes.completions import check_text_size
 
 def _encode_text(ctx: ServingContext, text: str, add_special_tokens: bool) -> list[int]:
     tok = ctx.tokenizer
-    if add_special_tokens or not hasattr(tok, "apply_chat_template"):   # the byte tokenizer
+    if add_special_tokens or not hasattr(tok, "apply_chat_template"):  # the byte tokenizer
         return ctx.engine.encode(text)[1]
     return list(tok.encode(text, add_special_tokens=False))
 
@@ -41,9 +42,10 @@ async def tokenize(req: TokenizeRequest, raw: Request):
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(given)]
         check_text_size(ctx, "".join(m["content"] for m in messages), "messages")
         try:
-            _, ids = await ctx.off_loop(ctx.renderer.render, messages, req.add_generation_prompt,
-                                        req.continue_final_message)
-        except Exception as e:                  # a template error is the request's fault
+            _, ids = await ctx.off_loop(
+                ctx.renderer.render, messages, req.add_generation_prompt, req.continue_final_message
+            )
+        except Exception as e:  # a template error is the request's fault
             raise APIError(f"chat template failed: {e}", param="messages") from None
     body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
     if req.return_token_strs:
