@@ -24,6 +24,7 @@ shipped ``shakespeare`` model. Prints the CPU flags and which int8/linear kernel
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -46,7 +47,8 @@ def default_model() -> str:
 def machine() -> str:
     from llmlab.kernels import cpu_isa, cpu_linear, int8_linear
     flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma")))
-    return (f"CPU level {cpu_isa.cpu_isa()} (flags: {' '.join(flags)}); torch {torch.__version__}, "
+    la = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"load average {la}; CPU level {cpu_isa.cpu_isa()} (flags: {' '.join(flags)}); torch {torch.__version__}, "
             f"{torch.get_num_threads()} thread(s); int8 product: {int8_linear.path()}; packed linear "
             f"fp32 {cpu_linear.path(torch.float32)}, bf16 {cpu_linear.path(torch.bfloat16)}")
 
@@ -139,6 +141,7 @@ def main() -> None:
     print(f"{'mode':18s} {'prefill s':>10s} {'x fp32':>7s} {'TPOT ms':>8s} {'x fp32':>7s} {'tok/s':>8s} {'x fp32':>7s}")
     for m, (pf, tpot, tps) in med.items():
         print(f"{m:18s} {pf:10.3f} {base[0] / pf:7.2f} {tpot:8.2f} {base[1] / tpot:7.2f} {tps:8.1f} {tps / base[2]:7.2f}")
+    print("load average after: " + " / ".join(f"{x:.1f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

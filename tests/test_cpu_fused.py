@@ -71,6 +71,24 @@ def test_rotary_in_place_on_the_fused_projection(dtype, level):
     assert torch.equal(qkv[:, (H + Hkv) * D :], v)  # V's columns untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_quantize_per_token_equals_the_reference_bit_for_bit(dtype, level):
+    from llmlab.kernels.int8_linear import quantize_per_token
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 576, generator=g) * torch.logspace(-3, 2, 37)[:, None]
+    x[3], x[5, 7] = 0.0, 1e4  # an all-zero token, and one outlier setting its row's range
+    x[6] = x[6].clamp(-15, 15)  # scale 15.875 / 127 = 1/8: the ties below are exact in every dtype
+    x[6, :5] = torch.tensor([15.875, 0.0625, -0.0625, 0.1875, -0.3125])  # 127, +-0.5, 1.5, -2.5 steps
+    x = x.to(dtype)
+    q, s = C.quantize_per_token(x[None, :, :])  # any leading shape: rows of the last dimension
+    want_q, want_s = quantize_per_token(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (37, 1)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert q[6, :5].tolist() == [127, 0, 0, 2, -2]  # ties round to even, as torch.round does
+    assert q[5, 7] == 127 and q[3].abs().sum() == 0 and torch.isfinite(s).all()
+
+
 def test_bad_inputs_name_the_constraint():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match=r"weight must be \[8\]"):

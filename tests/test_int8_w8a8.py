@@ -22,27 +22,45 @@ def test_quantize_per_channel_and_per_token_round_trip_within_half_a_step():
     assert (qz == 0).all() and torch.isfinite(sz).all()
 
 
+KERNELS = [k for k in L.PATHS if k == "reference" or L._exact(k)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_linear_equals_the_float_reference_of_the_same_quantised_maths(dtype):
+@pytest.mark.parametrize("rows", [1, 21, 130])
+def test_w8a8_linear_equals_the_float_reference_of_the_same_quantised_maths(dtype, rows):
     torch.manual_seed(1)
-    x, w, b = torch.randn(3, 7, 96).to(dtype), torch.randn(80, 96), torch.randn(80)
+    x, w, b = torch.randn(rows, 96).to(dtype), torch.randn(80, 96), torch.randn(80)
     qw, sw = L.quantize_per_channel(w)
     ref = L.reference_linear(x, qw, sw, b).float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for kernel in ("reference",) + (("int_mm",) if L._int_mm_works() else ()):
-        y = L.w8a8_linear(x, qw, sw, b, kernel)
-        assert y.dtype == dtype and y.shape == (3, 7, 80)
-        torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
-    if L._int_mm_works():  # the int32 sums are exact integers
-        qx, _ = L.quantize_per_token(x.reshape(-1, 96))
+    ys = {k: L.w8a8_linear(x[None], qw, sw, b, k) for k in KERNELS}
+    for kernel, y in ys.items():
+        assert y.dtype == dtype and y.shape == (1, rows, 80)
+        torch.testing.assert_close(y[0].float(), ref, rtol=tol, atol=tol)
+        # exact int32 sums and one dequantisation order: every path gives the same bits
+        assert torch.equal(y, ys["reference"]), kernel
+    qx, _ = L.quantize_per_token(x)
+    if "int_mm" in KERNELS:  # the int32 sums are exact integers
         assert torch.equal(L.int8_matmul(qx, qw, "int_mm"), qx.int() @ qw.int().t())
+    if "onednn" in KERNELS:  # the packed product with the weight scales in its epilogue
+        torch.testing.assert_close(L._qlinear(qx, L.pack(qw), sw), (qx.int() @ qw.int().t()).float() * sw)
     exact = torch.nn.functional.linear(x.float(), w, b)  # and close to the unquantised product
     assert (L.w8a8_linear(x, qw, sw, b).float() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
+def test_the_default_path_is_the_first_exact_one(monkeypatch):
+    from llmlab.kernels import cpu_isa
+
+    monkeypatch.delenv(L.ENV, raising=False)
+    assert L.path() == next((k for k in ("onednn", "int_mm") if L._exact(k)), "reference")
+    if {"avx512_vnni", "amx_int8"} & cpu_isa.cpu_flags():  # VNNI or AMX: oneDNN's packed int8 is exact
+        assert L.path() == "onednn"
+
+
 def test_path_forced_by_env_and_by_the_cpu_level(monkeypatch):
-    monkeypatch.setenv(L.ENV, "reference")
-    assert L.path() == "reference"
+    for forced in L.PATHS:
+        monkeypatch.setenv(L.ENV, forced)
+        assert L.path() == forced
     monkeypatch.setenv(L.ENV, "vnni")
     with pytest.raises(ValueError, match=L.ENV):
         L.path()
@@ -70,7 +88,8 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
     mf, mq = fp.engine.runner.model, q.engine.runner.model
     cfg = mf.config
     assert type(mq.lm_head) is torch.nn.Linear  # the head stays fp32
-    assert isinstance(mq.model.layers[0].mlp.down_proj, W8A8Linear)
+    down = mq.model.layers[0].mlp.down_proj
+    assert isinstance(down, W8A8Linear) and down.kernel == L.path()
     head = cfg.vocab_size * cfg.hidden_size * 4
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     rows = cfg.num_hidden_layers * (qkv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size)
@@ -90,6 +109,7 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
             agree += (mq(x)[0, len(ids) - 1 :].argmax(-1) == torch.tensor(r)).sum().item()
         total += len(r)
     assert agree / total >= 0.95  # measured 0.99
+    assert (down.packed is not None) == (down.kernel == "onednn")  # packed at its first call
     monkeypatch.setenv(L.ENV, "reference")  # forced fallback: same tokens
     qr = LLM("shakespeare", device="cpu", num_gpu_blocks=32, quantization="w8a8")
     assert qr.engine.runner.model.model.layers[0].mlp.down_proj.kernel == "reference"
@@ -98,8 +118,8 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
 
 def test_default_path_is_exact_where_onednn_int8_saturates():
     """On an AVX2 CPU without VNNI oneDNN's s8s8 product saturates int16 pair sums; the trial in
-    ``_int_mm_works`` must see it and take the reference path, so results stay right. Shown on
-    any x86 machine by limiting oneDNN to AVX2 in a fresh process."""
+    ``_exact`` must see it for both oneDNN products and take the reference path, so results stay
+    right. Shown on any x86 machine by limiting oneDNN to AVX2 in a fresh process."""
     import os
     import subprocess
     import sys
@@ -118,4 +138,4 @@ def test_default_path_is_exact_where_onednn_int8_saturates():
     env.pop("LLMLAB_INT8_LINEAR", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() in ("int_mm", "reference")
+    assert out.stdout.strip() == "reference"

@@ -18,14 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmlab.kernels.int8_linear import path, quantize_per_channel, w8a8_linear
+from llmlab.kernels.int8_linear import pack, path, quantize_per_channel, w8a8_linear
 
 FUSED = {"fused_qkv": ("q_proj", "k_proj", "v_proj"), "fused_gate_up": ("gate_proj", "up_proj")}
 
 
 class W8A8Linear(nn.Module):
     """``[..., in] -> [..., out]``: :func:`~llmlab.kernels.int8_linear.w8a8_linear` with ``qw`` int8
-    ``[out, in]``, ``sw`` fp32 ``[out]`` and ``bias`` (the layer's dtype) or ``None``."""
+    ``[out, in]``, ``sw`` fp32 ``[out]`` and ``bias`` (the layer's dtype) or ``None``. On the
+    ``"onednn"`` path the weight is reordered for oneDNN once, at the first call (``packed``; the
+    int8 slices of a fused weight, never called by the engine, are never packed)."""
 
     qw: torch.Tensor
     sw: torch.Tensor
@@ -38,6 +40,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.out_features, self.in_features = qw.shape
         self.kernel = path()
+        self.packed: torch.Tensor | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear:
@@ -45,7 +48,9 @@ class W8A8Linear(nn.Module):
         return cls(qw, sw, bias)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return w8a8_linear(x, self.qw, self.sw, self.bias, self.kernel)
+        if self.kernel == "onednn" and self.packed is None:
+            self.packed = pack(self.qw)
+        return w8a8_linear(x, self.qw, self.sw, self.bias, self.kernel, self.packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"

@@ -1,5 +1,7 @@
 """Fused elementwise operators for CPU tensors, in C++: the inference engine's RMSNorm (with the
-residual add before it), SiLU-and-multiply and rotary embedding on CPU.
+residual add before it), SiLU-and-multiply and rotary embedding on CPU, and W8A8's per-token
+activation quantisation (:func:`quantize_per_token`, which :mod:`~llmlab.kernels.int8_linear`
+calls on its int8 paths whether or not ``cpu_fused`` is on).
 
 In a decoder layer these are a dozen PyTorch operators (RMSNorm alone is a cast, a square, a
 mean, a reciprocal square root, two products and a cast back), each of which reads and writes
@@ -63,3 +65,12 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     contiguous) by ``cos, sin [N, D]`` of x's dtype; returns ``x``."""
     _module().rotary_(x, cos, sin)
     return x
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's per-token activation quantisation in one pass: ``x [..., h]`` (fp32, bf16, fp16;
+    CPU) -> ``(qx int8 [N, h], sx fp32 [N, 1])`` with ``N`` the rows of ``x``; the same results,
+    bit for bit, as :func:`llmlab.kernels.int8_linear.quantize_per_token` (``sx = max(max|x|,
+    1e-12) / 127`` per row, ``qx = round(x / sx)``, half to even, clipped to [-127, 127])."""
+    q, s = _module().quantize_per_token(x)
+    return q, s

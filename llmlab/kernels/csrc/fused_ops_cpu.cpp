@@ -1,7 +1,8 @@
 // Fused elementwise operators for CPU tensors: RMSNorm (optionally after the residual add),
-// SiLU-and-multiply, and rotary embedding in place. Each is one pass over its rows instead of the
-// several PyTorch operators (each a full read and write of the tensor) of the reference:
-// llmlab.model.layers.RMSNorm, MLP and llmlab.model.llama.Attention._serve.
+// SiLU-and-multiply, rotary embedding in place, and W8A8's per-token int8 quantisation. Each is
+// one pass over its rows instead of the several PyTorch operators (each a full read and write of
+// the tensor) of the reference: llmlab.model.layers.RMSNorm, MLP, llmlab.model.llama.Attention._serve
+// and llmlab.kernels.int8_linear.quantize_per_token.
 //
 // The arithmetic is the reference's, rounding included: fp32 inside, and the result rounded to
 // the storage dtype wherever the reference's operator would round it (so bf16 results equal the
@@ -9,6 +10,7 @@
 #include <torch/extension.h>
 #include "cpu_math.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -177,11 +179,50 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
+// Per-token int8 quantisation (W8A8's activations; the reference is
+// llmlab.kernels.int8_linear.quantize_per_token): x [rows, h] -> qx int8 [rows, h] and
+// sx fp32 [rows, 1] with sx = max(max|x[r, :]|, 1e-12) / 127 and qx = round-half-even(x / sx)
+// clipped to [-127, 127]: the reference's operators (a division, not a reciprocal product), so
+// the results equal it bit for bit; one read of x instead of eight passes.
+std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
+  check_rows(x, "quantize_per_token");
+  const int64_t h = x.size(-1);
+  auto xc = x.contiguous().view({-1, h});
+  const int64_t rows = xc.size(0);
+  auto q = torch::empty({rows, h}, x.options().dtype(at::kChar));
+  auto s = torch::empty({rows, 1}, x.options().dtype(at::kFloat));
+  dispatch(x, "quantize_per_token", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = xc.data_ptr<T>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = s.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const T* xr = xp + i * h;
+        float m = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < h; ++j) m = std::max(m, std::fabs(to_f(xr[j])));
+        const float sc = std::max(m, 1e-12f) / 127.f;
+        sp[i] = sc;
+        int8_t* qr = qp + i * h;
+#pragma omp simd
+        for (int64_t j = 0; j < h; ++j) {
+          const float v = std::nearbyint(to_f(xr[j]) / sc);
+          qr[j] = static_cast<int8_t>(std::min(std::max(v, -127.f), 127.f));
+        }
+      }
+    });
+  });
+  return {q, s};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after the residual add (fused_ops_cpu.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up, [rows, I] each (fused_ops_cpu.cpp)");
   m.def("rotary_", &rotary_, "rotary embedding in place (fused_ops_cpu.cpp)");
+  m.def("quantize_per_token", &quantize_per_token,
+        "int8 per row from its absolute maximum -> (qx, sx) (fused_ops_cpu.cpp)");
   m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
         "the vector code this build uses (cpu_math.h)");
 }
