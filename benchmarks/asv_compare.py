@@ -149,6 +149,15 @@ def describe_machine(name: str) -> None:
     Machine.load(machine_name=name, **(Machine.get_defaults() | {"machine": name}))
 
 
+def ensure_main_branch() -> None:
+    """asv.conf.json's ``branches`` names ``main``; asv refuses to run without that local branch.
+    A fresh clone with another branch checked out has only ``origin/main``: make ``main`` from it."""
+    if subprocess.run(["git", "rev-parse", "--verify", "-q", "refs/heads/main"], cwd=ROOT,
+                      capture_output=True).returncode:
+        git("branch", "main", resolve("main"))
+        print("asv_compare: created the local branch main from origin/main (asv.conf.json's branch)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("a", help="the reference commit (e.g. main)")
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     extra: list[str] = []
     describe_machine(args.machine)
+    ensure_main_branch()
     a, b = resolve(args.a), resolve(args.b)
     if not args.skip_run:
         b = plant(b) if args.plant else b

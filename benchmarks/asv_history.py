@@ -24,10 +24,11 @@ QUICK = re.compile(r"^(kernels\.|train\.TrainStep|profiling\.)")
 
 def main_line() -> set[str]:
     """Commits of main's first-parent line (what ``asv publish`` shows for branch main)."""
-    out = subprocess.run(
-        ["git", "rev-list", "--first-parent", "main"], cwd=ROOT, capture_output=True, text=True
-    ).stdout
-    return set(out.split())
+    for ref in ("main", "origin/main"):  # a fresh clone of another branch has origin/main only
+        r = subprocess.run(["git", "rev-list", "--first-parent", ref], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode == 0:
+            return set(r.stdout.split())
+    return set()
 
 
 def history(machine: str, keep: set[str] | None = None) -> tuple[list[str], dict[str, list[float | None]]]:
