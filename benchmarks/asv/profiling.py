@@ -20,6 +20,7 @@ def _hook_loop(phase, acts) -> None:
 class ProfilingOff:
     timeout = 300
     timer = time.process_time
+    rounds = 1  # asv_compare.py interleaves its own rounds (--rounds) of each commit
 
     def setup(self):
         try:  # a commit before the hooks has nothing to measure: asv skips the benchmark
