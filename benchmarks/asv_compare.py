@@ -57,8 +57,8 @@ def run_commit(sha: str, tree: Path, bench: str, machine: str, extra: list[str],
     env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
-           "--machine", machine, "--bench", bench, "--show-stderr", *extra]
-    if append:
+           "--machine", machine, "--bench", bench, "--show-stderr", "--record-samples", *extra]
+    if append:  # without --record-samples in every round asv keeps no samples to append to
         cmd.append("--append-samples")
     print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
