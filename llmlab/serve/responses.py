@@ -41,7 +41,7 @@ def sse(obj) -> str:
 class ChoiceDeltas:
     """Per choice: the text already streamed and whether its last chunk was sent."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sent: dict[int, str] = {}
         self.done: set[int] = set()
 
