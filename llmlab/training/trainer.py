@@ -383,9 +383,13 @@ def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
     counted in the strategies' communication bytes.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if local_loss is None:
+            raise ValueError("global_loss: a single rank holds the loss, but it is None")
         return float(local_loss)
-    holds = mesh.is_last_stage and mesh.coords["tp"] == 0 and local_loss is not None
-    t = torch.tensor([float(local_loss) if holds else 0.0], dtype=torch.float64, device=device)
+    holds = mesh.is_last_stage and mesh.coords["tp"] == 0
+    t = torch.tensor(
+        [float(local_loss) if holds and local_loss is not None else 0.0], dtype=torch.float64, device=device
+    )
     dist.all_reduce(t)
     return t.item() / (mesh.dp * mesh.cp)  # cp ranks: equal token counts, so the mean of means
 
@@ -459,7 +463,7 @@ def _microbatches(loader: Any, step: int, mesh: Mesh, cfg: TrainConfig, device: 
 def _rank_result(engine: Engine, mesh: Mesh, steps: list, device: torch.device) -> dict:
     """The rank's part of the metrics JSON: coordinates, memory by kind (bytes), bytes moved by
     each collective, the step records (rank 0), the pipeline's schedule statistics."""
-    out = {
+    out: dict[str, Any] = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
         "memory_bytes": {
@@ -498,7 +502,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
 
-        meta = load_checkpoint(engine, cfg.checkpoint_dir)
+        meta = load_checkpoint(engine, cfg.require_checkpoint_dir())
         if meta is not None:
             first = meta["next_data_step"]
     clock = CheckpointClock(
@@ -539,7 +543,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
 
-            save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+            save_checkpoint(engine, step, loss, cfg.require_checkpoint_dir(), extra=clock.record(rec))
     prof.close()
     out = _rank_result(engine, mesh, steps, device)
     if cfg.save_model:  # collective: gathered from every layout's shards (training/export.py)
@@ -560,7 +564,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
         from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
 
-        found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
+        found = latest_checkpoint(cfg.require_checkpoint_dir(), log=lambda m: None)
         if found is not None:
             check_resume_flags(cfg, found[1], found[0])
     bar = None
