@@ -61,7 +61,7 @@ from llmlab.parallel.tp_comm import (
 )
 from llmlab.runtime import comm
 from llmlab.runtime.comm import Group
-from typing import Any
+from typing import Any, Protocol
 from llmlab.model.config import ModelConfig
 
 
@@ -121,11 +121,14 @@ def column_parallel_linears(
     adds ``scaling * B (A x)``: ``A x`` joins the region as one more weight (the same gathered
     input, the input gradient summed with the base's), so the adapter adds no communication here;
     ``A``'s gradient is partial (this rank's rows of ``B``), summed over tp after backward
-    (:func:`llmlab.parallel.tp_lora.apply_lora`).
+    (:func:`llmlab.parallel.tp_lora.apply_lora`). A layer serving many adapters
+    (``served_lora``, :class:`ServedLoRA`; inference, no SP) adds each token's own the same way.
     """
     adapted = [layer for layer in layers if layer.lora_A is not None]
     a_weights = [layer.lora_A.weight for layer in adapted if layer.lora_A is not None]
     if sequence_parallel and comm.group_size(group) > 1:
+        if any(layer.served_lora is not None for layer in layers):
+            raise ValueError("served LoRA adapters need sequence_parallel=False (serving does not shard T)")
         params: list[Tensor | None] = [t for layer in layers for t in (layer.weight, layer.bias)]
         params += [t for a in a_weights for t in (a, None)]
         outs = list(_SequenceParallelColumnMatmul.apply(x, group, *params))
@@ -134,15 +137,29 @@ def column_parallel_linears(
         outs = [F.linear(x, layer.weight, layer.bias) for layer in layers]
         outs += [F.linear(x, a) for a in a_weights]
     low_rank = iter(outs[len(layers) :])
-    return [
+    ys = [
         y if layer.lora_B is None else y + layer.lora_B(next(low_rank)) * layer.lora_scaling
         for y, layer in zip(outs, layers)
+    ]
+    return [  # served adapters (inference): each token's own, from the whole input x
+        y if (a := layer.served_lora) is None else a.up(a.down(x), y) for y, layer in zip(ys, layers)
     ]
 
 
 # --------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------
+class ServedLoRA(Protocol):
+    """Many LoRA adapters on one parallel layer, each token its own (the serving engine's slots,
+    :mod:`llmlab.inference.lora`), split as the training adapters are (:mod:`llmlab.parallel.
+    tp_lora`): ``down(x [..., in or in/tp]) -> [..., r]`` (each token's ``x A_s^T``; partial on a
+    row-parallel layer, summed in its reduction), ``up(z [..., r], y) -> y + B_s z`` per token."""
+
+    def down(self, x: Tensor) -> Tensor: ...
+
+    def up(self, z: Tensor, y: Tensor) -> Tensor: ...
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X W^T + b`` with ``W``'s output features split over the tp group (Megatron §3).
 
@@ -177,6 +194,7 @@ class ColumnParallelLinear(nn.Module):
         self.lora_A: nn.Linear | None = None  # LoRA (llmlab.parallel.tp_lora): none by default
         self.lora_B: nn.Linear | None = None
         self.lora_scaling = 0.0
+        self.served_lora: ServedLoRA | None = None  # many adapters, served (inference.lora)
 
     def split_parameters(self) -> list[nn.Parameter]:
         """The parameters split like the output features: ``weight``, ``bias`` and LoRA's
@@ -261,6 +279,7 @@ class RowParallelLinear(nn.Module):
         self.lora_A: nn.Linear | None = None  # LoRA (llmlab.parallel.tp_lora): none by default
         self.lora_B: nn.Linear | None = None
         self.lora_scaling = 0.0
+        self.served_lora: ServedLoRA | None = None  # many adapters, served (inference.lora)
 
     @classmethod
     @torch.no_grad()
@@ -285,18 +304,29 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight)
-        if self.lora_A is not None:  # x A^T is partial too: reduced in the same collective
-            y = torch.cat([y, F.linear(x, self.lora_A.weight)], dim=-1)
+        z = self._low_rank(x)
+        if z is not None:  # x A^T is partial too: reduced in the same collective
+            y = torch.cat([y, z], dim=-1)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.group)
-        if self.lora_B is None:
+        if z is None:
             return y if self.bias is None else y + self.bias
-        y, low_rank = y[..., : self.out_features], y[..., self.out_features :]
+        y, z = y[..., : self.out_features], y[..., self.out_features :]
         y = y if self.bias is None else y + self.bias
-        out: Tensor = y + self.lora_B(low_rank) * self.lora_scaling
-        return out
+        if self.lora_B is not None:
+            out: Tensor = y + self.lora_B(z) * self.lora_scaling
+            return out
+        assert self.served_lora is not None
+        return self.served_lora.up(z, y.contiguous())
+
+    def _low_rank(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial ``x A^T [*, r]`` of the LoRA adapter (or of each token's served
+        adapter), ``None`` without one."""
+        if self.lora_A is not None:
+            return F.linear(x, self.lora_A.weight)
+        return None if self.served_lora is None else self.served_lora.down(x)
 
     def extra_repr(self) -> str:
         return (
