@@ -68,11 +68,15 @@ class SlotAdapters(nn.Module):
         spec = self.a_slice if which == "lora_A" else self.b_slice
         return t if spec is None else t.chunk(spec[2], spec[0])[spec[1]]
 
+    def active(self) -> bool:
+        """Whether a token of this step runs with an adapter (else the layer adds nothing)."""
+        return self.slots.token_slots is not None and bool(self.slots.active)
+
     def down(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in] -> [..., R]``: each token's ``x A_s^T`` (zeros for the base's tokens)."""
         flat = x.reshape(-1, x.shape[-1])
         z = flat.new_zeros(flat.shape[0], self.lora_A.shape[1])
-        for s in self.slots.active if self.slots.token_slots is not None else ():
+        for s in self.slots.active if self.active() else ():
             rows = self.slots.rows[s]
             z[rows] = flat[rows] @ self.lora_A[s].T
         return z.view(*x.shape[:-1], -1)
@@ -80,7 +84,7 @@ class SlotAdapters(nn.Module):
     def up(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y + B_s z`` for each token's slot ``s``, in place on ``y [..., out]``."""
         flat_z, flat_y = z.reshape(-1, z.shape[-1]), y.view(-1, y.shape[-1])
-        for s in self.slots.active if self.slots.token_slots is not None else ():
+        for s in self.slots.active if self.active() else ():
             rows = self.slots.rows[s]
             flat_y[rows] += flat_z[rows] @ self.lora_B[s].T
         return y
@@ -96,9 +100,7 @@ class MultiLoRALinear(SlotAdapters):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        if self.slots.token_slots is None or not self.slots.active:
-            return y
-        return self.up(self.down(x), y)
+        return self.up(self.down(x), y) if self.active() else y
 
 
 class LoRASlots:

@@ -142,7 +142,8 @@ def column_parallel_linears(
         for y, layer in zip(outs, layers)
     ]
     return [  # served adapters (inference): each token's own, from the whole input x
-        y if (a := layer.served_lora) is None else a.up(a.down(x), y) for y, layer in zip(ys, layers)
+        y if (a := layer.served_lora) is None or not a.active() else a.up(a.down(x), y)
+        for y, layer in zip(ys, layers)
     ]
 
 
@@ -154,6 +155,8 @@ class ServedLoRA(Protocol):
     :mod:`llmlab.inference.lora`), split as the training adapters are (:mod:`llmlab.parallel.
     tp_lora`): ``down(x [..., in or in/tp]) -> [..., r]`` (each token's ``x A_s^T``; partial on a
     row-parallel layer, summed in its reduction), ``up(z [..., r], y) -> y + B_s z`` per token."""
+
+    def active(self) -> bool: ...  # any token of this step has an adapter (the same on every rank)
 
     def down(self, x: Tensor) -> Tensor: ...
 
@@ -326,7 +329,9 @@ class RowParallelLinear(nn.Module):
         adapter), ``None`` without one."""
         if self.lora_A is not None:
             return F.linear(x, self.lora_A.weight)
-        return None if self.served_lora is None else self.served_lora.down(x)
+        if self.served_lora is None or not self.served_lora.active():
+            return None
+        return self.served_lora.down(x)
 
     def extra_repr(self) -> str:
         return (
