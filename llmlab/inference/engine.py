@@ -382,22 +382,21 @@ class LLMEngine:
 
     # --- LoRA adapters (llmlab.inference.lora) ---------------------------------------------------
     def enable_lora(self, max_loras: int, max_lora_rank: int = 16) -> None:
-        """Serve up to ``max_loras`` LoRA adapters beside the base (one engine, one device)."""
-        if type(self.runner) is not ModelRunner:  # tensor/pipeline runners: other ranks' layers
+        """Serve up to ``max_loras`` LoRA adapters beside the base (one device, or tensor
+        parallelism: each rank its slices of them)."""
+        if not isinstance(self.runner, ModelRunner):  # the pipeline: other stages' layers
             raise ValueError(
-                "LoRA adapters are served by the one-device runner only (not with "
-                "tensor or pipeline parallelism)"
+                "LoRA adapters are served by the one-device and tensor-parallel runners "
+                "(not with pipeline parallelism)"
             )
-        from llmlab.inference.lora import enable_lora
-
-        self.runner.lora = enable_lora(self.runner.model, max_loras, max_lora_rank)
+        self.runner.enable_lora(max_loras, max_lora_rank)
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Load the PEFT adapter in ``path`` as ``name`` (``ValueError``: no slot free, name
         taken, an adapter for another base; requests name it from the next step on)."""
         if getattr(self.runner, "lora", None) is None:
             raise ValueError("LoRA is not enabled: start with --max-loras N (enable_lora)")
-        self.runner.lora.load(name, path)
+        self.runner.load_lora(name, str(path))
 
     def remove_lora(self, name: str) -> None:
         """Unload the adapter ``name``: ``KeyError`` when none is loaded by that name,
@@ -408,7 +407,7 @@ class LLMEngine:
         lid = lora.lora_id(name)
         if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values() for seq in r.seqs):
             raise ValueError(f"adapter {name!r} is in use by unfinished requests")
-        lora.unload(name)
+        self.runner.unload_lora(name)
 
     def lora_adapters(self) -> dict[str, str]:
         """``{name: folder}`` of the loaded adapters."""

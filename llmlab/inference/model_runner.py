@@ -220,6 +220,22 @@ class ModelRunner:
         order = [x for g in self.attention_groups(out.scheduled) for x in g]
         return order, multimodal.step_inputs(self.model, order, self.device)
 
+    # --- LoRA adapters (llmlab.inference.lora; LLMEngine.enable_lora/add_lora/remove_lora) ---------
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Give the model's target layers ``max_loras`` adapter slots (:func:`~llmlab.inference.
+        lora.enable_lora`); ``ValueError`` for a bound below 1."""
+        from llmlab.inference.lora import enable_lora
+
+        self.lora = enable_lora(self.model, max_loras, max_lora_rank)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter into a free slot (:meth:`~llmlab.inference.lora.LoRASlots.load`)."""
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter ``name``'s slot; ``KeyError`` when none is loaded by that name."""
+        self.lora.unload(name)
+
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
         (each sequence's last token, when it is its last to compute) and their sequence ids."""

@@ -171,15 +171,31 @@ class TensorParallelRunner(ModelRunner):
             self._send(("swap_in", pairs))
         super().swap_in(pairs)
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Every rank: adapter slots on its layers, split like the layers (inference/lora.py)."""
+        super().enable_lora(max_loras, max_lora_rank)  # a bad bound is refused on rank 0 only
+        self._send(("lora", "enable_lora", (max_loras, max_lora_rank)))
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Every rank loads its slices of the adapter (``path`` readable by every rank)."""
+        super().load_lora(name, path)  # checked against the base here first: workers then agree
+        self._send(("lora", "load_lora", (name, path)))
+
+    def unload_lora(self, name: str) -> None:
+        super().unload_lora(name)
+        self._send(("lora", "unload_lora", (name,)))
+
     @torch.no_grad()
     def forward(
         self, batches: list[AttentionBatch], sample_rows: list[int], **extra: torch.Tensor
     ) -> torch.Tensor:
-        """Rank 0: send the step to the other ranks, then run this rank's shard of it. ``extra``
-        (a vision-language model's inputs) is refused: tensor parallelism serves text models."""
+        """Rank 0: send the step (and each token's adapter slot) to the other ranks, then run
+        this rank's shard of it. ``extra`` (a vision-language model's inputs) is refused: tensor
+        parallelism serves text models."""
         if extra:
             raise ValueError("tensor-parallel inference takes no multimodal inputs")
-        self._send(("step", [_as_dict(b) for b in batches], sample_rows))
+        slots = None if self.lora is None or self.lora.token_slots is None else self.lora.token_slots.tolist()
+        self._send(("step", [_as_dict(b) for b in batches], sample_rows, slots))
         try:
             return super().forward(batches, sample_rows)
         except Exception as e:
@@ -194,7 +210,11 @@ class TensorParallelRunner(ModelRunner):
                 None, src=0, group=self.group, device=_comm_device(self.group, self.device)
             )
             if op == "step":
+                if args[2] is not None:
+                    self.lora.set_slots(args[2], self.device)
                 ModelRunner.forward(self, [_from_dict(b, self.device) for b in args[0]], args[1])
+            elif op == "lora":
+                getattr(ModelRunner, args[0])(self, *args[1])
             elif op == "copy":
                 ModelRunner.copy_blocks(self, args[0])
             elif op == "swap_out":

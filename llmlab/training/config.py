@@ -459,15 +459,13 @@ def validate(cfg: TrainConfig) -> ModelConfig:
 
 
 def check_lora(cfg: TrainConfig, mc: ModelConfig) -> None:
-    """The ``--lora-*`` checks (``ValueError``/``NotImplementedError`` naming the flag)."""
+    """The ``--lora-*`` checks (``ValueError`` naming the flag)."""
     from llmlab.model.lora import check_rank, parse_targets
 
     if cfg.lora_rank is None:
         return  # no adapters: nothing to check
     if not cfg.init_from:
         raise ValueError("--lora-rank needs --init-from (adapters are trained on a pretrained base)")
-    if cfg.tp > 1:
-        raise NotImplementedError("--lora-rank with --tp > 1 is not supported yet (use dp, zero, pp or cp)")
     check_rank(mc, cfg.lora_rank, parse_targets(cfg.lora_target))
 
 

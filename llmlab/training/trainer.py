@@ -211,22 +211,30 @@ class Engine:
         model = context_parallel.apply(model, mesh, sc.cp)
         model = expert_parallel.apply(model, mesh, sc.ep)
         if self.cfg.lora_rank is not None:  # adapters on the frozen base (llmlab.model.lora)
-            from llmlab.model.lora import apply_lora, parse_targets
-
-            apply_lora(
-                model,
-                parse_targets(self.cfg.lora_target),
-                self.cfg.lora_rank,
-                self.cfg.lora_alpha,
-                self.cfg.seed,
-            )
-            self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
+            self._add_lora(model)
         if self.cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
 
             apply_activation_checkpointing(model)
         local = pipeline_parallel.apply(model, mesh, sc.pp) if mesh.pp > 1 else model
         return model, local
+
+    def _add_lora(self, model: torch.nn.Module) -> None:
+        """LoRA adapters on the (tensor-parallel) model, their full shapes recorded for the
+        checkpoint: :func:`llmlab.model.lora.apply_lora`, under TP
+        :func:`llmlab.parallel.tp_lora.apply_lora` (each adapter split like its base layer)."""
+        from llmlab.model.lora import adapter_shapes, apply_lora, parse_targets
+        from llmlab.parallel import tp_lora
+
+        cfg, targets = self.cfg, parse_targets(self.cfg.lora_target)
+        assert cfg.lora_rank is not None
+        if self.mesh.tp > 1:
+            names = tp_lora.apply_lora(
+                model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed, self.mesh.groups["tp"]
+            )
+        else:
+            names = apply_lora(model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+        self.full_shapes |= adapter_shapes(model, names, cfg.lora_rank)
 
     def _wrap(self, local: torch.nn.Module) -> tuple[TrainedModule, TrainerOptimizer]:
         """Strategy 5, over the data x context-parallel ranks (:meth:`~llmlab.runtime.mesh.Mesh.
