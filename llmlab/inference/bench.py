@@ -35,6 +35,9 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +48,8 @@ from llmlab.inference.hf_baseline import (
     run_hf,  # noqa: F401
     run_hf_continuous,
 )
-from llmlab.inference.metrics import RequestTiming, summarize
+from llmlab.inference.loader import ModelSpec
+from llmlab.inference.metrics import summarize
 from llmlab.inference.workload import (
     WASTE_BLOCK_SIZES,
     poisson_arrivals,  # noqa: F401
@@ -59,8 +63,8 @@ ENGINE_FLAGS = ["block_size", "max_num_seqs", "quantization", "device"]  # Engin
 
 # --- llmlab --------------------------------------------------------------------------------------
 def run_llmlab(
-    model,
-    workload: dict,
+    model: ModelSpec,
+    workload: dict[str, Any],
     arrivals: list[float],
     *,
     num_gpu_blocks: int | None = None,
@@ -68,8 +72,8 @@ def run_llmlab(
     max_num_seqs: int = 256,
     device: str = "cpu",
     quantization: str | None = None,
-    **engine_args,
-) -> dict:
+    **engine_args: Any,
+) -> dict[str, Any]:
     """Serve ``workload`` with :class:`~llmlab.inference.LLMEngine`; returns the CONTRACT entry
     (throughput, TTFT/TPOT p50/p99, ``kv_cache_waste_fraction`` averaged over steps,
     ``num_preemptions``) plus ``token_ids`` (the generated tokens per request)."""
@@ -105,15 +109,7 @@ def run_llmlab(
         elif k < n:
             time.sleep(max(0.0, arrivals[order[k]] - (time.perf_counter() - t0)))
     outs = [eng.get_output(str(i)) for i in range(n)]
-    timings = [
-        RequestTiming(
-            o.metrics.arrival_time,
-            o.metrics.first_token_time,
-            o.metrics.finish_time,
-            o.metrics.num_output_tokens,
-        )
-        for o in outs
-    ]
+    timings = [o.metrics.timing() for o in outs]
     steps = eng.step_metrics
     res = summarize(timings)
     held = [s for s in steps if s.kv_blocks_used]  # a step holding no block has no waste share
@@ -131,14 +127,14 @@ def run_llmlab(
 
 def warmup_llmlab(
     path: str,
-    wl: dict,
-    num_gpu_blocks,
+    wl: dict[str, Any],
+    num_gpu_blocks: int | None,
     block_size: int,
     max_num_seqs: int,
     device: str,
     quantization: str | None,
     k: int = 4,
-) -> dict:
+) -> dict[str, Any]:
     """Run the first ``k`` requests with the *timed* run's engine settings (block size, cache
     blocks, quantization), so that the Triton kernels are compiled for the specialisations the
     timed steps use; on CUDA also compile every PagedAttention ``BLOCK_M`` variant
@@ -169,12 +165,12 @@ def warmup_llmlab(
 
 
 # --- comparisons ---------------------------------------------------------------------------------
-def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """How many requests and output tokens of ``theirs`` equal ``ours`` position by position:
     ``{"requests_equal", "num_requests", "tokens_equal", "num_tokens", "first_difference"}``
     (``first_difference``: ``[request, position]`` of the first mismatch, or None)."""
     req_eq = tok_eq = tot = 0
-    first = None
+    first: list[int] | None = None
     for i, (a, b) in enumerate(zip(ours, theirs)):
         same = [x == y for x, y in zip(a, b)]
         tok_eq += sum(same)
@@ -192,7 +188,9 @@ def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     }
 
 
-def check_equal_outputs(model, hf_model, workload: dict, num: int = 4, device: str = "cpu") -> None:
+def check_equal_outputs(
+    model: ModelSpec, hf_model: Any, workload: dict[str, Any], num: int = 4, device: str = "cpu"
+) -> None:
     """Correctness gate: greedy tokens of the engine and of HF (one left-padded static batch) on
     the first ``num`` requests. Raises ``RuntimeError`` naming the first request that differs."""
     num = min(num, len(workload["prompts"]))
@@ -208,13 +206,13 @@ def check_equal_outputs(model, hf_model, workload: dict, num: int = 4, device: s
 
 
 # --- the command ---------------------------------------------------------------------------------
-def _public(entry: dict, hf: bool = False) -> dict:
+def _public(entry: dict[str, Any], hf: bool = False) -> dict[str, Any]:
     drop = {"token_ids"} | ({"num_preemptions"} if hf else set())
     return {k: v for k, v in entry.items() if k not in drop}
 
 
 def bench_serve(
-    model="shakespeare",
+    model: str | Path = "shakespeare",
     num_requests: int = 64,
     request_rate: float | None = None,
     baseline: str | None = None,
@@ -224,7 +222,7 @@ def bench_serve(
     max_num_seqs: int = 256,
     prompt_len_median: float = 32.0,
     output_len_median: float = 32.0,
-    hf_batch_sizes=HF_BATCH_SIZES,
+    hf_batch_sizes: Iterable[int] = HF_BATCH_SIZES,
     device: str = "cpu",
     check: bool = True,
     quantization: str | None = None,
@@ -232,7 +230,7 @@ def bench_serve(
     length_sigma: float = 0.9,
     num_threads: int | None = None,
     repeats: int = 1,
-) -> dict:
+) -> dict[str, Any]:
     """Run the benchmark and return the CONTRACT dict (see module docstring). With
     ``baseline="hf"`` and ``hf_continuous`` the result also has ``"hf_continuous"`` (transformers'
     own continuous batching, :func:`run_hf_continuous`) or ``"hf_continuous_skipped"`` (why not).
@@ -302,8 +300,8 @@ def _check_bench_args(
 
 
 def _hf_batch_sizes(
-    has_hf: bool, memory_matched_batch: int | None, num_requests: int, hf_batch_sizes
-) -> list:
+    has_hf: bool, memory_matched_batch: int | None, num_requests: int, hf_batch_sizes: Iterable[int]
+) -> list[int]:
     """The static batch sizes HF runs at: none without a baseline, the memory-matched one, or
     ``hf_batch_sizes`` capped at the number of requests."""
     if not has_hf:
@@ -318,14 +316,24 @@ class _BenchRun:
     the timed rounds in which the systems take turns."""
 
     def __init__(
-        self, path, wl, arrivals, ctx, max_len, device, block_size, max_num_seqs, quantization, blocks
-    ):
+        self,
+        path: str,
+        wl: dict[str, Any],
+        arrivals: list[float],
+        ctx: int,
+        max_len: int,
+        device: str,
+        block_size: int,
+        max_num_seqs: int,
+        quantization: str | None,
+        blocks: int | None,
+    ) -> None:
         self.path, self.wl, self.arrivals, self.ctx, self.max_len = path, wl, arrivals, ctx, max_len
         self.device, self.block_size, self.max_num_seqs = device, block_size, max_num_seqs
         self.quantization, self.blocks = quantization, blocks
-        self.cb_check = None
+        self.cb_check: dict[str, Any] | None = None
 
-    def gates(self, hf_model, check: bool, with_cb: bool) -> None:
+    def gates(self, hf_model: Any, check: bool, with_cb: bool) -> None:
         """Greedy tokens vs HF before timing (raised), then the engine's warm-up; for HF's
         continuous batching the comparison on the first requests is reported, not raised (its
         kernels may round differently)."""
@@ -353,9 +361,13 @@ class _BenchRun:
             )["token_ids"]
             self.cb_check = compare_outputs(mine, theirs)
 
-    def rounds(self, hf_model, sizes: list, repeats: int, with_cb: bool):
+    def rounds(
+        self, hf_model: Any, sizes: list[int], repeats: int, with_cb: bool
+    ) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
         """``repeats`` rounds: llmlab, HF at each batch size, HF continuous; every run kept."""
-        r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
+        r_ours: list[dict[str, Any]] = []
+        r_hf: dict[int, list[dict[str, Any]]] = {b: [] for b in sizes}
+        r_cb: list[dict[str, Any]] = []
         for _ in range(repeats):
             r_ours.append(
                 run_llmlab(
@@ -386,10 +398,18 @@ class _BenchRun:
         return r_ours, r_hf, r_cb
 
 
-def _report(r_ours, r_hf, r_cb, sizes, has_hf: bool, cb_skip, cb_check) -> dict:
+def _report(
+    r_ours: list[dict[str, Any]],
+    r_hf: dict[int, list[dict[str, Any]]],
+    r_cb: list[dict[str, Any]],
+    sizes: list[int],
+    has_hf: bool,
+    cb_skip: str | None,
+    cb_check: dict[str, Any] | None,
+) -> dict[str, Any]:
     """Each system's median round as the CONTRACT entries (HF: its best batch size)."""
     ours = _median_run(r_ours)
-    result = {"llmlab": _public(ours)}
+    result: dict[str, Any] = {"llmlab": _public(ours)}
     if not has_hf:
         return result
     runs = [_median_run(r_hf[b]) for b in sizes]
@@ -416,7 +436,7 @@ def _report(r_ours, r_hf, r_cb, sizes, has_hf: bool, cb_skip, cb_check) -> dict:
     return result
 
 
-def _median_run(runs: list[dict]) -> dict:
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The round with the median throughput (the upper one of an even count), with every
     round's throughput listed in ``throughput_runs``."""
     ranked = sorted(runs, key=lambda r: r["throughput_tokens_per_s"])
@@ -485,7 +505,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="OUT", help="write every system's results here")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     res = bench_serve(
         args.model,
         args.num_requests,

@@ -247,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        for e in engines:
-            e.shutdown()
+        for engine in engines:
+            engine.shutdown()
         sock.close()
         if tb is not None:
             tb.close()

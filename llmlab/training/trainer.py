@@ -211,22 +211,30 @@ class Engine:
         model = context_parallel.apply(model, mesh, sc.cp)
         model = expert_parallel.apply(model, mesh, sc.ep)
         if self.cfg.lora_rank is not None:  # adapters on the frozen base (llmlab.model.lora)
-            from llmlab.model.lora import apply_lora, parse_targets
-
-            apply_lora(
-                model,
-                parse_targets(self.cfg.lora_target),
-                self.cfg.lora_rank,
-                self.cfg.lora_alpha,
-                self.cfg.seed,
-            )
-            self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
+            self._add_lora(model)
         if self.cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
 
             apply_activation_checkpointing(model)
         local = pipeline_parallel.apply(model, mesh, sc.pp) if mesh.pp > 1 else model
         return model, local
+
+    def _add_lora(self, model: torch.nn.Module) -> None:
+        """LoRA adapters on the (tensor-parallel) model, their full shapes recorded for the
+        checkpoint: :func:`llmlab.model.lora.apply_lora`, under TP
+        :func:`llmlab.parallel.tp_lora.apply_lora` (each adapter split like its base layer)."""
+        from llmlab.model.lora import adapter_shapes, apply_lora, parse_targets
+        from llmlab.parallel import tp_lora
+
+        cfg, targets = self.cfg, parse_targets(self.cfg.lora_target)
+        assert cfg.lora_rank is not None
+        if self.mesh.tp > 1:
+            names = tp_lora.apply_lora(
+                model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed, self.mesh.groups["tp"]
+            )
+        else:
+            names = apply_lora(model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+        self.full_shapes |= adapter_shapes(model, names, cfg.lora_rank)
 
     def _wrap(self, local: torch.nn.Module) -> tuple[TrainedModule, TrainerOptimizer]:
         """Strategy 5, over the data x context-parallel ranks (:meth:`~llmlab.runtime.mesh.Mesh.
@@ -383,9 +391,13 @@ def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
     counted in the strategies' communication bytes.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if local_loss is None:
+            raise ValueError("global_loss: a single rank holds the loss, but it is None")
         return float(local_loss)
-    holds = mesh.is_last_stage and mesh.coords["tp"] == 0 and local_loss is not None
-    t = torch.tensor([float(local_loss) if holds else 0.0], dtype=torch.float64, device=device)
+    holds = mesh.is_last_stage and mesh.coords["tp"] == 0
+    t = torch.tensor(
+        [float(local_loss) if holds and local_loss is not None else 0.0], dtype=torch.float64, device=device
+    )
     dist.all_reduce(t)
     return t.item() / (mesh.dp * mesh.cp)  # cp ranks: equal token counts, so the mean of means
 
@@ -459,7 +471,7 @@ def _microbatches(loader: Any, step: int, mesh: Mesh, cfg: TrainConfig, device: 
 def _rank_result(engine: Engine, mesh: Mesh, steps: list, device: torch.device) -> dict:
     """The rank's part of the metrics JSON: coordinates, memory by kind (bytes), bytes moved by
     each collective, the step records (rank 0), the pipeline's schedule statistics."""
-    out = {
+    out: dict[str, Any] = {
         "rank": mesh.rank,
         "coords": dict(mesh.coords),
         "memory_bytes": {
@@ -498,7 +510,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
 
-        meta = load_checkpoint(engine, cfg.checkpoint_dir)
+        meta = load_checkpoint(engine, cfg.require_checkpoint_dir())
         if meta is not None:
             first = meta["next_data_step"]
     clock = CheckpointClock(
@@ -539,7 +551,7 @@ def rank_main(cfg: TrainConfig) -> dict:
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
 
-            save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+            save_checkpoint(engine, step, loss, cfg.require_checkpoint_dir(), extra=clock.record(rec))
     prof.close()
     out = _rank_result(engine, mesh, steps, device)
     if cfg.save_model:  # collective: gathered from every layout's shards (training/export.py)
@@ -560,7 +572,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
         from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
 
-        found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
+        found = latest_checkpoint(cfg.require_checkpoint_dir(), log=lambda m: None)
         if found is not None:
             check_resume_flags(cfg, found[1], found[0])
     bar = None
