@@ -248,16 +248,9 @@ def bench_serve(
     from llmlab.inference import loader
     from llmlab.runtime.hardware import resolve_device
 
-    if memory_matched_batch is not None and memory_matched_batch < 1:
-        raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be >= 1")
-    if baseline not in (None, "hf"):
-        raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
+    _check_bench_args(memory_matched_batch, repeats, baseline, num_threads)
     device = resolve_device(str(device))
     if num_threads is not None:
-        if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads} must be >= 1")
         torch.set_num_threads(num_threads)
     path = loader.resolve_model_path(str(model))
     cfg = json.loads((path / "config.json").read_text())
@@ -273,56 +266,51 @@ def bench_serve(
     )
     arrivals = poisson_arrivals(num_requests, request_rate, seed)
     max_len = max(p + o for p, o in zip(wl["prompt_lens"], wl["output_lens"]))
-    run = _BenchRun(
-        str(path),
-        wl,
-        arrivals,
-        ctx,
-        max_len,
-        device,
-        block_size,
-        max_num_seqs,
-        quantization,
-        blocks=(
-            None if memory_matched_batch is None else math.ceil(memory_matched_batch * max_len / block_size)
-        ),
-    )
+    blocks = None if memory_matched_batch is None else math.ceil(memory_matched_batch * max_len / block_size)
+    args = (str(path), wl, arrivals, ctx, max_len, device, block_size, max_num_seqs, quantization)
+    run = _BenchRun(*args, blocks=blocks)
     torch.manual_seed(seed)
     hf_model = load_hf(path, device) if baseline == "hf" else None
     cb_skip = None
     if hf_model is not None:
         cb_skip = "hf_continuous=False" if not hf_continuous else hf_continuous_available(hf_model)
     run.gates(hf_model, check, cb_skip is None)
-    sizes = (
-        []
-        if hf_model is None
-        else [memory_matched_batch]
-        if memory_matched_batch is not None
-        else sorted({min(b, num_requests) for b in hf_batch_sizes})
-    )
+    sizes = _hf_batch_sizes(hf_model is not None, memory_matched_batch, num_requests, hf_batch_sizes)
     r_ours, r_hf, r_cb = run.rounds(hf_model, sizes, repeats, cb_skip is None)
-    result = {
-        "workload": {
-            "num_requests": num_requests,
-            "prompt_lens": wl["prompt_lens"],
-            "output_lens": wl["output_lens"],
-        },
-        "config": {
-            "model": str(model),
-            "request_rate": request_rate,
-            "seed": seed,
-            "memory_matched_batch": memory_matched_batch,
-            "block_size": block_size,
-            "max_len": max_len,
-            "device": device,
-            "quantization": quantization,
-            "length_sigma": length_sigma,
-            "num_threads": torch.get_num_threads(),
-            "repeats": repeats,
-        },
-    }
+    config = dict(model=str(model), request_rate=request_rate, seed=seed)
+    config |= dict(memory_matched_batch=memory_matched_batch, block_size=block_size, max_len=max_len)
+    config |= dict(device=device, quantization=quantization, length_sigma=length_sigma)
+    config |= dict(num_threads=torch.get_num_threads(), repeats=repeats)
+    workload = dict(num_requests=num_requests, prompt_lens=wl["prompt_lens"], output_lens=wl["output_lens"])
+    result = {"workload": workload, "config": config}
     result.update(_report(r_ours, r_hf, r_cb, sizes, hf_model is not None, cb_skip, run.cb_check))
     return result
+
+
+def _check_bench_args(
+    memory_matched_batch: int | None, repeats: int, baseline: str | None, num_threads: int | None
+) -> None:
+    """``ValueError`` naming the flag of :func:`bench_serve` that is out of range."""
+    if memory_matched_batch is not None and memory_matched_batch < 1:
+        raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
+    if baseline not in (None, "hf"):
+        raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+
+
+def _hf_batch_sizes(
+    has_hf: bool, memory_matched_batch: int | None, num_requests: int, hf_batch_sizes
+) -> list:
+    """The static batch sizes HF runs at: none without a baseline, the memory-matched one, or
+    ``hf_batch_sizes`` capped at the number of requests."""
+    if not has_hf:
+        return []
+    if memory_matched_batch is not None:
+        return [memory_matched_batch]
+    return sorted({min(b, num_requests) for b in hf_batch_sizes})
 
 
 class _BenchRun:

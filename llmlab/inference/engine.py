@@ -98,6 +98,90 @@ def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int, devi
     return max(one_seq, min(cfg.max_num_seqs * one_seq, budget // per_block))
 
 
+def _validate_layout(cfg: EngineConfig, model_config: Any, distributed: bool) -> None:
+    """The parallel layout's checks (``ValueError`` naming the size): the pipeline's (every rank
+    a worker, :mod:`~llmlab.inference.pipeline_parallel`) or tensor parallelism's alone."""
+    if distributed:
+        from llmlab.inference import pipeline_parallel
+
+        pipeline_parallel.validate(
+            model_config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.quantization
+        )
+    elif cfg.tensor_parallel_size != 1:
+        from llmlab.inference import tensor_parallel
+
+        tensor_parallel.validate(model_config, cfg.tensor_parallel_size, cfg.quantization)
+
+
+def _cache_sizes(
+    cfg: EngineConfig, mc: Any, max_model_len: int, device: torch.device
+) -> tuple[int, str, int]:
+    """``(num_gpu_blocks, preemption_mode, num_host_blocks)``: the KV cache pools (the config's,
+    else sized from memory) and how a preempted sequence is resumed (swap on CUDA, else recompute)."""
+    num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, max_model_len, device)
+    preemption_mode = cfg.preemption_mode or ("swap" if device.type == "cuda" else "recompute")
+    num_host_blocks = cfg.num_host_blocks
+    if num_host_blocks is None:
+        block_bytes = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
+        swap = preemption_mode == "swap"
+        num_host_blocks = (
+            default_host_blocks(num_gpu_blocks, block_bytes, cfg.swap_space_bytes) if swap else 0
+        )
+    return num_gpu_blocks, preemption_mode, num_host_blocks
+
+
+def _make_runner(
+    model: Any,
+    spec: Any,
+    cfg: EngineConfig,
+    device: torch.device,
+    num_gpu_blocks: int,
+    num_host_blocks: int,
+    distributed: bool,
+) -> Any:
+    """The runner of the layout: a :class:`ModelRunner` in this process, the tensor-parallel
+    ranks, or the pipeline's workers (``spec``: what each worker loads)."""
+    cache = dict(
+        num_blocks=num_gpu_blocks,
+        block_size=cfg.block_size,
+        dtype=cfg.dtype,
+        num_host_blocks=num_host_blocks,
+        paged_attention=cfg.paged_attention,
+        cpu_fused=cfg.cpu_fused,
+    )
+    if distributed:
+        from llmlab.inference import pipeline_parallel
+
+        tp, pp, backend = (
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            cfg.distributed_executor_backend,
+        )
+        return pipeline_parallel.launch(model, spec, tp, pp, device, cache, backend)
+    if cfg.tensor_parallel_size != 1:
+        from llmlab.inference import tensor_parallel
+
+        return tensor_parallel.TensorParallelRunner.launch(
+            model, spec, cfg.tensor_parallel_size, device, cache
+        )
+    runner = ModelRunner(
+        model,
+        num_gpu_blocks,
+        cfg.block_size,
+        device,
+        cfg.dtype,
+        num_host_blocks,
+        paged_attention=cfg.paged_attention,
+        packed_linear=cfg.packed_linear,
+        cpu_fused=cfg.cpu_fused,
+    )
+    if cfg.quantization == "w8a8":  # after the runner fused q/k/v and gate/up
+        from llmlab.inference.quantize_w8a8 import quantize_w8a8
+
+        quantize_w8a8(runner.model)
+    return runner
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -151,16 +235,7 @@ class LLMEngine:
             defaults if cfg.generation_defaults is None else cfg.generation_defaults
         )
         distributed = cfg.pipeline_parallel_size > 1 or cfg.distributed_executor_backend == "ray"
-        if distributed:  # every rank a worker (pipeline_parallel.py)
-            from llmlab.inference import pipeline_parallel
-
-            pipeline_parallel.validate(
-                model.config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.quantization
-            )
-        elif cfg.tensor_parallel_size != 1:
-            from llmlab.inference import tensor_parallel
-
-            tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
+        _validate_layout(cfg, model.config, distributed)  # every rank a worker when distributed
         if cfg.quantization in ("int8", "int8-weight-only"):
             from llmlab.model.quantize import quantize_int8
 
@@ -176,17 +251,9 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
-        num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, self.max_model_len, self.device)
-        preemption_mode = cfg.preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
-        num_host_blocks = cfg.num_host_blocks
-        if num_host_blocks is None:
-            num_host_blocks = (
-                default_host_blocks(
-                    num_gpu_blocks, kv_bytes_per_block(mc, cfg.block_size, cfg.dtype), cfg.swap_space_bytes
-                )
-                if preemption_mode == "swap"
-                else 0
-            )
+        num_gpu_blocks, preemption_mode, num_host_blocks = _cache_sizes(
+            cfg, mc, self.max_model_len, self.device
+        )
         self.block_size = cfg.block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -198,55 +265,9 @@ class LLMEngine:
             num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching, num_host_blocks
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner: Any  # ModelRunner, TensorParallelRunner or PipelineExecutor
-        if distributed:
-            self.runner = pipeline_parallel.launch(
-                model,
-                spec,
-                cfg.tensor_parallel_size,
-                cfg.pipeline_parallel_size,
-                self.device,
-                dict(
-                    num_blocks=num_gpu_blocks,
-                    block_size=cfg.block_size,
-                    dtype=cfg.dtype,
-                    num_host_blocks=num_host_blocks,
-                    paged_attention=cfg.paged_attention,
-                    cpu_fused=cfg.cpu_fused,
-                ),
-                cfg.distributed_executor_backend,
-            )
-        elif cfg.tensor_parallel_size == 1:
-            self.runner = ModelRunner(
-                model,
-                num_gpu_blocks,
-                cfg.block_size,
-                self.device,
-                cfg.dtype,
-                num_host_blocks,
-                paged_attention=cfg.paged_attention,
-                packed_linear=cfg.packed_linear,
-                cpu_fused=cfg.cpu_fused,
-            )
-            if cfg.quantization == "w8a8":  # after the runner fused q/k/v and gate/up
-                from llmlab.inference.quantize_w8a8 import quantize_w8a8
-
-                quantize_w8a8(self.runner.model)
-        else:
-            self.runner = tensor_parallel.TensorParallelRunner.launch(
-                model,
-                spec,
-                cfg.tensor_parallel_size,
-                self.device,
-                dict(
-                    num_blocks=num_gpu_blocks,
-                    block_size=cfg.block_size,
-                    dtype=cfg.dtype,
-                    num_host_blocks=num_host_blocks,
-                    paged_attention=cfg.paged_attention,
-                    cpu_fused=cfg.cpu_fused,
-                ),
-            )
+        self.runner: Any = _make_runner(  # ModelRunner, TensorParallelRunner or PipelineExecutor
+            model, spec, cfg, self.device, num_gpu_blocks, num_host_blocks, distributed
+        )
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.distributed = distributed
         self._in_flight: list = []  # pipeline: (step plan, handle, t0, cow copies before)

@@ -12,6 +12,7 @@ percentiles from :mod:`llmlab.inference.metrics`, KV waste, ``token_ids``).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -160,6 +161,68 @@ def hf_continuous_available(hf_model) -> str | None:
     return None
 
 
+def _feed_and_collect(manager: Any, prompts: list, olens: list, arrivals: list) -> tuple[float, dict, dict]:
+    """Add each request to HF's ``ContinuousBatchingManager`` at its arrival time and collect the
+    finished ones: ``(t0, results by request id, time each stream delivered its first token)``.
+    ``RuntimeError`` when a request fails or the manager stops answering (60 s)."""
+    n = len(prompts)
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    results: dict = {}
+    first_seen: dict = {}
+    t0 = time.perf_counter()
+    k = 0
+    while len(results) < n:
+        now = time.perf_counter() - t0
+        while k < n and arrivals[order[k]] <= now:
+            i = order[k]
+            manager.add_request(
+                prompts[i],
+                request_id=str(i),
+                max_new_tokens=olens[i],
+                record_timestamps=True,
+                eos_token_id=-1,
+                streaming=True,
+            )
+            k += 1
+        wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
+        r = manager.get_result(timeout=min(wait, 60.0))
+        if r is None:
+            if k == n:
+                raise RuntimeError(
+                    f"HF continuous batching returned {len(results)}/{n} "
+                    f"requests (thread running: {manager.is_running()})"
+                )
+            continue
+        if r.generated_tokens and r.request_id not in first_seen:
+            first_seen[r.request_id] = time.perf_counter()
+        if r.is_finished():
+            if r.error is not None:
+                raise RuntimeError(f"HF continuous batching: request {r.request_id}: {r.error}")
+            results[r.request_id] = r
+    return t0, results, first_seen
+
+
+def _hf_timings(results: dict, first_seen: dict, t0: float, arrivals: list, olens: list) -> tuple[list, list]:
+    """Each request's :class:`RequestTiming` and generated tokens, from HF's results.
+    ``RuntimeError`` when a request made another number of tokens than asked."""
+    timings, tokens = [], []
+    for i in range(len(olens)):
+        r = results[str(i)]
+        if len(r.generated_tokens) != olens[i]:
+            raise RuntimeError(
+                f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
+                f"tokens, expected {olens[i]}"
+            )
+        # per-token timestamps restart when HF preempts (offloads) a request; then the first
+        # token's time is when its stream delivered it
+        ts = r.timestamps or []
+        first = ts[0] if len(ts) == olens[i] else first_seen[str(i)]
+        finish = ts[-1] if ts else first_seen[str(i)]
+        timings.append(RequestTiming(t0 + arrivals[i], first, finish, olens[i]))
+        tokens.append(list(r.generated_tokens))
+    return timings, tokens
+
+
 @torch.no_grad()
 def run_hf_continuous(
     hf_model,
@@ -185,7 +248,6 @@ def run_hf_continuous(
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     prompts, olens = workload["prompts"], workload["output_lens"]
-    n = len(prompts)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(olens))
     cb = ContinuousBatchingConfig(
         page_size=block_size,
@@ -195,58 +257,13 @@ def run_hf_continuous(
     )
     manager = hf_model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    results, first_seen = {}, {}
     try:
-        t0 = time.perf_counter()
-        k = 0
-        while len(results) < n:
-            now = time.perf_counter() - t0
-            while k < n and arrivals[order[k]] <= now:
-                i = order[k]
-                manager.add_request(
-                    prompts[i],
-                    request_id=str(i),
-                    max_new_tokens=olens[i],
-                    record_timestamps=True,
-                    eos_token_id=-1,
-                    streaming=True,
-                )
-                k += 1
-            wait = 60.0 if k == n else max(1e-3, arrivals[order[k]] - (time.perf_counter() - t0))
-            r = manager.get_result(timeout=min(wait, 60.0))
-            if r is None:
-                if k == n:
-                    raise RuntimeError(
-                        f"HF continuous batching returned {len(results)}/{n} "
-                        f"requests (thread running: {manager.is_running()})"
-                    )
-                continue
-            if r.generated_tokens and r.request_id not in first_seen:
-                first_seen[r.request_id] = time.perf_counter()
-            if r.is_finished():
-                if r.error is not None:
-                    raise RuntimeError(f"HF continuous batching: request {r.request_id}: {r.error}")
-                results[r.request_id] = r
+        t0, results, first_seen = _feed_and_collect(manager, prompts, olens, arrivals)
         cache = manager.batch_processor.cache if manager.batch_processor is not None else None
     finally:
         manager.stop(block=True, timeout=10)
         manager.destroy()
-    timings, tokens = [], []
-    for i in range(n):
-        r = results[str(i)]
-        if len(r.generated_tokens) != olens[i]:
-            raise RuntimeError(
-                f"HF continuous batching: request {i} made {len(r.generated_tokens)} "
-                f"tokens, expected {olens[i]}"
-            )
-        # per-token timestamps restart when HF preempts (offloads) a request; then the first
-        # token's time is when its stream delivered it
-        ts = r.timestamps or []
-        first = ts[0] if len(ts) == olens[i] else first_seen[str(i)]
-        finish = ts[-1] if ts else first_seen[str(i)]
-        timings.append(RequestTiming(t0 + arrivals[i], first, finish, olens[i]))
-        tokens.append(list(r.generated_tokens))
+    timings, tokens = _hf_timings(results, first_seen, t0, arrivals, olens)
     res = summarize(timings)
     res["kv_cache_waste_fraction"] = None
     res["num_gpu_blocks"] = int(cache.num_blocks) if cache is not None else None

@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -442,6 +442,42 @@ def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
     return parse_steps(cfg.profile_steps, 1, cfg.steps)
 
 
+def _microbatches(loader: Any, step: int, mesh: Mesh, cfg: TrainConfig, device: torch.device) -> list:
+    """This rank's ``[(x, y), ...]`` micro-batches of ``step`` on ``device`` (its data-parallel
+    share; under context parallelism its tokens of the same sequences)."""
+    micro = [
+        (x.to(device), y.to(device))
+        for x, y in loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
+    ]
+    if cfg.cp > 1:
+        from llmlab.parallel.context_parallel import shard_microbatches
+
+        micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+    return micro
+
+
+def _rank_result(engine: Engine, mesh: Mesh, steps: list, device: torch.device) -> dict:
+    """The rank's part of the metrics JSON: coordinates, memory by kind (bytes), bytes moved by
+    each collective, the step records (rank 0), the pipeline's schedule statistics."""
+    out = {
+        "rank": mesh.rank,
+        "coords": dict(mesh.coords),
+        "memory_bytes": {
+            "params": param_bytes(engine.parameters()),
+            "grads": engine.grad_bytes,
+            "optimizer_states": optimizer_state_bytes(engine.optimizer),
+            "activations_peak": engine.activation_peak,
+        },
+        "comm_bytes": comm.COUNTER.snapshot(),
+        "steps": steps if mesh.rank == 0 else None,
+    }
+    if device.type == "cuda":  # the caching allocator's view, beside the exact tensor accounting
+        out["memory_bytes"]["cuda"] = cuda_memory(device)
+    if engine.pipeline is not None:
+        out["pipeline"] = engine.pipeline.stats()
+    return out
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -475,14 +511,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
-        micro = [
-            (x.to(device), y.to(device))
-            for x, y in loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
-        ]
-        if cfg.cp > 1:  # this rank's tokens of the same sequences
-            from llmlab.parallel.context_parallel import shard_microbatches
-
-            micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+        micro = _microbatches(loader, step, mesh, cfg, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -498,14 +527,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         if mc.num_experts:  # routing statistics of this step, summed over dp and pp (collective)
             from llmlab.model.moe import collect_moe_stats
 
-            rec.update(
-                collect_moe_stats(
-                    engine.model,
-                    mesh.groups.get("dp"),
-                    mesh.groups.get("pp"),
-                    num_layers=mc.num_hidden_layers,
-                )
-            )
+            dp_group, pp_group = mesh.groups.get("dp"), mesh.groups.get("pp")
+            rec.update(collect_moe_stats(engine.model, dp_group, pp_group, num_layers=mc.num_hidden_layers))
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
@@ -518,22 +541,7 @@ def rank_main(cfg: TrainConfig) -> dict:
 
             save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
     prof.close()
-    out = {
-        "rank": mesh.rank,
-        "coords": dict(mesh.coords),
-        "memory_bytes": {
-            "params": param_bytes(engine.parameters()),
-            "grads": engine.grad_bytes,
-            "optimizer_states": optimizer_state_bytes(engine.optimizer),
-            "activations_peak": engine.activation_peak,
-        },
-        "comm_bytes": comm.COUNTER.snapshot(),
-        "steps": steps if mesh.rank == 0 else None,
-    }
-    if device.type == "cuda":  # the caching allocator's view, beside the exact tensor accounting
-        out["memory_bytes"]["cuda"] = cuda_memory(device)
-    if engine.pipeline is not None:
-        out["pipeline"] = engine.pipeline.stats()
+    out = _rank_result(engine, mesh, steps, device)
     if cfg.save_model:  # collective: gathered from every layout's shards (training/export.py)
         save_model(engine, cfg.save_model)
     return out
