@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # benchmarks/asv/ (the suite) would shadow the asv package for a script run from benchmarks/
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
-QUICK = r"^(kernels\.|train\.TrainStep)"
+QUICK = r"^(kernels\.|train\.TrainStep|profiling\.ProfilingOff\.time)"
 
 
 def git(*args: str) -> str:
@@ -57,8 +57,8 @@ def run_commit(sha: str, tree: Path, bench: str, machine: str, extra: list[str],
     env = os.environ | {"ASV_PYTHONPATH": str(tree), "LLMLAB_ASV_TREE": str(tree)}
     env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-m", "asv", "run", "--python=same", "--set-commit-hash", sha,
-           "--machine", machine, "--bench", bench, "--show-stderr", *extra]
-    if append:
+           "--machine", machine, "--bench", bench, "--show-stderr", "--record-samples", *extra]
+    if append:  # without --record-samples in every round asv keeps no samples to append to
         cmd.append("--append-samples")
     print("+", " ".join(cmd), f"(ASV_PYTHONPATH={tree})", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
@@ -73,15 +73,51 @@ def run_rounds(a: str, b: str, rounds: int, bench: str, machine: str, extra: lis
                 run_commit(sha, tree, bench, machine, extra, append=r > 0)
 
 
+def resolve(rev: str) -> str:
+    """``rev``'s full hash; a branch this clone has only as ``origin/<rev>`` (a fresh clone's
+    ``main`` when another branch is checked out) is taken from there."""
+    for name in (rev, f"origin/{rev}"):
+        r = subprocess.run(["git", "rev-parse", "--verify", "-q", name + "^{commit}"], cwd=ROOT,
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            return r.stdout.strip()
+    raise SystemExit(f"asv_compare: {rev!r} is not a commit of this repository")
+
+
+# Appended to llmlab/training/trainer.py of the planted commit: every Engine.train_step spins
+# until it has used 30% more CPU time than the step itself (any commit with Engine.train_step).
+PLANTED = """
+
+# PLANTED SLOWDOWN (benchmarks/asv_compare.py --plant): +30% CPU time per training step
+def _planted_slowdown(step):
+    import functools
+    import time
+
+    @functools.wraps(step)
+    def slower(*args, **kwargs):
+        t0 = time.process_time()
+        out = step(*args, **kwargs)
+        dt = time.process_time() - t0
+        while time.process_time() - t0 < 1.3 * dt:
+            pass
+        return out
+
+    return slower
+
+
+Engine.train_step = _planted_slowdown(Engine.train_step)
+"""
+
+
 def plant(rev: str) -> str:
-    """A commit on top of ``rev`` with planted_slowdown.patch applied (one training step takes
-    30% more CPU time); returns its hash. Nothing in this checkout changes."""
+    """A commit on top of ``rev`` whose training step takes 30% more CPU time (``PLANTED``);
+    returns its hash. Nothing in this checkout changes."""
     tmp = Path(tempfile.mkdtemp(prefix="llmlab-asv-plant-"))
     tree = tmp / "tree"
-    git("worktree", "add", "--detach", str(tree), git("rev-parse", rev))
+    git("worktree", "add", "--detach", str(tree), resolve(rev))
     try:
-        patch = ROOT / "benchmarks" / "asv" / "planted_slowdown.patch"
-        subprocess.run(["git", "apply", str(patch)], cwd=tree, check=True)
+        with open(tree / "llmlab" / "training" / "trainer.py", "a") as f:
+            f.write(PLANTED)
         subprocess.run(["git", "-c", "user.name=asv", "-c", "user.email=asv@llmlab.invalid",
                         "commit", "-qam", "planted 30% slowdown of Engine.train_step"],
                        cwd=tree, check=True)
@@ -105,6 +141,23 @@ def compare(a: str, b: str, factor: float, machine: str) -> bool:
     return bool(worsened)
 
 
+def describe_machine(name: str) -> None:
+    """Record ``name`` in ~/.asv-machine.json with what asv detects (os, arch, cpu, num_cpu, ram):
+    ``asv machine --machine NAME --yes`` would store the name alone."""
+    from asv.machine import Machine
+
+    Machine.load(machine_name=name, **(Machine.get_defaults() | {"machine": name}))
+
+
+def ensure_main_branch() -> None:
+    """asv.conf.json's ``branches`` names ``main``; asv refuses to run without that local branch.
+    A fresh clone with another branch checked out has only ``origin/main``: make ``main`` from it."""
+    if subprocess.run(["git", "rev-parse", "--verify", "-q", "refs/heads/main"], cwd=ROOT,
+                      capture_output=True).returncode:
+        git("branch", "main", resolve("main"))
+        print("asv_compare: created the local branch main from origin/main (asv.conf.json's branch)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("a", help="the reference commit (e.g. main)")
@@ -118,17 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleaved rounds A, B, A, B, ... (samples appended; default 2)")
     p.add_argument("--skip-run", action="store_true", help="only compare stored results")
     p.add_argument("--plant", action="store_true",
-                   help="judge B with benchmarks/asv/planted_slowdown.patch applied (+30%% CPU "
-                        "time per training step): shows the check fails as it should")
+                   help="judge B with a planted slowdown (PLANTED: +30%% CPU time per "
+                        "training step): shows the check fails as it should")
     args = p.parse_args(argv)
     extra: list[str] = []
-    subprocess.run([sys.executable, "-m", "asv", "machine", "--machine", args.machine, "--yes"],
-                   cwd=ROOT, check=True, capture_output=True)
-    if args.skip_run:
-        a, b = git("rev-parse", args.a), git("rev-parse", args.b)
-    else:
-        a = git("rev-parse", args.a)
-        b = plant(args.b) if args.plant else git("rev-parse", args.b)
+    describe_machine(args.machine)
+    ensure_main_branch()
+    a, b = resolve(args.a), resolve(args.b)
+    if not args.skip_run:
+        b = plant(b) if args.plant else b
         run_rounds(a, b, args.rounds, args.bench, args.machine, extra)
     worse = compare(a, b, args.factor, args.machine)
     print(f"{'SLOWER' if worse else 'ok'}: {args.b} vs {args.a} at --factor {args.factor}")

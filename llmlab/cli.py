@@ -107,7 +107,9 @@ def run_train(args: argparse.Namespace) -> int:
     if cfg.resume and leader:
         from llmlab.training.checkpoint import latest_checkpoint
 
-        if latest_checkpoint(cfg.checkpoint_dir) is None:  # as Megatron, say so rather than start silently
+        if (
+            latest_checkpoint(cfg.require_checkpoint_dir()) is None
+        ):  # as Megatron, say so rather than start silently
             print(f"no valid checkpoint in {cfg.checkpoint_dir}: starting from step 1", file=sys.stderr)
     metrics = train(cfg, progress=not args.no_progress and leader)
     if not leader:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ def check_triton() -> dict:
 
 def diagnose(comm_ranks: int = 2) -> dict:
     """Run every check; returns a JSON-serialisable report with ``verdict`` ``ok``/``problems``."""
-    report = {"hardware": hardware(), "comm": [check_comm("gloo", comm_ranks)]}
+    report: dict[str, Any] = {"hardware": hardware(), "comm": [check_comm("gloo", comm_ranks)]}
     n = gpu_count()
     if n >= 2:
         report["comm"].append(check_comm("nccl", min(n, 8), nbytes=64 << 20))

@@ -208,41 +208,59 @@ def estimate(args: argparse.Namespace) -> dict:
     """Everything ``llmlab estimate`` computes, as a JSON-ready dict (bytes, FLOPs, seconds).
     Raises ``ValueError`` naming the flag (:func:`check_args`) or the missing companion flag."""
     check_args(args)
+    n, layers, hidden, heads = _model_shape(args)
+    if args.zero is not None and args.dp is None:
+        raise ValueError("--zero needs --dp (the number of data-parallel ranks to shard over)")
+    out = {
+        "inputs": {k: v for k, v in vars(args).items() if k not in ("command", "module", "json")}
+        | {"num_params": n},
+        "memory": _memory(args, n, layers, hidden, heads),
+    }
+    if args.tokens is not None:
+        out["compute"] = _compute(args, n)
+    elif args.gpu_tflops is not None:
+        raise ValueError("--gpu-tflops needs --tokens (the training tokens)")
+    if args.tokens_per_step is not None or args.bandwidth_gb_s is not None:
+        out["communication"] = _communication(args, n)
+    if args.dp is not None:
+        out["zero"] = _zero(args, n)
+    return out
+
+
+def _model_shape(args: argparse.Namespace) -> tuple:
+    """``(num_params, layers, hidden, heads)`` from ``--params`` (with the shape flags) or
+    ``--model PRESET`` (the flags given override the preset's). Raises ``ValueError``."""
     layers, hidden, heads = args.num_layers, args.hidden_size, args.num_heads
     if (args.params is None) == (args.model is None):
         raise ValueError(
             "give exactly one of --params N or --model PRESET (--num-layers, "
             "--hidden-size and --num-heads go with --params)"
         )
-    if args.model is not None:
-        from llmlab.model.config import get_preset
+    if args.model is None:
+        return args.params, layers, hidden, heads
+    from llmlab.model.config import get_preset
 
-        mc = get_preset(args.model)
-        n = mc.num_parameters()
-        layers = mc.num_hidden_layers if layers is None else layers
-        hidden = mc.hidden_size if hidden is None else hidden
-        heads = mc.num_attention_heads if heads is None else heads
-        if hidden % heads:
-            raise ValueError(
-                f"--num-heads {heads} must divide --hidden-size {hidden} "
-                f"(--model {args.model}'s, unless given)"
-            )
-        if heads % args.tp:
-            raise ValueError(
-                f"--tp {args.tp} must divide --num-heads {heads} (--model {args.model}'s, unless given)"
-            )
-    else:
-        n = args.params
-    if args.zero is not None and args.dp is None:
-        raise ValueError("--zero needs --dp (the number of data-parallel ranks to shard over)")
-    out = {
-        "inputs": {k: v for k, v in vars(args).items() if k not in ("command", "module", "json")}
-        | {"num_params": n},
-        "memory": {
-            "dtype": args.dtype,
-            "optimizer": args.optimizer,
-            "bytes": model_state_bytes(n, args.dtype, args.optimizer),
-        },
+    mc = get_preset(args.model)
+    layers = mc.num_hidden_layers if layers is None else layers
+    hidden = mc.hidden_size if hidden is None else hidden
+    heads = mc.num_attention_heads if heads is None else heads
+    if hidden % heads:
+        raise ValueError(
+            f"--num-heads {heads} must divide --hidden-size {hidden} (--model {args.model}'s, unless given)"
+        )
+    if heads % args.tp:
+        raise ValueError(
+            f"--tp {args.tp} must divide --num-heads {heads} (--model {args.model}'s, unless given)"
+        )
+    return mc.num_parameters(), layers, hidden, heads
+
+
+def _memory(args: argparse.Namespace, n: int, layers: int, hidden: int, heads: int) -> dict:
+    """The memory wall: model states, activations (with ``--seq-len``), GPUs needed."""
+    mem: dict = {
+        "dtype": args.dtype,
+        "optimizer": args.optimizer,
+        "bytes": model_state_bytes(n, args.dtype, args.optimizer),
     }
     if args.seq_len is not None:
         if None in (layers, hidden, heads):
@@ -259,51 +277,60 @@ def estimate(args: argparse.Namespace) -> dict:
             cp,
         )
         if cp > 1:
-            out["memory"]["cp"] = cp
-        out["memory"]["activations_per_layer"] = per_layer
-        out["memory"]["activations"] = per_layer * layers
+            mem["cp"] = cp
+        mem["activations_per_layer"] = per_layer
+        mem["activations"] = per_layer * layers
     if getattr(args, "gpu_memory_gb", None) is not None:
-        out["memory"]["gpus_needed"] = _gpus_needed(out["memory"], args.gpu_memory_gb)
-    if args.tokens is not None:
-        flops = training_flops(n, args.tokens)
-        out["compute"] = {"training_flops": flops}
-        if args.gpu_tflops is not None:
-            t = ideal_training_time_s(flops, args.gpu_tflops * 1e12, args.num_gpus, args.mfu)
-            out["compute"] |= {
-                "peak_flops_per_s": args.gpu_tflops * 1e12 * args.num_gpus,
-                "mfu": args.mfu,
-                "time_s": t,
-                "time_days": t / SECONDS_PER_DAY,
-            }
-    elif args.gpu_tflops is not None:
-        raise ValueError("--gpu-tflops needs --tokens (the training tokens)")
-    if args.tokens_per_step is not None or args.bandwidth_gb_s is not None:
-        if None in (args.tokens, args.tokens_per_step, args.bandwidth_gb_s):
-            raise ValueError("the communication wall needs --tokens, --tokens-per-step and --bandwidth-gb-s")
-        c = communication_wall(
-            n,
-            args.tokens,
-            args.tokens_per_step,
-            args.bandwidth_gb_s * GB,
-            args.dtype,
-            args.activation_comm_bytes,
-            args.dp,
-        )
-        out["communication"] = c | {"total_time_h": c["total_time_s"] / 3600}
-    if args.dp is not None:
-        out["zero"] = {
-            "dp": args.dp,
-            "stage": args.zero,
-            "stages": {
-                str(s): {
-                    "bytes_per_rank": zero_model_state_bytes(n, s, args.dp, args.dtype, args.optimizer),
-                    "comm_bytes_per_step": zero_comm_bytes_per_step(n, s, args.dp, args.dtype),
-                }
-                for s in range(4)
-            },
+        mem["gpus_needed"] = _gpus_needed(mem, args.gpu_memory_gb)
+    return mem
+
+
+def _compute(args: argparse.Namespace, n: int) -> dict:
+    """The compute wall: 6·N·D training FLOPs and, with ``--gpu-tflops``, the ideal time."""
+    flops = training_flops(n, args.tokens)
+    out: dict = {"training_flops": flops}
+    if args.gpu_tflops is not None:
+        t = ideal_training_time_s(flops, args.gpu_tflops * 1e12, args.num_gpus, args.mfu)
+        out |= {
+            "peak_flops_per_s": args.gpu_tflops * 1e12 * args.num_gpus,
+            "mfu": args.mfu,
+            "time_s": t,
+            "time_days": t / SECONDS_PER_DAY,
         }
-        if args.zero is not None:
-            out["zero"]["bytes_per_rank"] = out["zero"]["stages"][str(args.zero)]["bytes_per_rank"]
+    return out
+
+
+def _communication(args: argparse.Namespace, n: int) -> dict:
+    """The communication wall (needs ``--tokens``, ``--tokens-per-step``, ``--bandwidth-gb-s``)."""
+    if None in (args.tokens, args.tokens_per_step, args.bandwidth_gb_s):
+        raise ValueError("the communication wall needs --tokens, --tokens-per-step and --bandwidth-gb-s")
+    c = communication_wall(
+        n,
+        args.tokens,
+        args.tokens_per_step,
+        args.bandwidth_gb_s * GB,
+        args.dtype,
+        args.activation_comm_bytes,
+        args.dp,
+    )
+    return c | {"total_time_h": c["total_time_s"] / 3600}
+
+
+def _zero(args: argparse.Namespace, n: int) -> dict:
+    """Bytes per rank and communication per step of ZeRO stages 0-3 over ``--dp`` ranks."""
+    out: dict = {
+        "dp": args.dp,
+        "stage": args.zero,
+        "stages": {
+            str(s): {
+                "bytes_per_rank": zero_model_state_bytes(n, s, args.dp, args.dtype, args.optimizer),
+                "comm_bytes_per_step": zero_comm_bytes_per_step(n, s, args.dp, args.dtype),
+            }
+            for s in range(4)
+        },
+    }
+    if args.zero is not None:
+        out["bytes_per_rank"] = out["stages"][str(args.zero)]["bytes_per_rank"]
     return out
 
 

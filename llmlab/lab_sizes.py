@@ -47,6 +47,8 @@ LAB_SIZES: dict[str, dict] = {
     "13_cluster": dict(max_ranks=4, min_ranks=4, cpu_steps=6, gpu_steps=6),
     # one engine process (a small random Qwen2.5-VL) and the HTTP server on a thread
     "14_images": dict(max_ranks=1, min_ranks=1),
+    # one training rank (LoRA on SmolLM2-135M-Instruct, llmlab.model.packaged), then one server
+    "15_finetune_and_serve": dict(max_ranks=1, min_ranks=1, cpu_steps=10, gpu_steps=10),
 }
 
 

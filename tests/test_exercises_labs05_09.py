@@ -142,6 +142,21 @@ def _tiles_mask_only_same_index(q_tile, block_m, block_n, seq_len):
     }  # assumes block_m == block_n
 
 
+def _quantize_per_tensor(x):
+    s = (x.abs().max() / 127).clamp(min=1e-12)  # one scale for every token
+    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s.expand(x.shape[0], 1)
+
+
+def _quantize_zero_row_nan(x):
+    s = x.abs().amax(1, keepdim=True) / 127  # no clamp: an all-zero row gets scale 0
+    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+def _quantize_truncated(x):
+    s = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (x / s).to(torch.int8), s  # truncates instead of rounding
+
+
 def test_causal_k_tiles_reference_gives_exact_causal_attention():
     # visiting only the reference's tiles, masking only its masked ones, equals full causal attention
     from llmlab.kernels.reference import attention_reference
@@ -240,6 +255,9 @@ WRONG = [
             "after the tile's first query (0)",
         ],
     ),
+    ("quantize_per_token", _quantize_per_tensor, ["sx for row 0", "one scale for the whole tensor"]),
+    ("quantize_per_token", _quantize_zero_row_nan, ["sx for row 3 (all zeros)", "clamp the row maximum"]),
+    ("quantize_per_token", _quantize_truncated, ["qx row 0", "round to nearest"]),
     ("prefix_block_hashes", _hashes_not_chained, ["hash of block 1 (tokens", "chain it with the previous"]),
 ]
 

@@ -74,10 +74,42 @@ def test_generate_tensor_parallel_2_gives_hf_greedy_tokens(tmp_path):
     assert got == want
 
 
-def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatch):
+def _adapter(path, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+    """A PEFT adapter for the ``shakespeare`` preset with random, non-zero A and B."""
+    from llmlab.inference import loader
+    from llmlab.model.lora import apply_lora, lora_state, save_peft_adapter
+
+    model = loader.load("shakespeare")[0]
+    apply_lora(model, list(targets), 4, 8.0, seed=1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora_state(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return save_peft_adapter(
+        lora_state(model), path, base="shakespeare", rank=4, alpha=8.0, targets=list(targets)
+    )
+
+
+def _lora_tokens(engine, prompts, loras):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [engine.add_request(p, sp, lora=name) for p, name in zip(prompts, loras)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.get_output(i).outputs[0].token_ids for i in ids]
+
+
+def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatch, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, n=2, seed=0)
     prompts = ["ROMEO:", "JULIET: O Romeo", "KING"]
-    ref = LLM("shakespeare", block_size=4).generate(prompts, params)
+    one = LLM("shakespeare", block_size=4)
+    ref = one.generate(prompts, params)
+    # LoRA adapters served on 2 ranks (split like training's, llmlab.inference.lora): an adapter's
+    # and the base's rows in one step give the one-rank engine's greedy tokens
+    adapter, lora_prompts, loras = _adapter(tmp_path / "a"), ["ROMEO:", "ROMEO:", "KING"], ["a", None, "a"]
+    one.engine.enable_lora(max_loras=1, max_lora_rank=8)
+    one.engine.add_lora("a", adapter)
+    want = _lora_tokens(one.engine, lora_prompts, loras)
+    assert want[0] != want[1]  # the adapter changes the answer
     llm = LLM(
         "shakespeare", block_size=4, num_gpu_blocks=24, tensor_parallel_size=2, check_invariants=True
     )  # small pool: preemption and copy-on-write on 2 ranks
@@ -92,6 +124,12 @@ def test_tensor_parallel_engine_matches_one_rank_and_frees_everything(monkeypatc
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert sum(m.num_preemptions for m in llm.engine.step_metrics) > 0
+        llm.engine.enable_lora(max_loras=1, max_lora_rank=8)
+        llm.engine.add_lora("a", adapter)
+        llm.engine.remove_lora("a")  # on every rank (a rank still holding "a" would refuse the next)
+        llm.engine.add_lora("a", adapter)
+        assert _lora_tokens(llm.engine, lora_prompts, loras) == want
+        assert bm.num_free_blocks == bm.num_blocks
         import llmlab.inference.engine as engine_mod  # a failing sampler fails its request alone
 
         real = engine_mod.sample_token

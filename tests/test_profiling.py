@@ -34,16 +34,18 @@ def dp2_pp2_run(tmp_path_factory):
         tensorboard=str(root / "tb"),
         **TINY,
     )
-    return root, train(cfg, progress=False)
+    metrics = train(cfg, progress=False)
+    from llmlab.tools.trace_analysis import llmlab_phases
+
+    return root, metrics, llmlab_phases(root / "traces")  # HTA reads the traces once
 
 
 def test_dp2_pp2_writes_one_trace_per_rank_with_named_phases(dp2_pp2_run):
-    root, _ = dp2_pp2_run
+    root, _, phases = dp2_pp2_run
     for r in range(4):
         assert trace_path(root / "traces", r).stat().st_size > 1000
-    from llmlab.tools.trace_analysis import ddp_overlap, llmlab_phases, pipeline_idle
+    from llmlab.tools.trace_analysis import ddp_overlap, pipeline_idle
 
-    phases = llmlab_phases(root / "traces")
     names = {r: {"llmlab." + p.name for p in ph} for r, ph in phases.items()}
     assert sorted(names) == [0, 1, 2, 3]
     for r, ph in phases.items():  # what the analysis helpers read off every rank
@@ -66,11 +68,31 @@ def test_dp2_pp2_writes_one_trace_per_rank_with_named_phases(dp2_pp2_run):
             assert want in got, (r, want, sorted(got))
 
 
+def test_pipeline_p2p_names_its_schedule_actions_and_bucket_bytes(dp2_pp2_run):
+    """Each pipeline p2p batch names its schedule actions (``send_act0>1``...); each rank's bucket
+    all-reduces carry, in bytes, exactly its stage's gradients (the metrics' ``grads`` memory)."""
+    _, metrics, phases = dp2_pp2_run
+    grads = {r["rank"]: r["memory_bytes"]["grads"] for r in metrics["ranks"]}
+    kinds = {}
+    for r, ph in phases.items():
+        acts = [a for p in ph if p.name == "pp p2p" for a in p.args["actions"].split(",")]
+        kinds[r] = sorted({a.rstrip("0123456789<>") for a in acts})
+        for kind in kinds[r]:  # 2 steps x 2 micro-batches, each sent and received once
+            assert sum(a.startswith(kind) for a in acts) == 4, (r, acts)
+        step2 = [p for p in ph if p.name == "step" and p.args["step"] == "2"][0]
+        buckets = [p for p in ph if p.name == "ddp bucket all_reduce" and step2.start <= p.start <= step2.end]
+        assert sum(int(p.args["bytes"]) for p in buckets) == grads[r]
+        p2p = [p for p in ph if p.name == "p2p"]
+        assert p2p and all(int(p.args["bytes"]) > 0 for p in p2p)
+    first, last = ["recv_grad", "send_act"], ["recv_act", "send_grad"]
+    assert sorted(kinds.values()) == sorted([first, first, last, last])
+
+
 def test_trace_records_only_the_asked_steps(dp2_pp2_run):
     import gzip
     import json
 
-    root, _ = dp2_pp2_run
+    root, _, _ = dp2_pp2_run
     trace = json.loads(gzip.open(trace_path(root / "traces", 0)).read())
     steps = sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("llmlab.step "))
     assert steps == ["llmlab.step step=2", "llmlab.step step=3"]
@@ -80,7 +102,7 @@ def test_trace_records_only_the_asked_steps(dp2_pp2_run):
 def test_tensorboard_scalars_equal_the_metrics(dp2_pp2_run):
     from llmlab.metrics.tensorboard import read_scalars
 
-    root, metrics = dp2_pp2_run
+    root, metrics, _ = dp2_pp2_run
     got = read_scalars(str(root / "tb"))
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
         want = [(s["step"], s[key]) for s in metrics["steps"]]
@@ -190,3 +212,57 @@ def test_serving_gauges_in_tensorboard_equal_the_prometheus_values(tmp_path):
         str(tmp_path / "bench"),
     )
     assert read_scalars(str(tmp_path / "bench"))["bench/ttft_p50_s"] == [(0, 0.5), (1, 0.75)]
+
+
+def _one_step_trace(tmp_path, model: str, **layout) -> tuple[dict, dict]:
+    """Step 1 of a 1-step run of ``layout``, profiled: (rank -> phases as HTA reads them, metrics)."""
+    from llmlab.tools.trace_analysis import llmlab_phases
+
+    cfg = TrainConfig(
+        **(TINY | dict(model=model, steps=1)), **layout, profile_steps="1:1", profile_dir=str(tmp_path)
+    )
+    metrics = train(cfg, progress=False)
+    return llmlab_phases(tmp_path), metrics
+
+
+def test_zero3_and_expert_parallel_phases_in_the_trace(tmp_path):
+    """ZeRO-3's parameter gathers (in forward and backward) and gradient reduce-scatters, and the
+    experts' all-to-all both ways, named on both ranks, each collective with its bytes."""
+    phases, _ = _one_step_trace(tmp_path, "tiny-moe", dp=2, ep=2, zero=3)
+    assert sorted(phases) == [0, 1]
+    for r, ph in phases.items():
+        names = {p.name for p in ph}
+        assert {"zero all_gather", "zero all_gather wait", "zero reduce_scatter", "all_gather"} <= names
+        assert {"reduce_scatter", "ep all_to_all forward", "ep all_to_all backward", "all_to_all"} <= names
+        assert {p.args["during"] for p in ph if p.name == "zero all_gather"} == {"forward", "backward"}
+        fwd = sum(p.name == "ep all_to_all forward" for p in ph)
+        assert fwd == sum(p.name == "ep all_to_all backward" for p in ph) > 0
+        for p in ph:
+            if p.name in ("all_gather", "reduce_scatter", "all_to_all", "zero reduce_scatter"):
+                assert int(p.args["bytes"]) > 0, p
+        # the reduce-scatters a bucket launches carry at most its bytes (a bucket of expert weights,
+        # whose data-parallel group is one rank here, needs no collective)
+        rs = sum(int(p.args["bytes"]) for p in ph if p.name == "reduce_scatter")
+        assert 0 < rs <= sum(int(p.args["bytes"]) for p in ph if p.name == "zero reduce_scatter")
+
+
+def test_ring_attention_steps_in_the_trace(tmp_path):
+    """cp=2 ring attention: each layer's ring steps 0..cp-1 named in forward and backward, and its
+    K/V block exchanges with their exact bytes."""
+    from llmlab.model.config import get_preset
+
+    phases, metrics = _one_step_trace(tmp_path, "tiny", cp=2)
+    mc = get_preset("tiny")
+    head_dim = mc.hidden_size // mc.num_attention_heads
+    # one send and one receive of K and V stacked: 2 ops x 2 x batch x (T / cp) x kv heads x head dim
+    kv_bytes = (
+        2 * 2 * TINY["global_batch_size"] * (TINY["seq_len"] // 2) * mc.num_key_value_heads * head_dim * 4
+    )
+    for r, ph in phases.items():
+        for way in ("forward", "backward"):
+            steps = [p.args["step"] for p in ph if p.name == f"ring_attention {way}"]
+            assert sorted(steps) == sorted(["0", "1"] * mc.num_hidden_layers), (r, way, steps)
+        ring = [p for p in ph if p.name == "cp_ring_p2p"]
+        assert ring and {int(p.args["bytes"]) for p in ring} == {kv_bytes}
+        grads = metrics["ranks"][r]["memory_bytes"]["grads"]
+        assert sum(int(p.args["bytes"]) for p in ph if p.name == "ddp bucket all_reduce") == grads

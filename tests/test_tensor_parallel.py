@@ -388,12 +388,75 @@ def _full_grads_rank(tp):
             worst = max(worst, ((p.grad - ref).abs().max() / ref.abs().max()).item())
             checked += 1
         result[sp] = (abs(loss.item() - ref_loss.item()), worst, checked)
+    return result, _lora_grads(mc, mesh, x, y)
+
+
+def _lora_grads(mc, mesh, x, y):
+    """LoRA on every q/k/v/o/gate/up/down (llmlab.parallel.tp_lora), with non-zero B: this rank's
+    A/B are the full ones' slices, their gradients (after the finalizers) the full gradients'
+    slices, and the global gradient norm (duplicates counted once) the full one."""
+    from llmlab.model.llama import LlamaForCausalLM
+    from llmlab.model.lora import TARGETS, apply_lora, lora_state
+    from llmlab.parallel import tp_lora
+    from llmlab.parallel.records import param_record
+    from llmlab.parallel.tp_plan import apply_tensor_parallel
+    from llmlab.training.checkpoint import slice_spec
+    from llmlab.training.grad_norm import global_grad_norm
+
+    tp, r = mesh.tp, mesh.coords["tp"]
+
+    def cut(full, local):
+        spec = slice_spec(local.shape, full.shape, r, tp)
+        return full if spec is None else full.chunk(spec[2], spec[0])[spec[1]]
+
+    full = LlamaForCausalLM(mc, seed=0)
+    apply_lora(full, list(TARGETS), 4, 8.0, seed=3)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in lora_state(full).items():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ref_loss = full(x, y)
+    ref_loss.backward()
+    ref = lora_state(full)
+    ref_norm = torch.stack([p.grad.norm() for p in ref.values()]).norm().item()
+    result = {}
+    for sp in (False, True):
+        m = apply_tensor_parallel(LlamaForCausalLM(mc, seed=0), mesh, sp)
+        names = tp_lora.apply_lora(m, list(TARGETS), 4, 8.0, 3, mesh.groups["tp"])
+        ours = lora_state(m)
+        init_ok = all(torch.equal(p, cut(ref[n], p)) for n, p in ours.items() if "lora_A" in n)
+        with torch.no_grad():
+            for n, p in ours.items():
+                p.copy_(cut(ref[n], p))
+        loss = m(x, y)
+        loss.backward()
+        for f in model_record(m).grad_finalizers:
+            f()
+        worst = max(
+            ((p.grad - cut(ref[n].grad, p)).abs().max() / ref[n].grad.abs().max()).item()
+            for n, p in ours.items()
+        )
+        frozen = all(not p.requires_grad for n, p in m.named_parameters() if n not in ours)
+        pieces = [(p.grad, not param_record(p).tp_duplicate) for p in ours.values()]
+        norm, _ = global_grad_norm(pieces, torch.device("cpu"))
+        result[sp] = (
+            abs(loss.item() - ref_loss.item()),
+            worst,
+            len(names),
+            init_ok,
+            frozen,
+            abs(norm / ref_norm - 1),
+        )
     return result
 
 
 def test_every_gradient_equals_full_model_slice():
     res = llmlab.launch(_full_grads_rank, 4, 4, backend="gloo")  # tp 4 > 2 kv heads: replicated
-    for out in res:
+    for out, lora in res:
         for sp, (dloss, worst, checked) in out.items():
             assert dloss < 1e-5 and worst < 1e-4, (sp, dloss, worst)
             assert checked == 1 + 2 * 16 + 1  # tied embedding, 16 per layer, final norm
+        for sp, (dloss, worst, adapted, init_ok, frozen, dnorm) in lora.items():
+            assert dloss < 1e-5 and worst < 1e-4 and dnorm < 1e-5, (sp, dloss, worst, dnorm)
+            assert adapted == 2 * 7 and init_ok and frozen

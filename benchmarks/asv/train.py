@@ -26,6 +26,7 @@ class TrainStep:
 
     timeout = 300
     timer = time.process_time
+    rounds = 1  # asv_compare.py interleaves its own rounds (--rounds) of each commit
     warmup_time = 0.5
 
     def setup(self):

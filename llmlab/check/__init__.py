@@ -24,6 +24,7 @@ from llmlab.check import (
     lab10,
     lab11,
     lab12,
+    lab15,
 )
 from llmlab.check._base import ExerciseFailed, reported
 from llmlab.solutions import LAB_OF, SOLUTIONS
@@ -42,6 +43,7 @@ _MODULES = {
     "10": lab10,
     "11": lab11,
     "12": lab12,
+    "15": lab15,
 }
 _missing = sorted(n for n, lab in LAB_OF.items() if not hasattr(_MODULES[lab], n))
 if _missing:

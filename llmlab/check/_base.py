@@ -21,6 +21,7 @@ import os
 import shutil
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -56,6 +57,7 @@ def reported(name: str, check_fn):
 
     @functools.wraps(check_fn)
     def run(fn, *args, **kwargs) -> bool:
+        err: ExerciseFailed
         try:
             ok = check_fn(fn, *args, **kwargs)
             results.record(name, bool(ok))
@@ -89,7 +91,7 @@ def reported(name: str, check_fn):
     return run
 
 
-def _fail(name: str, what: str, expected, got, hint: str):
+def _fail(name: str, what: str, expected, got, hint: str) -> NoReturn:
     raise ExerciseFailed(
         f"{name}: {what}\n  expected: {_show(expected)}\n  got:      {_show(got)}\n  hint: {hint}"
     )

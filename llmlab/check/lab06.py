@@ -48,7 +48,7 @@ def slot_mapping(fn) -> bool:
         got = list(got) if not isinstance(got, int) else got
         if got != want:
             bad = next(
-                (i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                (i for i, (a, b) in enumerate(zip(want, got if isinstance(got, list) else [])) if a != b),
                 min(len(want), len(got) if isinstance(got, list) else 0),
             )
             pos = positions[bad] if bad < len(positions) else None

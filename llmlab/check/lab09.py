@@ -110,3 +110,75 @@ def causal_k_tiles(fn) -> bool:
                 f"tile's first query ({q0}); tiles wholly at or below the diagonal need none.",
             )
     return _ok(name, "visited and masked key tiles match for 5 tilings (the rest are skipped)")
+
+
+def quantize_per_token(fn) -> bool:
+    name = "quantize_per_token"
+    from llmlab.kernels.int8_linear import quantize_per_token as engine_quantize
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 24, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 2.0])[:, None]
+    want_q, want_s = engine_quantize(x)
+    got = fn(x.clone())
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        _fail(
+            name,
+            "the return value",
+            "(qx int8 [5, 24], sx fp32 [5, 1])",
+            type(got).__name__,
+            "return a pair: the int8 tensor and the per-token scales.",
+        )
+    qx, sx = got
+    if not isinstance(sx, torch.Tensor) or sx.shape != want_s.shape:
+        _fail(
+            name,
+            "the shape of sx",
+            list(want_s.shape),
+            list(sx.shape) if isinstance(sx, torch.Tensor) else sx,
+            "one scale per token (row), kept as a column [N, 1] so that qx * sx broadcasts: "
+            "amax(dim=1, keepdim=True).",
+        )
+    if not torch.isfinite(sx).all() or not (sx > 0).all():
+        _fail(
+            name,
+            "sx for row 3 (all zeros)",
+            want_s[3],
+            sx[3],
+            "an all-zero row has max 0: clamp the row maximum to at least 1e-12 before dividing by "
+            "127, or round(x / sx) gives NaN.",
+        )
+    for row in (0, 1, 2, 4):  # row 3 is all zeros: any positive scale gives qx = 0
+        if not torch.allclose(sx[row].float(), want_s[row], rtol=1e-5, atol=0):
+            one = (x.abs().max() / 127).item()
+            hint = (
+                "this is one scale for the whole tensor (per-tensor): the small rows lose their "
+                "precision; take each row's own absolute maximum."
+                if abs(sx[row].item() - one) <= 1e-6 * one
+                else "sx = max|x[t, :]| / 127 for each token t (the absolute value: a row's largest "
+                "magnitude may be negative)."
+            )
+            _fail(
+                name,
+                f"sx for row {row} (values of magnitude ~{x[row].abs().max().item():.3g})",
+                want_s[row],
+                sx[row],
+                hint,
+            )
+    if not isinstance(qx, torch.Tensor) or qx.dtype != torch.int8:
+        _fail(
+            name,
+            "the dtype of qx",
+            "torch.int8",
+            getattr(qx, "dtype", type(qx).__name__),
+            "round, clip to [-127, 127], then .to(torch.int8).",
+        )
+    if not torch.equal(qx, want_q):
+        row = next(i for i in range(5) if not torch.equal(qx[i], want_q[i]))
+        _fail(
+            name,
+            f"qx row {row}",
+            want_q[row],
+            qx[row],
+            "qx = round(x / sx) (round to nearest, not truncation), clipped to [-127, 127].",
+        )
+    return _ok(name, "per-token scales and int8 values equal the engine's (llmlab.kernels.int8_linear)")

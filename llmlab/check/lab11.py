@@ -31,14 +31,14 @@ def least_loaded(fn) -> bool:
                 "so idle replicas take turns"
             )
             _fail(name, f"loads={loads}, start={start}", want, got, hint)
-    want, got = _routed(ex.least_loaded), _routed(fn)
-    if got != want:
+    routed_want, routed_got = _routed(ex.least_loaded), _routed(fn)
+    if routed_got != routed_want:
         _fail(
             name,
             "as a Router's policy: replicas picked for 6 requests arriving on 3 idle "
             "replicas, each staying in flight",
-            want,
-            got,
+            routed_want,
+            routed_got,
             "the router passes start = the replica after the last one picked; with equal loads "
             "go round from there.",
         )

@@ -98,7 +98,7 @@ def ranks_per_learner(labs: list[str] | None = None) -> tuple[int, str]:
     if unknown:
         raise KeyError(f"no lab named {', '.join(unknown)}; labs: {', '.join(LAB_SIZES)}")
     need = {lab: LAB_SIZES[lab].get("min_ranks", 1) for lab in labs}
-    lab = max(need, key=need.get)
+    lab = max(need, key=lambda k: need[k])
     return need[lab], lab
 
 

@@ -27,6 +27,7 @@ al. 2019, §3; Korthikanti et al. 2022, §4.2.2).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from llmlab.formulas._checks import check_count, check_ranks, check_stage
 from llmlab.formulas.memory import dtype_bytes, model_state_bytes
@@ -149,7 +150,7 @@ def zero_comm_bytes_per_step(
     else:
         calls["reduce_scatter"] = 1
         calls["all_gather"] = 2 if stage == 3 else 1
-    out = {k: round(n * full * ring_wire_factor(k, dp)) for k, n in calls.items()}
+    out: dict[str, Any] = {k: round(n * full * ring_wire_factor(k, dp)) for k, n in calls.items()}
     out["total"] = sum(out.values())
     out["payload"] = {k: round(n * full) for k, n in calls.items()}
     return out

@@ -109,7 +109,7 @@ def decode_step_time(
 
 
 def decode_flops(
-    active_params: float, batch: int, context_tokens: float, num_layers: int, hidden: int
+    active_params: float, batch: float, context_tokens: float, num_layers: int, hidden: int
 ) -> float:
     """FLOPs of one decode step of ``batch`` sequences: 2·N per token for the weights plus the
     attention's 4·layers·hidden per token of context (q·k and p·v), summed over the batch

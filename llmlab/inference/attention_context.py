@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmlab.inference.paged_attention import paged_attention, plan_attention, walks_block_tables, write_kv
+from llmlab.inference.paged_attention import (
+    AttentionPlan,
+    paged_attention,
+    plan_attention,
+    walks_block_tables,
+    write_kv,
+)
 from llmlab.metrics.profiling import phase
 
 
@@ -59,9 +65,9 @@ class PagedAttentionContext:
     paged_attention: str = "auto"
     cpu_fused: bool = False
     slot_mapping: torch.Tensor = field(init=False)  # [N]: every batch's slots, in order
-    plans: dict = field(init=False)  # (batch, window) -> AttentionPlan
+    plans: dict[tuple[int, int | None], AttentionPlan] = field(init=False)  # (batch, window) -> plan
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.slot_mapping = (
             self.batches[0].slot_mapping
             if len(self.batches) == 1
@@ -69,7 +75,14 @@ class PagedAttentionContext:
         )
         self.plans = {}
 
-    def _attend(self, i: int, q, k_cache, v_cache, sliding_window):
+    def _attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Batch ``i``'s paged attention; the reference's per-step plan (gather indices, mask)
         is made by the first layer and reused by the others."""
         b = self.batches[i]

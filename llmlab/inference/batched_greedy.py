@@ -12,10 +12,16 @@ the per-row path's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from llmlab.inference.sequence import Sequence
 
-def is_plain_greedy(seq) -> bool:
+
+def is_plain_greedy(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is the argmax of its raw logits under the per-row path."""
     p = seq.params
     return (
@@ -47,7 +53,7 @@ def _matrix(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def greedy_tokens(logits: dict[int, torch.Tensor], seqs) -> dict[int, int]:
+def greedy_tokens(logits: dict[int, torch.Tensor], seqs: Iterable[Sequence]) -> dict[int, int]:
     """``{seq_id: token}`` for the sequences of ``seqs`` that have a row in ``logits`` (``{seq_id:
     [V]}``), are plain greedy (:func:`is_plain_greedy`) and whose row is finite; empty when fewer
     than two qualify (the per-row path is as cheap)."""

@@ -35,6 +35,9 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +48,8 @@ from llmlab.inference.hf_baseline import (
     run_hf,  # noqa: F401
     run_hf_continuous,
 )
-from llmlab.inference.metrics import RequestTiming, summarize
+from llmlab.inference.loader import ModelSpec
+from llmlab.inference.metrics import summarize
 from llmlab.inference.workload import (
     WASTE_BLOCK_SIZES,
     poisson_arrivals,  # noqa: F401
@@ -59,8 +63,8 @@ ENGINE_FLAGS = ["block_size", "max_num_seqs", "quantization", "device"]  # Engin
 
 # --- llmlab --------------------------------------------------------------------------------------
 def run_llmlab(
-    model,
-    workload: dict,
+    model: ModelSpec,
+    workload: dict[str, Any],
     arrivals: list[float],
     *,
     num_gpu_blocks: int | None = None,
@@ -68,8 +72,8 @@ def run_llmlab(
     max_num_seqs: int = 256,
     device: str = "cpu",
     quantization: str | None = None,
-    **engine_args,
-) -> dict:
+    **engine_args: Any,
+) -> dict[str, Any]:
     """Serve ``workload`` with :class:`~llmlab.inference.LLMEngine`; returns the CONTRACT entry
     (throughput, TTFT/TPOT p50/p99, ``kv_cache_waste_fraction`` averaged over steps,
     ``num_preemptions``) plus ``token_ids`` (the generated tokens per request)."""
@@ -105,15 +109,7 @@ def run_llmlab(
         elif k < n:
             time.sleep(max(0.0, arrivals[order[k]] - (time.perf_counter() - t0)))
     outs = [eng.get_output(str(i)) for i in range(n)]
-    timings = [
-        RequestTiming(
-            o.metrics.arrival_time,
-            o.metrics.first_token_time,
-            o.metrics.finish_time,
-            o.metrics.num_output_tokens,
-        )
-        for o in outs
-    ]
+    timings = [o.metrics.timing() for o in outs]
     steps = eng.step_metrics
     res = summarize(timings)
     held = [s for s in steps if s.kv_blocks_used]  # a step holding no block has no waste share
@@ -131,14 +127,14 @@ def run_llmlab(
 
 def warmup_llmlab(
     path: str,
-    wl: dict,
-    num_gpu_blocks,
+    wl: dict[str, Any],
+    num_gpu_blocks: int | None,
     block_size: int,
     max_num_seqs: int,
     device: str,
     quantization: str | None,
     k: int = 4,
-) -> dict:
+) -> dict[str, Any]:
     """Run the first ``k`` requests with the *timed* run's engine settings (block size, cache
     blocks, quantization), so that the Triton kernels are compiled for the specialisations the
     timed steps use; on CUDA also compile every PagedAttention ``BLOCK_M`` variant
@@ -169,12 +165,12 @@ def warmup_llmlab(
 
 
 # --- comparisons ---------------------------------------------------------------------------------
-def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """How many requests and output tokens of ``theirs`` equal ``ours`` position by position:
     ``{"requests_equal", "num_requests", "tokens_equal", "num_tokens", "first_difference"}``
     (``first_difference``: ``[request, position]`` of the first mismatch, or None)."""
     req_eq = tok_eq = tot = 0
-    first = None
+    first: list[int] | None = None
     for i, (a, b) in enumerate(zip(ours, theirs)):
         same = [x == y for x, y in zip(a, b)]
         tok_eq += sum(same)
@@ -192,7 +188,9 @@ def compare_outputs(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     }
 
 
-def check_equal_outputs(model, hf_model, workload: dict, num: int = 4, device: str = "cpu") -> None:
+def check_equal_outputs(
+    model: ModelSpec, hf_model: Any, workload: dict[str, Any], num: int = 4, device: str = "cpu"
+) -> None:
     """Correctness gate: greedy tokens of the engine and of HF (one left-padded static batch) on
     the first ``num`` requests. Raises ``RuntimeError`` naming the first request that differs."""
     num = min(num, len(workload["prompts"]))
@@ -208,13 +206,13 @@ def check_equal_outputs(model, hf_model, workload: dict, num: int = 4, device: s
 
 
 # --- the command ---------------------------------------------------------------------------------
-def _public(entry: dict, hf: bool = False) -> dict:
+def _public(entry: dict[str, Any], hf: bool = False) -> dict[str, Any]:
     drop = {"token_ids"} | ({"num_preemptions"} if hf else set())
     return {k: v for k, v in entry.items() if k not in drop}
 
 
 def bench_serve(
-    model="shakespeare",
+    model: str | Path = "shakespeare",
     num_requests: int = 64,
     request_rate: float | None = None,
     baseline: str | None = None,
@@ -224,7 +222,7 @@ def bench_serve(
     max_num_seqs: int = 256,
     prompt_len_median: float = 32.0,
     output_len_median: float = 32.0,
-    hf_batch_sizes=HF_BATCH_SIZES,
+    hf_batch_sizes: Iterable[int] = HF_BATCH_SIZES,
     device: str = "cpu",
     check: bool = True,
     quantization: str | None = None,
@@ -232,7 +230,7 @@ def bench_serve(
     length_sigma: float = 0.9,
     num_threads: int | None = None,
     repeats: int = 1,
-) -> dict:
+) -> dict[str, Any]:
     """Run the benchmark and return the CONTRACT dict (see module docstring). With
     ``baseline="hf"`` and ``hf_continuous`` the result also has ``"hf_continuous"`` (transformers'
     own continuous batching, :func:`run_hf_continuous`) or ``"hf_continuous_skipped"`` (why not).
@@ -248,16 +246,9 @@ def bench_serve(
     from llmlab.inference import loader
     from llmlab.runtime.hardware import resolve_device
 
-    if memory_matched_batch is not None and memory_matched_batch < 1:
-        raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be >= 1")
-    if baseline not in (None, "hf"):
-        raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
+    _check_bench_args(memory_matched_batch, repeats, baseline, num_threads)
     device = resolve_device(str(device))
     if num_threads is not None:
-        if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads} must be >= 1")
         torch.set_num_threads(num_threads)
     path = loader.resolve_model_path(str(model))
     cfg = json.loads((path / "config.json").read_text())
@@ -273,56 +264,51 @@ def bench_serve(
     )
     arrivals = poisson_arrivals(num_requests, request_rate, seed)
     max_len = max(p + o for p, o in zip(wl["prompt_lens"], wl["output_lens"]))
-    run = _BenchRun(
-        str(path),
-        wl,
-        arrivals,
-        ctx,
-        max_len,
-        device,
-        block_size,
-        max_num_seqs,
-        quantization,
-        blocks=(
-            None if memory_matched_batch is None else math.ceil(memory_matched_batch * max_len / block_size)
-        ),
-    )
+    blocks = None if memory_matched_batch is None else math.ceil(memory_matched_batch * max_len / block_size)
+    args = (str(path), wl, arrivals, ctx, max_len, device, block_size, max_num_seqs, quantization)
+    run = _BenchRun(*args, blocks=blocks)
     torch.manual_seed(seed)
     hf_model = load_hf(path, device) if baseline == "hf" else None
     cb_skip = None
     if hf_model is not None:
         cb_skip = "hf_continuous=False" if not hf_continuous else hf_continuous_available(hf_model)
     run.gates(hf_model, check, cb_skip is None)
-    sizes = (
-        []
-        if hf_model is None
-        else [memory_matched_batch]
-        if memory_matched_batch is not None
-        else sorted({min(b, num_requests) for b in hf_batch_sizes})
-    )
+    sizes = _hf_batch_sizes(hf_model is not None, memory_matched_batch, num_requests, hf_batch_sizes)
     r_ours, r_hf, r_cb = run.rounds(hf_model, sizes, repeats, cb_skip is None)
-    result = {
-        "workload": {
-            "num_requests": num_requests,
-            "prompt_lens": wl["prompt_lens"],
-            "output_lens": wl["output_lens"],
-        },
-        "config": {
-            "model": str(model),
-            "request_rate": request_rate,
-            "seed": seed,
-            "memory_matched_batch": memory_matched_batch,
-            "block_size": block_size,
-            "max_len": max_len,
-            "device": device,
-            "quantization": quantization,
-            "length_sigma": length_sigma,
-            "num_threads": torch.get_num_threads(),
-            "repeats": repeats,
-        },
-    }
+    config = dict(model=str(model), request_rate=request_rate, seed=seed)
+    config |= dict(memory_matched_batch=memory_matched_batch, block_size=block_size, max_len=max_len)
+    config |= dict(device=device, quantization=quantization, length_sigma=length_sigma)
+    config |= dict(num_threads=torch.get_num_threads(), repeats=repeats)
+    workload = dict(num_requests=num_requests, prompt_lens=wl["prompt_lens"], output_lens=wl["output_lens"])
+    result = {"workload": workload, "config": config}
     result.update(_report(r_ours, r_hf, r_cb, sizes, hf_model is not None, cb_skip, run.cb_check))
     return result
+
+
+def _check_bench_args(
+    memory_matched_batch: int | None, repeats: int, baseline: str | None, num_threads: int | None
+) -> None:
+    """``ValueError`` naming the flag of :func:`bench_serve` that is out of range."""
+    if memory_matched_batch is not None and memory_matched_batch < 1:
+        raise ValueError(f"--memory-matched-batch={memory_matched_batch} must be >= 1")
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be >= 1")
+    if baseline not in (None, "hf"):
+        raise ValueError(f"--baseline {baseline!r}: only 'hf' is supported")
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+
+
+def _hf_batch_sizes(
+    has_hf: bool, memory_matched_batch: int | None, num_requests: int, hf_batch_sizes: Iterable[int]
+) -> list[int]:
+    """The static batch sizes HF runs at: none without a baseline, the memory-matched one, or
+    ``hf_batch_sizes`` capped at the number of requests."""
+    if not has_hf:
+        return []
+    if memory_matched_batch is not None:
+        return [memory_matched_batch]
+    return sorted({min(b, num_requests) for b in hf_batch_sizes})
 
 
 class _BenchRun:
@@ -330,14 +316,24 @@ class _BenchRun:
     the timed rounds in which the systems take turns."""
 
     def __init__(
-        self, path, wl, arrivals, ctx, max_len, device, block_size, max_num_seqs, quantization, blocks
-    ):
+        self,
+        path: str,
+        wl: dict[str, Any],
+        arrivals: list[float],
+        ctx: int,
+        max_len: int,
+        device: str,
+        block_size: int,
+        max_num_seqs: int,
+        quantization: str | None,
+        blocks: int | None,
+    ) -> None:
         self.path, self.wl, self.arrivals, self.ctx, self.max_len = path, wl, arrivals, ctx, max_len
         self.device, self.block_size, self.max_num_seqs = device, block_size, max_num_seqs
         self.quantization, self.blocks = quantization, blocks
-        self.cb_check = None
+        self.cb_check: dict[str, Any] | None = None
 
-    def gates(self, hf_model, check: bool, with_cb: bool) -> None:
+    def gates(self, hf_model: Any, check: bool, with_cb: bool) -> None:
         """Greedy tokens vs HF before timing (raised), then the engine's warm-up; for HF's
         continuous batching the comparison on the first requests is reported, not raised (its
         kernels may round differently)."""
@@ -365,9 +361,13 @@ class _BenchRun:
             )["token_ids"]
             self.cb_check = compare_outputs(mine, theirs)
 
-    def rounds(self, hf_model, sizes: list, repeats: int, with_cb: bool):
+    def rounds(
+        self, hf_model: Any, sizes: list[int], repeats: int, with_cb: bool
+    ) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
         """``repeats`` rounds: llmlab, HF at each batch size, HF continuous; every run kept."""
-        r_ours, r_hf, r_cb = [], {b: [] for b in sizes}, []
+        r_ours: list[dict[str, Any]] = []
+        r_hf: dict[int, list[dict[str, Any]]] = {b: [] for b in sizes}
+        r_cb: list[dict[str, Any]] = []
         for _ in range(repeats):
             r_ours.append(
                 run_llmlab(
@@ -398,10 +398,18 @@ class _BenchRun:
         return r_ours, r_hf, r_cb
 
 
-def _report(r_ours, r_hf, r_cb, sizes, has_hf: bool, cb_skip, cb_check) -> dict:
+def _report(
+    r_ours: list[dict[str, Any]],
+    r_hf: dict[int, list[dict[str, Any]]],
+    r_cb: list[dict[str, Any]],
+    sizes: list[int],
+    has_hf: bool,
+    cb_skip: str | None,
+    cb_check: dict[str, Any] | None,
+) -> dict[str, Any]:
     """Each system's median round as the CONTRACT entries (HF: its best batch size)."""
     ours = _median_run(r_ours)
-    result = {"llmlab": _public(ours)}
+    result: dict[str, Any] = {"llmlab": _public(ours)}
     if not has_hf:
         return result
     runs = [_median_run(r_hf[b]) for b in sizes]
@@ -428,7 +436,7 @@ def _report(r_ours, r_hf, r_cb, sizes, has_hf: bool, cb_skip, cb_check) -> dict:
     return result
 
 
-def _median_run(runs: list[dict]) -> dict:
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The round with the median throughput (the upper one of an even count), with every
     round's throughput listed in ``throughput_runs``."""
     ranked = sorted(runs, key=lambda r: r["throughput_tokens_per_s"])
@@ -497,7 +505,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="OUT", help="write every system's results here")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     res = bench_serve(
         args.model,
         args.num_requests,

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from llmlab.inference.sequence import Sequence
+from llmlab.inference.sequence import BlockTokens, Sequence
+
+# The parent of a block's chained hash: the previous block's hash, or for a sequence's first
+# block its salt (None, or ("lora", adapter id): see _salt).
+Parent = int | tuple[str, int] | None
 
 
 @dataclass
@@ -32,17 +37,17 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # chained hash while registered in the prefix cache
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None  # the tokens the hash names (checked on a hit)
+    parent_hash: Parent = None
+    token_ids: BlockTokens | None = None  # the tokens the hash names (checked on a hit)
 
 
-def _salt(seq: Sequence):
+def _salt(seq: Sequence) -> tuple[str, int] | None:
     """The parent of a sequence's first block: ``None``, or its LoRA adapter (K/V computed with an
     adapter are not the base's, nor another adapter's: vLLM keys its prefix cache the same way)."""
     return ("lora", seq.lora_id) if seq.lora_id else None
 
 
-def chain_hash(parent_hash: int | None, token_ids) -> int:
+def chain_hash(parent_hash: Parent, token_ids: Iterable[object]) -> int:
     """Hash of a full block given the hash of the block before it (None for the first)."""
     return hash((parent_hash, tuple(token_ids)))
 
@@ -121,7 +126,9 @@ class BlockManager:
             or seq.skip_prefix_cache
         ):
             return []
-        hits, parent, bs = [], _salt(seq), self.block_size
+        hits: list[int] = []
+        parent: Parent = _salt(seq)
+        bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.block_tokens(i * bs, (i + 1) * bs)
             h = chain_hash(parent, tokens)
@@ -152,6 +159,13 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = h, parent, tokens
                 self.hash_to_block[h] = block.block_id
 
+    def _cached_hash(self, block_id: int) -> int:
+        """The hash of a block in the prefix cache (a :meth:`lookup_prefix` hit always is)."""
+        h = self.blocks[block_id].hash
+        if h is None:
+            raise RuntimeError(f"block {block_id} is not in the prefix cache (a scheduler bug)")
+        return h
+
     # --- allocation ----------------------------------------------------------------------------
     def _needs_cow(self, seq: Sequence) -> bool:
         return (
@@ -160,7 +174,7 @@ class BlockManager:
             and self.blocks[seq.block_table[-1]].ref_count > 1
         )
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits=()) -> int:
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: Collection[int] = ()) -> int:
         """Free blocks an :meth:`allocate` of ``num_new_tokens`` would take from the pool."""
         computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
         have = len(hits) if hits else len(seq.block_table)
@@ -169,10 +183,12 @@ class BlockManager:
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits now in free queue
         return new + cow + revived
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: Collection[int] = ()) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens, hits) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits=()) -> list[tuple[int, int]]:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, hits: Collection[int] = ()
+    ) -> list[tuple[int, int]]:
         """Give ``seq`` slots for ``num_new_tokens`` more tokens; returns copy-on-write pairs
         ``(src_block, dst_block)`` whose K/V the runner must copy before the step.
 
@@ -192,7 +208,7 @@ class BlockManager:
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_prefix_cached_tokens = seq.num_computed_tokens
-            self._seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
+            self._seq_hashes[seq.seq_id] = [self._cached_hash(b) for b in hits]
             self.stats["prefix_hit_tokens"] += seq.num_computed_tokens
         elif num_new_tokens > 0 and self._needs_cow(seq):
             src = seq.block_table[-1]
@@ -280,7 +296,8 @@ class BlockManager:
             )
         for h, b in self.hash_to_block.items():
             block = self.blocks[b]
-            assert block.hash == h and chain_hash(block.parent_hash, block.token_ids) == h, (
+            tokens = block.token_ids
+            assert block.hash == h and tokens is not None and chain_hash(block.parent_hash, tokens) == h, (
                 f"cached block {b}: hash does not match its stored tokens"
             )
         bs = self.block_size

@@ -23,8 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 from llmlab.inference.engine_config import add_engine_arguments, field_names, from_args
+
+if TYPE_CHECKING:
+    from llmlab.inference.outputs import Logprob, RequestOutput
+    from llmlab.inference.sampling import SamplingParams
 
 PER_REQUEST = (
     "n",
@@ -131,11 +136,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="OUT.jsonl", default=None, help="write results as JSONL")
 
 
-def read_requests(args) -> list:
+def read_requests(args: argparse.Namespace) -> list[dict[str, Any] | str]:
     """The requests in order: a dict per request, or a ``str`` error for a line that is not one."""
     if args.prompt:
         return [{"prompt": t} for t in args.prompt]
-    reqs = []
+    reqs: list[dict[str, Any] | str] = []
     with open(args.prompts_file) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -161,7 +166,7 @@ def read_requests(args) -> list:
     return reqs
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -189,7 +194,7 @@ FIELD_TYPES = {
 }
 
 
-def _check_type(name: str, v) -> None:
+def _check_type(name: str, v: Any) -> None:
     """Raise ``ValueError`` naming the field when a request's value has the wrong JSON type."""
     want = FIELD_TYPES[name]
     ok = {
@@ -212,7 +217,7 @@ def _check_type(name: str, v) -> None:
         raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
-def _params(args, r: dict, i: int, fallback: dict):
+def _params(args: argparse.Namespace, r: dict[str, Any], i: int, fallback: dict[str, Any]) -> SamplingParams:
     from llmlab.inference.sampling import SamplingParams
 
     kw = {
@@ -242,9 +247,9 @@ def _params(args, r: dict, i: int, fallback: dict):
     return SamplingParams(**{**fallback, **kw})
 
 
-def _row(i: int, o) -> dict:
+def _row(i: int, o: RequestOutput) -> dict[str, Any]:
     c = o.outputs[0]
-    row = {
+    row: dict[str, Any] = {
         "index": i,
         "prompt_token_ids": o.prompt_token_ids,
         "token_ids": c.token_ids,
@@ -264,11 +269,19 @@ def _row(i: int, o) -> dict:
     return row
 
 
-def _lp_list(d: dict) -> list[dict]:
+def _lp_list(d: dict[int, Logprob]) -> list[dict[str, Any]]:
     return [
         {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "text": lp.decoded_token}
         for t, lp in d.items()
     ]
+
+
+def _answered(outs: list[RequestOutput | None]) -> list[RequestOutput]:
+    """Every request's output (each gets one: its error or its generation)."""
+    done = [o for o in outs if o is not None]
+    if len(done) != len(outs):
+        raise RuntimeError(f"{len(outs) - len(done)} of {len(outs)} requests got no output")
+    return done
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
     reqs = read_requests(args)
     llm = LLM(args.model, config=from_args(args, ENGINE_FLAGS))
     fallback = {k: v for k, v in CLI_DEFAULTS.items() if k not in llm.engine.generation_defaults}
-    outs, todo = [None] * len(reqs), []
+    outs: list[RequestOutput | None] = [None] * len(reqs)
+    todo: list[tuple[int, dict[str, Any], SamplingParams]] = []
     for i, r in enumerate(reqs):
         try:
             if isinstance(r, str):
@@ -307,24 +321,25 @@ def run(args: argparse.Namespace) -> int:
         if profiling:
             print(f"profiler trace written to {llm.stop_profile()}", file=sys.stderr)
         llm.engine.shutdown()
-    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    done = _answered(outs)
+    failed = [i for i, o in enumerate(done) if o.error is not None]
     for i in failed:
-        print(f"request {i}: error: {outs[i].error}", file=sys.stderr)
+        print(f"request {i}: error: {done[i].error}", file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
-            for i, o in enumerate(outs):
+            for i, o in enumerate(done):
                 f.write(json.dumps(_row(i, o)) + "\n")
         print(
-            f"wrote {len(outs)} result{'s' * (len(outs) != 1)} to {args.output}"
+            f"wrote {len(done)} result{'s' * (len(done) != 1)} to {args.output}"
             + (f" ({len(failed)} with errors)" if failed else ""),
             file=sys.stderr,
         )
     else:
-        for i, o in enumerate(outs):
+        for i, o in enumerate(done):
             c = o.outputs[0]
             if i in failed:
                 continue
-            if len(outs) > 1:
+            if len(done) > 1:
                 print(f"--- [{i}] finish_reason={c.finish_reason}")
             if c.text is None:
                 print(c.token_ids)

@@ -19,6 +19,8 @@ Decoding a window of a few tokens keeps each step O(new tokens), not O(sequence)
 
 from __future__ import annotations
 
+from typing import Any
+
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the output as context (vLLM uses 5)
 
 
@@ -29,7 +31,7 @@ class IncrementalDetokenizer:
     ``tokenizer`` needs ``decode(ids, skip_special_tokens=...)`` (Hugging Face tokenizers and
     :class:`~llmlab.data.ByteTokenizer` have it)."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids)
@@ -37,8 +39,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
         self.text = ""
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def _delta(self, final: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -23,7 +23,9 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from llmlab.inference.outputs import (
 )
 from llmlab.inference.sampling import (
     SamplingParams,
+    filled,
     make_generator,
     process_logits,
     sample_token,
@@ -52,7 +55,12 @@ from llmlab.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from llmlab.inference.sequence import Sequence
 from llmlab.inference.stop_checker import StopChecker
 from llmlab.metrics.profiling import TraceRecorder, phase
+from llmlab.model.config import ModelConfig
 from llmlab.runtime.hardware import resolve_device
+
+# A request's prompt: text, token ids, or a request dict ({"prompt": ...} or {"prompt_token_ids":
+# [...]}, a vision-language model's with "multi_modal_data"; LLMEngine.encode).
+Prompt = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -63,9 +71,9 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
-    sampling_defaults: dict = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,7 +94,9 @@ def default_host_blocks(
     return min(num_gpu_blocks, swap_space_bytes // bytes_per_block)
 
 
-def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int, device: torch.device) -> int:
+def default_gpu_blocks(
+    cfg: EngineConfig, model_config: ModelConfig, max_model_len: int, device: torch.device
+) -> int:
     """Device blocks when ``num_gpu_blocks`` is not given: room for ``max_num_seqs`` full-length
     sequences, capped by ``kv_cache_memory_bytes`` (64 MiB on CPU, 40% of free memory on CUDA),
     and at least one full-length sequence."""
@@ -96,6 +106,90 @@ def default_gpu_blocks(cfg: EngineConfig, model_config, max_model_len: int, devi
     per_block = kv_bytes_per_block(model_config, cfg.block_size, cfg.dtype)
     one_seq = math.ceil(max_model_len / cfg.block_size)
     return max(one_seq, min(cfg.max_num_seqs * one_seq, budget // per_block))
+
+
+def _validate_layout(cfg: EngineConfig, model_config: Any, distributed: bool) -> None:
+    """The parallel layout's checks (``ValueError`` naming the size): the pipeline's (every rank
+    a worker, :mod:`~llmlab.inference.pipeline_parallel`) or tensor parallelism's alone."""
+    if distributed:
+        from llmlab.inference import pipeline_parallel
+
+        pipeline_parallel.validate(
+            model_config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.quantization
+        )
+    elif cfg.tensor_parallel_size != 1:
+        from llmlab.inference import tensor_parallel
+
+        tensor_parallel.validate(model_config, cfg.tensor_parallel_size, cfg.quantization)
+
+
+def _cache_sizes(
+    cfg: EngineConfig, mc: Any, max_model_len: int, device: torch.device
+) -> tuple[int, str, int]:
+    """``(num_gpu_blocks, preemption_mode, num_host_blocks)``: the KV cache pools (the config's,
+    else sized from memory) and how a preempted sequence is resumed (swap on CUDA, else recompute)."""
+    num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, max_model_len, device)
+    preemption_mode = cfg.preemption_mode or ("swap" if device.type == "cuda" else "recompute")
+    num_host_blocks = cfg.num_host_blocks
+    if num_host_blocks is None:
+        block_bytes = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
+        swap = preemption_mode == "swap"
+        num_host_blocks = (
+            default_host_blocks(num_gpu_blocks, block_bytes, cfg.swap_space_bytes) if swap else 0
+        )
+    return num_gpu_blocks, preemption_mode, num_host_blocks
+
+
+def _make_runner(
+    model: Any,
+    spec: Any,
+    cfg: EngineConfig,
+    device: torch.device,
+    num_gpu_blocks: int,
+    num_host_blocks: int,
+    distributed: bool,
+) -> Any:
+    """The runner of the layout: a :class:`ModelRunner` in this process, the tensor-parallel
+    ranks, or the pipeline's workers (``spec``: what each worker loads)."""
+    cache = dict(
+        num_blocks=num_gpu_blocks,
+        block_size=cfg.block_size,
+        dtype=cfg.dtype,
+        num_host_blocks=num_host_blocks,
+        paged_attention=cfg.paged_attention,
+        cpu_fused=cfg.cpu_fused,
+    )
+    if distributed:
+        from llmlab.inference import pipeline_parallel
+
+        tp, pp, backend = (
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            cfg.distributed_executor_backend,
+        )
+        return pipeline_parallel.launch(model, spec, tp, pp, device, cache, backend)
+    if cfg.tensor_parallel_size != 1:
+        from llmlab.inference import tensor_parallel
+
+        return tensor_parallel.TensorParallelRunner.launch(
+            model, spec, cfg.tensor_parallel_size, device, cache
+        )
+    runner = ModelRunner(
+        model,
+        num_gpu_blocks,
+        cfg.block_size,
+        device,
+        cfg.dtype,
+        num_host_blocks,
+        paged_attention=cfg.paged_attention,
+        packed_linear=cfg.packed_linear,
+        cpu_fused=cfg.cpu_fused,
+    )
+    if cfg.quantization == "w8a8":  # after the runner fused q/k/v and gate/up
+        from llmlab.inference.quantize_w8a8 import quantize_w8a8
+
+        quantize_w8a8(runner.model)
+    return runner
 
 
 class LLMEngine:
@@ -140,8 +234,12 @@ class LLMEngine:
     """
 
     def __init__(
-        self, model="shakespeare", tokenizer=None, config: EngineConfig | None = None, **engine_args
-    ):
+        self,
+        model: loader.ModelSpec = "shakespeare",
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        **engine_args: Any,
+    ) -> None:
         cfg = resolve(config, engine_args)  # (checked once, when made)
         self.config = cfg
         self.device = torch.device(resolve_device(str(cfg.device)))  # auto: a GPU if any
@@ -151,16 +249,7 @@ class LLMEngine:
             defaults if cfg.generation_defaults is None else cfg.generation_defaults
         )
         distributed = cfg.pipeline_parallel_size > 1 or cfg.distributed_executor_backend == "ray"
-        if distributed:  # every rank a worker (pipeline_parallel.py)
-            from llmlab.inference import pipeline_parallel
-
-            pipeline_parallel.validate(
-                model.config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.quantization
-            )
-        elif cfg.tensor_parallel_size != 1:
-            from llmlab.inference import tensor_parallel
-
-            tensor_parallel.validate(model.config, cfg.tensor_parallel_size, cfg.quantization)
+        _validate_layout(cfg, model.config, distributed)  # every rank a worker when distributed
         if cfg.quantization in ("int8", "int8-weight-only"):
             from llmlab.model.quantize import quantize_int8
 
@@ -176,17 +265,9 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
-        num_gpu_blocks = cfg.num_gpu_blocks or default_gpu_blocks(cfg, mc, self.max_model_len, self.device)
-        preemption_mode = cfg.preemption_mode or ("swap" if self.device.type == "cuda" else "recompute")
-        num_host_blocks = cfg.num_host_blocks
-        if num_host_blocks is None:
-            num_host_blocks = (
-                default_host_blocks(
-                    num_gpu_blocks, kv_bytes_per_block(mc, cfg.block_size, cfg.dtype), cfg.swap_space_bytes
-                )
-                if preemption_mode == "swap"
-                else 0
-            )
+        num_gpu_blocks, preemption_mode, num_host_blocks = _cache_sizes(
+            cfg, mc, self.max_model_len, self.device
+        )
         self.block_size = cfg.block_size
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
@@ -198,58 +279,13 @@ class LLMEngine:
             num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching, num_host_blocks
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner: Any  # ModelRunner, TensorParallelRunner or PipelineExecutor
-        if distributed:
-            self.runner = pipeline_parallel.launch(
-                model,
-                spec,
-                cfg.tensor_parallel_size,
-                cfg.pipeline_parallel_size,
-                self.device,
-                dict(
-                    num_blocks=num_gpu_blocks,
-                    block_size=cfg.block_size,
-                    dtype=cfg.dtype,
-                    num_host_blocks=num_host_blocks,
-                    paged_attention=cfg.paged_attention,
-                    cpu_fused=cfg.cpu_fused,
-                ),
-                cfg.distributed_executor_backend,
-            )
-        elif cfg.tensor_parallel_size == 1:
-            self.runner = ModelRunner(
-                model,
-                num_gpu_blocks,
-                cfg.block_size,
-                self.device,
-                cfg.dtype,
-                num_host_blocks,
-                paged_attention=cfg.paged_attention,
-                packed_linear=cfg.packed_linear,
-                cpu_fused=cfg.cpu_fused,
-            )
-            if cfg.quantization == "w8a8":  # after the runner fused q/k/v and gate/up
-                from llmlab.inference.quantize_w8a8 import quantize_w8a8
-
-                quantize_w8a8(self.runner.model)
-        else:
-            self.runner = tensor_parallel.TensorParallelRunner.launch(
-                model,
-                spec,
-                cfg.tensor_parallel_size,
-                self.device,
-                dict(
-                    num_blocks=num_gpu_blocks,
-                    block_size=cfg.block_size,
-                    dtype=cfg.dtype,
-                    num_host_blocks=num_host_blocks,
-                    paged_attention=cfg.paged_attention,
-                    cpu_fused=cfg.cpu_fused,
-                ),
-            )
+        self.runner: Any = _make_runner(  # ModelRunner, TensorParallelRunner or PipelineExecutor
+            model, spec, cfg, self.device, num_gpu_blocks, num_host_blocks, distributed
+        )
         self.tensor_parallel_size = cfg.tensor_parallel_size
         self.distributed = distributed
-        self._in_flight: list = []  # pipeline: (step plan, handle, t0, cow copies before)
+        # pipeline: (step plan, handle, t0, cow copies before)
+        self._in_flight: list[tuple[SchedulerOutput, Any, float, int]] = []
         self._next_virtual_engine = 0
         self.check_invariants = cfg.check_invariants
         self.stopper = StopChecker(self.tokenizer, list(eos_token_ids), self.max_model_len)
@@ -283,7 +319,7 @@ class LLMEngine:
         return self.stopper.eos_token_ids
 
     @eos_token_ids.setter
-    def eos_token_ids(self, ids) -> None:
+    def eos_token_ids(self, ids: Iterable[int]) -> None:
         self.stopper.eos_token_ids = list(ids)
 
     @property
@@ -296,7 +332,7 @@ class LLMEngine:
         return self.block_manager.num_blocks
 
     # --- requests --------------------------------------------------------------------------------
-    def encode(self, prompt) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """``prompt``: text, a list of token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids":
         [...]}``. Returns (text or None, token ids)."""
         if isinstance(prompt, dict):
@@ -317,20 +353,22 @@ class LLMEngine:
         exceed (``max_n``, ``max_logprobs``, ``max_stop_strings``, ``max_stop_string_chars``,
         ``max_tokens_limit``), or a token id outside the vocabulary."""
         cfg = self.config
+        stops = filled(params.stop, "stop")  # a list once SamplingParams is made
         checks = [
             ("n", params.n, cfg.max_n, "max_n"),
             ("logprobs", params.logprobs or 0, cfg.max_logprobs, "max_logprobs"),
             ("prompt_logprobs", params.prompt_logprobs or 0, cfg.max_logprobs, "max_logprobs"),
-            ("stop", len(params.stop), cfg.max_stop_strings, "max_stop_strings"),
+            ("stop", len(stops), cfg.max_stop_strings, "max_stop_strings"),
             (
                 "stop",
-                max(map(len, params.stop), default=0),
+                max(map(len, stops), default=0),
                 cfg.max_stop_string_chars,
                 "max_stop_string_chars",
             ),
         ]
         if cfg.max_tokens_limit is not None:
-            checks.append(("max_tokens", params.max_tokens, cfg.max_tokens_limit, "max_tokens_limit"))
+            max_tokens = filled(params.max_tokens, "max_tokens")
+            checks.append(("max_tokens", max_tokens, cfg.max_tokens_limit, "max_tokens_limit"))
         for name, value, limit, flag in checks:
             if value > limit:
                 raise ValueError(f"{name}: {value} is over the limit {flag}={limit}")
@@ -344,22 +382,21 @@ class LLMEngine:
 
     # --- LoRA adapters (llmlab.inference.lora) ---------------------------------------------------
     def enable_lora(self, max_loras: int, max_lora_rank: int = 16) -> None:
-        """Serve up to ``max_loras`` LoRA adapters beside the base (one engine, one device)."""
-        if type(self.runner) is not ModelRunner:  # tensor/pipeline runners: other ranks' layers
+        """Serve up to ``max_loras`` LoRA adapters beside the base (one device, or tensor
+        parallelism: each rank its slices of them)."""
+        if not isinstance(self.runner, ModelRunner):  # the pipeline: other stages' layers
             raise ValueError(
-                "LoRA adapters are served by the one-device runner only (not with "
-                "tensor or pipeline parallelism)"
+                "LoRA adapters are served by the one-device and tensor-parallel runners "
+                "(not with pipeline parallelism)"
             )
-        from llmlab.inference.lora import enable_lora
+        self.runner.enable_lora(max_loras, max_lora_rank)
 
-        self.runner.lora = enable_lora(self.runner.model, max_loras, max_lora_rank)
-
-    def add_lora(self, name: str, path) -> None:
+    def add_lora(self, name: str, path: str | Path) -> None:
         """Load the PEFT adapter in ``path`` as ``name`` (``ValueError``: no slot free, name
         taken, an adapter for another base; requests name it from the next step on)."""
         if getattr(self.runner, "lora", None) is None:
             raise ValueError("LoRA is not enabled: start with --max-loras N (enable_lora)")
-        self.runner.lora.load(name, path)
+        self.runner.load_lora(name, str(path))
 
     def remove_lora(self, name: str) -> None:
         """Unload the adapter ``name``: ``KeyError`` when none is loaded by that name,
@@ -370,7 +407,7 @@ class LLMEngine:
         lid = lora.lora_id(name)
         if any(seq.lora_id == lid and not seq.is_finished for r in self.requests.values() for seq in r.seqs):
             raise ValueError(f"adapter {name!r} is in use by unfinished requests")
-        lora.unload(name)
+        self.runner.unload_lora(name)
 
     def lora_adapters(self) -> dict[str, str]:
         """``{name: folder}`` of the loaded adapters."""
@@ -379,7 +416,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt,
+        prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
@@ -442,7 +479,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
         # K/V is stored for every token but the last sampled one, which ends the sequence
-        kv_tokens = max(len(ids), min(len(ids) + params.max_tokens, self.max_model_len) - 1)
+        max_tokens = filled(params.max_tokens, "max_tokens")
+        kv_tokens = max(len(ids), min(len(ids) + max_tokens, self.max_model_len) - 1)
         need = self.block_manager.blocks_for(kv_tokens)
         if need > self.num_gpu_blocks:
             raise ValueError(
@@ -482,6 +520,8 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             first, rows = prompt_logits[seq.seq_id]
             k, ids, have = req.params.prompt_logprobs, seq.prompt_token_ids, req.prompt_logprobs
+            if k is None or have is None:  # _prompt_logit_seqs asks only for requests that want them
+                raise RuntimeError(f"request {req.request_id}: prompt logits came back unasked")
             for j, row in enumerate(rows):
                 if first + j + 1 == len(have):
                     have.append(self._logprob_entry(top_logprobs(row, ids[first + j + 1], k)))
@@ -556,19 +596,21 @@ class LLMEngine:
                 f"{bm.num_free_blocks}/{bm.num_blocks} blocks free"
             )
 
-    def _mark_scheduled(self, out, t0: float) -> None:
+    def _mark_scheduled(self, out: SchedulerOutput, t0: float) -> None:
         for seq, _ in out.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = t0
                 m = self.requests[seq.request_id].metrics
                 m.first_scheduled_time = m.first_scheduled_time or t0
 
-    def _block_ops(self, out) -> None:
+    def _block_ops(self, out: SchedulerOutput) -> None:
         self.runner.swap_out(out.swap_out)
         self.runner.swap_in(out.swap_in)
         self.runner.copy_blocks(out.copies)
 
-    def _forward_failed(self, out, e: Exception, t0: float, cow_before: int) -> list[RequestOutput]:
+    def _forward_failed(
+        self, out: SchedulerOutput, e: Exception, t0: float, cow_before: int
+    ) -> list[RequestOutput]:
         changed = self._fail_step(out, f"the forward pass failed: {type(e).__name__}: {e}")
         self._record(out, t0, cow_before, 0.0)
         return [self._output(r) for r in changed.values()]
@@ -604,7 +646,7 @@ class LLMEngine:
         ]
         return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]), t0, cow)
 
-    def _schedule_virtual_engine(self):
+    def _schedule_virtual_engine(self) -> SchedulerOutput | None:
         """The next step of a pipeline: the running sequences are split into ``depth`` groups by
         id (vLLM's virtual engines, one scheduler each there); the next group in turn that has
         work and is not in flight is scheduled (new requests join whichever step admits them).
@@ -621,12 +663,20 @@ class LLMEngine:
                 return out
         return None
 
-    def _complete(self, out, logits: dict, fast: dict, t0: float, cow_before: int) -> list[RequestOutput]:
+    def _complete(
+        self,
+        out: SchedulerOutput,
+        logits: dict[int, torch.Tensor],
+        fast: dict[int, int],
+        t0: float,
+        cow_before: int,
+    ) -> list[RequestOutput]:
         """After the forward: the scheduled tokens are computed; sample, stop, record."""
         sched, bm = self.scheduler, self.block_manager
         sched.update(out)
         now = time.perf_counter()
-        changed, sample_s = {}, 0.0
+        changed: dict[str, _Request] = {}
+        sample_s = 0.0
         with phase("sampling"):
             for seq, n in out.scheduled:
                 if seq.num_computed_tokens < seq.num_tokens:
@@ -649,9 +699,10 @@ class LLMEngine:
         self._record(out, t0, cow_before, sample_s)
         return [self._output(r) for r in changed.values()]
 
-    def _fail_step(self, out, message: str) -> dict:
+    def _fail_step(self, out: SchedulerOutput, message: str) -> dict[str, _Request]:
         """Finish every request of a step whose forward pass failed, with ``message``."""
-        now, changed = time.perf_counter(), {}
+        now = time.perf_counter()
+        changed: dict[str, _Request] = {}
         for seq in [s for s, _ in out.scheduled] + list(out.preempted):
             req = self.requests.get(seq.request_id)
             if req is None:
@@ -726,13 +777,13 @@ class LLMEngine:
                 self._finish(s, reason, now)
         return sample_s
 
-    def _record(self, out, t0: float, cow_before: int, sample_s: float) -> None:
+    def _record(self, out: SchedulerOutput, t0: float, cow_before: int, sample_s: float) -> None:
         bm, sched, bs = self.block_manager, self.scheduler, self.block_size
-        filled = {}
+        stored: dict[int, int] = {}  # block -> tokens with K/V in it
         for seq in sched.running:
             for i, b in enumerate(seq.block_table):
                 f = max(0, min(bs, seq.num_computed_tokens - i * bs))
-                filled[b] = max(filled.get(b, 0), f)
+                stored[b] = max(stored.get(b, 0), f)
         self._step += 1
         m = StepMetrics(
             step=self._step,
@@ -747,7 +798,7 @@ class LLMEngine:
             num_preemptions=len(out.preempted),
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
-            kv_tokens_stored=sum(filled.values()),
+            kv_tokens_stored=sum(stored.values()),
             block_size=bs,
             num_cow_copies=bm.stats["cow_copies"] - cow_before,
             num_prefix_hit_tokens=bm.stats["prefix_hit_tokens"],
@@ -791,7 +842,7 @@ class LLMEngine:
         """One position's ``{token_id: Logprob}`` (with each token's text), built once."""
         return {t: Logprob(v, r, self._decode_one(t)) for t, (v, r) in d.items()}
 
-    def _logprobs(self, seq: Sequence) -> list[dict] | None:
+    def _logprobs(self, seq: Sequence) -> list[dict[int, Logprob]] | None:
         """The sequence's logprobs so far: the entries made when each token was sampled (a new
         list of the same entries, so each step costs one pointer per token, nothing rebuilt)."""
         return None if seq.params.logprobs is None else list(seq.logprobs)

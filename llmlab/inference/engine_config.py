@@ -22,16 +22,26 @@ streams) are :class:`llmlab.serve.config.ServerConfig`'s.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from llmlab.inference.outputs import StepMetrics
+
 SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap_space: 4 GiB of host memory per GPU
 
 
-def option(default, help: str, choices=None, cli: bool = True, factory=None):
+def option(
+    default: typing.Any,
+    help: str,
+    choices: Iterable[object] | None = None,
+    cli: bool = True,
+    factory: typing.Callable[[], typing.Any] | None = None,
+) -> typing.Any:
     """An :class:`EngineConfig` field: its default (or ``factory()``, called when a config is
     made), ``--help`` text, allowed values and whether a CLI may offer it as a flag
     (``cli=False``: Python-only, e.g. a callback or a dtype)."""
@@ -114,13 +124,15 @@ class EngineConfig:
         choices=("mp", "ray"),
     )
     seed: int = option(0, "seed for requests that send none")
-    generation_defaults: dict | None = option(
+    generation_defaults: dict[str, typing.Any] | None = option(
         None,
         "sampling fields a request leaves unset (default: the checkpoint's generation_config.json)",
         cli=False,
     )
     check_invariants: bool = option(False, "verify the block pool after every step", cli=False)
-    on_step: typing.Callable | None = option(None, "called with each StepMetrics", cli=False)
+    on_step: typing.Callable[[StepMetrics], object] | None = option(
+        None, "called with each StepMetrics", cli=False
+    )
     # --- kernels (docs/kernels.md) ------------------------------------------------------------------
     paged_attention: str = option(
         None,
@@ -239,7 +251,11 @@ def field_names(cli_only: bool = True) -> list[str]:
     return [f.name for f in dataclasses.fields(EngineConfig) if f.metadata["cli"] or not cli_only]
 
 
-def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | None = None) -> None:
+def add_engine_arguments(
+    p: argparse._ActionsContainer,  # a parser or an argument group
+    names: list[str] | None = None,
+    overrides: dict[str, dict[str, typing.Any]] | None = None,
+) -> None:
     """One flag per field in ``names`` (default: every CLI field), ``max_num_seqs`` ->
     ``--max-num-seqs`` with the field's type, default, help and choices. ``overrides``:
     ``{name: {"default": ..., "help": ..., "choices": ...}}`` where a CLI differs (e.g.
@@ -269,7 +285,7 @@ def add_engine_arguments(p, names: list[str] | None = None, overrides: dict | No
         )
 
 
-def from_args(args, names: list[str] | None = None, **extra) -> EngineConfig:
+def from_args(args: argparse.Namespace, names: list[str] | None = None, **extra: typing.Any) -> EngineConfig:
     """The :class:`EngineConfig` of the flags :func:`add_engine_arguments` added (``names``),
     plus ``extra`` fields (checked as it is made). Raises ``ValueError`` naming a bad value."""
     kw = {n: getattr(args, n) for n in (names if names is not None else field_names()) if hasattr(args, n)}

@@ -129,7 +129,8 @@ def reach_address(gcs_address: str) -> str:
     host, _, port = gcs_address.rpartition(":")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, int(port or 6379)))
-        return s.getsockname()[0]
+        addr: str = s.getsockname()[0]  # (host, port) of an AF_INET socket
+        return addr
 
 
 def interface_of(ip: str) -> str | None:
@@ -168,7 +169,7 @@ class StageActor:
         address, unless ``GLOO_SOCKET_IFNAME`` is set) and build the stage with ``build``
         (:func:`~llmlab.inference.pipeline_parallel.build_stage`); returns this node's address."""
         ray = _ray()
-        ip = ray.util.get_node_ip_address()
+        ip: str = ray.util.get_node_ip_address()
         if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
             name = interface_of(ip)
             if name is not None:

@@ -26,12 +26,18 @@ records the numbers.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from llmlab.inference.workload import sharegpt_workload
-from llmlab.inference.metrics import RequestTiming, summarize
+from llmlab.inference.metrics import summarize
+
+if TYPE_CHECKING:
+    from llmlab.inference.loader import ModelSpec
+    from llmlab.inference.outputs import StepMetrics
 
 # The values each knob is swept over (first = the baseline the others are compared with).
-SWEEPS = {
+SWEEPS: dict[str, list[Any]] = {
     "max_tokens": [None, 64, 16, 1],
     "sampling": [
         {"temperature": 0.0},
@@ -46,7 +52,7 @@ SWEEPS = {
 }
 
 
-def knob_workload(knob: str, num_requests: int = 16, seed: int = 0) -> dict:
+def knob_workload(knob: str, num_requests: int = 16, seed: int = 0) -> dict[str, list[Any]]:
     """The workload a knob is measured on (ShareGPT-like, byte tokens of the bundled corpus).
 
     ``chunked_prefill``: short chat requests plus one long prompt (~400 tokens, 4 output
@@ -72,17 +78,17 @@ def _repeated_4gram_fraction(ids: list[int]) -> float:
 
 
 def serve(
-    workload: dict,
+    workload: dict[str, Any],
     *,
-    model="shakespeare",
+    model: ModelSpec = "shakespeare",
     device: str = "cpu",
     max_tokens: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
-    on_step=None,
-    **engine_args,
-) -> dict:
+    on_step: Callable[[StepMetrics], object] | None = None,
+    **engine_args: Any,
+) -> dict[str, Any]:
     """Serve ``workload`` once; returns throughput (output tokens/s), ``ttft_s``/``tpot_s``/
     ``e2e_s`` p50/p99 (seconds), KV usage (peak and mean fraction of blocks), preemptions, step
     sizes and times, sampling seconds per step, the generated ``token_ids`` per served request
@@ -91,7 +97,9 @@ def serve(
     from llmlab.inference import LLMEngine, SamplingParams
 
     eng = LLMEngine(model, device=device, on_step=on_step, **engine_args)
-    ids, rejected, want = [], 0, {}
+    ids: list[str] = []
+    rejected = 0
+    want: dict[str, int] = {}
     for i, (p, n) in enumerate(zip(workload["prompts"], workload["output_lens"])):
         n = n if max_tokens is None else min(n, max_tokens)
         try:
@@ -113,17 +121,7 @@ def serve(
     wall = time.perf_counter() - t0
     outs = [eng.get_output(r) for r in ids]
     sm = eng.step_metrics
-    res = summarize(
-        [
-            RequestTiming(
-                o.metrics.arrival_time,
-                o.metrics.first_token_time,
-                o.metrics.finish_time,
-                o.metrics.num_output_tokens,
-            )
-            for o in outs
-        ]
-    )
+    res = summarize([o.metrics.timing() for o in outs])
     tokens = [o.outputs[0].token_ids for o in outs]
     res.update(
         {
@@ -153,7 +151,7 @@ def serve(
     return res
 
 
-def _setting(knob: str, value) -> tuple[str, dict]:
+def _setting(knob: str, value: Any) -> tuple[str, dict[str, Any]]:
     """(label, keyword arguments of :func:`serve`) for one value of ``knob``."""
     if knob == "max_tokens":
         return (f"max_tokens={value}" if value else "max_tokens=natural"), {"max_tokens": value}
@@ -174,7 +172,7 @@ def _setting(knob: str, value) -> tuple[str, dict]:
 
 
 # Engine settings shared by every run of a knob's sweep (the knob's own value overrides them).
-BASE = {
+BASE: dict[str, dict[str, Any]] = {
     "max_tokens": {"max_num_seqs": 8},
     "sampling": {"max_num_seqs": 8},
     "max_model_len": {"max_num_seqs": 8},
@@ -185,16 +183,16 @@ BASE = {
 
 def sweep(
     knob: str,
-    values=None,
+    values: Iterable[Any] | None = None,
     *,
     num_requests: int = 16,
     seed: int = 0,
-    model="shakespeare",
+    model: ModelSpec = "shakespeare",
     device: str = "cpu",
     repeats: int = 1,
     warmup: bool = True,
-    on_run=None,
-) -> list[dict]:
+    on_run: Callable[[dict[str, Any]], object] | None = None,
+) -> list[dict[str, Any]]:
     """Serve :func:`knob_workload` once per value of ``knob`` (default ``SWEEPS[knob]``); one row
     per value: ``{"knob", "value", "label", **serve(...)}`` (``token_ids`` dropped, and for
     ``sampling`` ``same_as_first``: the share of requests whose tokens equal the first setting's).
@@ -212,20 +210,22 @@ def sweep(
     values = SWEEPS[knob] if values is None else list(values)
     if warmup:
         serve({k: v[:2] for k, v in wl.items()}, model=model, device=device, max_tokens=4, **BASE[knob])
-    best: list[dict | None] = [None] * len(values)
+    best: list[dict[str, Any] | None] = [None] * len(values)
     runs: list[list[float]] = [[] for _ in values]
-    rows, first = [], None
+    rows: list[dict[str, Any]] = []
+    first = None
     for rep in range(repeats):
         for j, v in enumerate(values):
             label, kw = _setting(knob, v)
             res = serve(wl, model=model, device=device, seed=seed, **{**BASE[knob], **kw})
             runs[j].append(res["throughput_tokens_per_s"])
             tok_s = res["throughput_tokens_per_s"]
-            if best[j] is None or tok_s > best[j]["throughput_tokens_per_s"]:
-                best[j] = res
+            kept = best[j]
+            if kept is None or tok_s > kept["throughput_tokens_per_s"]:
+                kept = best[j] = res
             if rep < repeats - 1:
                 continue
-            res = best[j]
+            res = kept
             toks = res.pop("token_ids")
             if first is None:
                 first = toks
@@ -238,7 +238,7 @@ def sweep(
     return rows
 
 
-def format_row(r: dict) -> str:
+def format_row(r: dict[str, Any]) -> str:
     """One line of the knob table (ms, tokens/s, %)."""
     s = (
         f"{r['label']:22s} {r['throughput_tokens_per_s']:7.0f} tok/s  TTFT p50/p99 "

@@ -10,10 +10,27 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
-from llmlab.inference.engine import LLMEngine
+from llmlab.inference.engine import LLMEngine, Prompt
+from llmlab.inference.engine_config import EngineConfig
+from llmlab.inference.loader import ModelSpec
 from llmlab.inference.outputs import RequestOutput, error_output
 from llmlab.inference.sampling import SamplingParams
+
+# One SamplingParams for every prompt, one per prompt, or None (the defaults).
+ParamsArg = SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None
+
+
+def _as_batch(prompts: Prompt | Iterable[Prompt]) -> list[Prompt]:
+    """One prompt (text, a request dict or a list of token ids) as a batch of one, else the list
+    of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [cast(list[int], prompts)]  # token ids: one prompt
+    return list(cast(Iterable[Prompt], prompts))  # (not a str, dict or id list: checked above)
 
 
 class LLM:
@@ -26,7 +43,13 @@ class LLM:
     gets an error output; the others complete.
     """
 
-    def __init__(self, model="shakespeare", tokenizer=None, config=None, **engine_args):
+    def __init__(
+        self,
+        model: ModelSpec = "shakespeare",
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        **engine_args: Any,
+    ) -> None:
         self.engine = LLMEngine(model, tokenizer, config, **engine_args)
         self._error_ids = itertools.count()
 
@@ -38,22 +61,20 @@ class LLM:
         """Stop recording; returns the trace's path."""
         return self.engine.stop_profile()
 
-    def _add(self, prompts, sampling_params) -> list:
+    def _add(
+        self, prompts: Prompt | Iterable[Prompt], sampling_params: ParamsArg
+    ) -> list[str | RequestOutput]:
         """Queue every prompt; a request the engine refuses (``ValueError``: empty prompt, too
         long, bad ids or parameters) becomes a finished error output in its place, so one bad
         request never fails the batch. Returns request ids and error outputs, in order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_batch(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        entries = []
+        entries: list[str | RequestOutput] = []
         for p, sp in zip(prompts, params):
             try:
                 entries.append(self.engine.add_request(p, sp))
@@ -62,13 +83,15 @@ class LLM:
                 entries.append(error_output(rid, p, str(e), time.perf_counter()))
         return entries
 
-    def _release(self, entries) -> None:
+    def _release(self, entries: list[str | RequestOutput]) -> None:
         for rid in entries:
             if isinstance(rid, str):
                 self.engine.abort_request(rid)  # no-op when finished; frees on early exit
                 self.engine.release(rid)
 
-    def stream(self, prompts, sampling_params=None):
+    def stream(
+        self, prompts: Prompt | Iterable[Prompt], sampling_params: ParamsArg = None
+    ) -> Iterator[RequestOutput]:
         """Yield a :class:`RequestOutput` every time a request gets new tokens (streaming); a
         refused request is yielded once, first, with ``finish_reason="error"``."""
         entries = self._add(prompts, sampling_params)
@@ -79,7 +102,9 @@ class LLM:
         finally:
             self._release(entries)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Iterable[Prompt], sampling_params: ParamsArg = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (text, token-id lists or request dicts), one for
         every prompt: a refused or failed request has ``finish_reason="error"`` and ``error``.
         A vision-language model's request dict may carry ``"multi_modal_data": {"image": [...]}``

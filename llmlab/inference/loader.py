@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from llmlab.model.config import PRESETS, ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
@@ -55,7 +56,7 @@ def resolve_model_path(spec: str) -> Path:
     raise FileNotFoundError(f"--model {spec!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
 
 
-def load_tokenizer(path: Path, vocab_size: int):
+def load_tokenizer(path: Path, vocab_size: int) -> Any:
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
@@ -89,7 +90,7 @@ GENERATION_DEFAULT_KEYS = {
 }
 
 
-def generation_defaults(path: Path) -> dict:
+def generation_defaults(path: Path) -> dict[str, Any]:
     """The sampling defaults a checkpoint's ``generation_config.json`` sets, as ``SamplingParams``
     fields (``{"repetition_penalty": 1.05, "temperature": 0.7, ...}``; only keys present in the
     file, as vLLM's ``generation_config="auto"``); ``{}`` without the file."""
@@ -100,7 +101,11 @@ def generation_defaults(path: Path) -> dict:
     return {field: cfg[key] for key, field in GENERATION_DEFAULT_KEYS.items() if cfg.get(key) is not None}
 
 
-def load(model, tokenizer=None):
+# What an engine is given as its model: a preset name or checkpoint folder, a config or a model.
+ModelSpec = LlamaForCausalLM | ModelConfig | str | Path
+
+
+def load(model: ModelSpec, tokenizer: Any = None) -> tuple[LlamaForCausalLM, Any, list[int], dict[str, Any]]:
     """Returns ``(LlamaForCausalLM, tokenizer or None, eos ids, generation defaults)`` for any
     accepted ``model`` (see :func:`generation_defaults`; ``{}`` for model objects)."""
     from llmlab.data import ByteTokenizer

@@ -9,6 +9,10 @@ folded into ``B``); slot 0 is all zeros, the base model. Before each step the en
 step (Punica's "segmented" multi-LoRA, Chen et al. 2023, without the custom kernel). Rows of
 different adapters and of the base share one forward. The wrapped layers are no longer fused
 (q/k/v and gate/up run as separate matmuls), the price of adding the adapters after each.
+Under tensor-parallel serving the layers stay the parallel ones and each holds this rank's slices
+of its slots (:class:`SlotAdapters` as the layer's ``served_lora``), split as training splits an
+adapter (:mod:`llmlab.parallel.tp_lora`); rank 0 sends every load/unload and each step's token
+slots to the other ranks (:mod:`llmlab.inference.tensor_parallel`).
 
 :meth:`LoRASlots.load` checks an adapter against the base (its target modules exist, every
 tensor's shape matches the layer, its rank fits ``max_lora_rank``) and raises ``ValueError``
@@ -25,33 +29,78 @@ import torch
 from torch import nn
 
 from llmlab.model.lora import TARGETS, load_peft_adapter
+from llmlab.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
-class MultiLoRALinear(nn.Module):
+Slice = tuple[int, int, int] | None  # (dim, index, parts) of the full tensor this rank holds
+
+
+class SlotAdapters(nn.Module):
+    """One layer's adapter slots: ``lora_A [S, R, in]``, ``lora_B [S, out, R]`` (``S =
+    max_loras + 1``, ``R = max_lora_rank``; buffers, not trained here; alpha / r folded into B),
+    or on a tensor-parallel layer this rank's slices of them (``a_slice``/``b_slice``: ``(dim,
+    index, parts)`` of the full ``[R, in]``/``[out, R]``, split as training's adapters are,
+    :mod:`llmlab.parallel.tp_lora`). ``in_features``/``out_features`` are the full layer's.
+    Implements :class:`~llmlab.parallel.tensor_parallel.ServedLoRA`."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+
+    def __init__(
+        self,
+        local: tuple[int, int],
+        full: tuple[int, int],
+        like: torch.Tensor,
+        slots: "LoRASlots",
+        a_slice: Slice = None,
+        b_slice: Slice = None,
+    ) -> None:
+        super().__init__()
+        self.slots, self.a_slice, self.b_slice = slots, a_slice, b_slice
+        self.out_features, self.in_features = full
+        S, R = slots.max_loras + 1, slots.max_lora_rank
+        (out_local, in_local), dt, dev = local, like.dtype, like.device
+        self.register_buffer("lora_A", torch.zeros(S, R, in_local, dtype=dt, device=dev))
+        self.register_buffer("lora_B", torch.zeros(S, out_local, R, dtype=dt, device=dev))
+
+    def cut(self, which: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full adapter tensor (``which``: ``lora_A`` or ``lora_B``)."""
+        spec = self.a_slice if which == "lora_A" else self.b_slice
+        return t if spec is None else t.chunk(spec[2], spec[0])[spec[1]]
+
+    def active(self) -> bool:
+        """Whether a token of this step runs with an adapter (else the layer adds nothing)."""
+        return self.slots.token_slots is not None and bool(self.slots.active)
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in] -> [..., R]``: each token's ``x A_s^T`` (zeros for the base's tokens)."""
+        flat = x.reshape(-1, x.shape[-1])
+        z = flat.new_zeros(flat.shape[0], self.lora_A.shape[1])
+        for s in self.slots.active if self.active() else ():
+            rows = self.slots.rows[s]
+            z[rows] = flat[rows] @ self.lora_A[s].T
+        return z.view(*x.shape[:-1], -1)
+
+    def up(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y + B_s z`` for each token's slot ``s``, in place on ``y [..., out]``."""
+        flat_z, flat_y = z.reshape(-1, z.shape[-1]), y.view(-1, y.shape[-1])
+        for s in self.slots.active if self.active() else ():
+            rows = self.slots.rows[s]
+            flat_y[rows] += flat_z[rows] @ self.lora_B[s].T
+        return y
+
+
+class MultiLoRALinear(SlotAdapters):
     """``base(x) + (B[s] A[s] x)`` for each token's slot ``s``. ``x [..., in] -> [..., out]``."""
 
-    lora_A: torch.Tensor  # [max_loras + 1, max_lora_rank, in] (buffers: not trained here)
-    lora_B: torch.Tensor  # [max_loras + 1, out, max_lora_rank], alpha / r folded in
-
     def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: "LoRASlots") -> None:
-        super().__init__()
-        self.base, self.slots = base, slots
-        self.in_features, self.out_features = in_features, out_features
-        w = next(base.parameters())
-        S, R = slots.max_loras + 1, slots.max_lora_rank
-        self.register_buffer("lora_A", torch.zeros(S, R, in_features, dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_B", torch.zeros(S, out_features, R, dtype=w.dtype, device=w.device))
+        shape = (out_features, in_features)
+        super().__init__(shape, shape, next(base.parameters()), slots)
+        self.base = base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        token_slots = self.slots.token_slots
-        if token_slots is None or not self.slots.active:
-            return y
-        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        for s in self.slots.active:  # the adapters present in this step
-            rows = self.slots.rows[s]
-            flat_y[rows] += (flat_x[rows] @ self.lora_A[s].T) @ self.lora_B[s].T
-        return y
+        return self.up(self.down(x), y) if self.active() else y
 
 
 class LoRASlots:
@@ -64,7 +113,7 @@ class LoRASlots:
                 f"--max-loras and --max-lora-rank must be >= 1, got {max_loras}, {max_lora_rank}"
             )
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        self.layers: dict[str, MultiLoRALinear] = {}
+        self.layers: dict[str, SlotAdapters] = {}
         self.by_name: dict[str, tuple[int, int, str]] = {}  # name -> (lora id, slot, path)
         self._ids = itertools.count(1)
         self.token_slots: torch.Tensor | None = None
@@ -120,9 +169,9 @@ class LoRASlots:
             module, which = n.rsplit(".", 2)[0], n.rsplit(".", 2)[1]
             layer = self.layers[module]
             if which == "lora_A":
-                layer.lora_A[slot, :r] = t.to(layer.lora_A.dtype)
+                layer.lora_A[slot, :r] = layer.cut(which, t).to(layer.lora_A.dtype)
             else:
-                layer.lora_B[slot, :, :r] = (t.float() * scaling).to(layer.lora_B.dtype)
+                layer.lora_B[slot, :, :r] = layer.cut(which, t.float() * scaling).to(layer.lora_B.dtype)
         lora_id = next(self._ids)
         self.by_name[name] = (lora_id, slot, str(path))
         return lora_id
@@ -142,15 +191,38 @@ class LoRASlots:
         """``pairs``: ``(lora id, token count)`` of each sequence in the step's flattened order
         (0 = the base). A lora id no longer loaded is a ``KeyError``."""
         slot_of = {i: s for i, s, _ in self.by_name.values()} | {0: 0}
-        slots = torch.tensor([slot_of[i] for i, n in pairs for _ in range(n)], dtype=torch.long)
-        self.active = sorted(set(slots.tolist()) - {0})
+        self.set_slots([slot_of[i] for i, n in pairs for _ in range(n)], device)
+
+    def set_slots(self, token_slots: list[int], device: torch.device) -> None:
+        """Each token's slot (0 = the base), in the step's flattened order: what a
+        tensor-parallel rank receives from rank 0 with the step."""
+        slots = torch.tensor(token_slots, dtype=torch.long)
+        self.active = sorted(set(token_slots) - {0})
         self.rows = {s: (slots == s).nonzero().flatten().to(device) for s in self.active}
         self.token_slots = slots
 
 
+def _parallel_slots(module: ColumnParallelLinear | RowParallelLinear, slots: LoRASlots) -> SlotAdapters:
+    """The adapter slots of a tensor-parallel layer, split as :mod:`llmlab.parallel.tp_lora` splits
+    training's adapters: column-parallel (q/k/v, gate/up) ``A`` whole and ``B`` this rank's rows
+    (a replicated kv head's rows on its ranks), row-parallel (o, down) ``A`` this rank's columns
+    and ``B`` whole. The layers add them (:class:`~llmlab.parallel.tensor_parallel.ServedLoRA`)."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(module.group) if dist.is_initialized() else 1
+    r = dist.get_rank(module.group) if tp > 1 else 0
+    w = module.weight
+    full = (module.out_features, module.in_features)
+    if isinstance(module, ColumnParallelLinear):
+        parts = module.out_features // w.shape[0]
+        return SlotAdapters((w.shape[0], w.shape[1]), full, w, slots, b_slice=(0, r // (tp // parts), parts))
+    return SlotAdapters((w.shape[0], w.shape[1]), full, w, slots, a_slice=(1, r, tp))
+
+
 def enable_lora(model: nn.Module, max_loras: int, max_lora_rank: int) -> LoRASlots:
     """Wrap ``model``'s decoder-layer target linear layers (:data:`llmlab.model.lora.TARGETS`) in
-    :class:`MultiLoRALinear` and undo the projection fusion of the layers holding them; returns
+    :class:`MultiLoRALinear` and undo the projection fusion of the layers holding them (a
+    tensor-parallel layer gets its slots' slices as its ``served_lora`` instead); returns
     the :class:`LoRASlots` to load adapters into and to set each step's token slots."""
     slots = LoRASlots(max_loras, max_lora_rank)
     for name, module in list(model.named_modules()):
@@ -161,6 +233,9 @@ def enable_lora(model: nn.Module, max_loras: int, max_lora_rank: int) -> LoRASlo
             continue
         w = getattr(module, "weight", None)
         if w is None:
+            continue
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):  # tensor-parallel serving
+            module.served_lora = slots.layers[name] = _parallel_slots(module, slots)
             continue
         out_f, in_f = w.shape
         parent = model.get_submodule(parent_name)

@@ -14,7 +14,9 @@ Percentiles interpolate linearly between order statistics (numpy's default ``"li
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 def ttft(arrival: float, first_token: float | None) -> float | None:
@@ -42,7 +44,7 @@ class RequestTiming:
 
     @property
     def ttft(self) -> float:
-        return ttft(self.arrival, self.first_token)
+        return self.first_token - self.arrival  # ttft() with a first token, so never None
 
     @property
     def tpot(self) -> float | None:
@@ -53,7 +55,7 @@ class RequestTiming:
         return self.finish - self.arrival
 
 
-def percentile(values, q: float) -> float:
+def percentile(values: Iterable[float], q: float) -> float:
     """The ``q``-th percentile (0..100) of ``values`` with linear interpolation.
 
     Raises ``ValueError`` for an empty list or ``q`` outside [0, 100]."""
@@ -68,14 +70,14 @@ def percentile(values, q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def p50_p99(values) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
+def p50_p99(values: Iterable[float | None]) -> dict[str, float | None]:
+    xs = [v for v in values if v is not None]
+    if not xs:
         return {"p50": None, "p99": None}
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    return {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
 
 
-def summarize(timings: list[RequestTiming]) -> dict:
+def summarize(timings: list[RequestTiming]) -> dict[str, Any]:
     """``{"throughput_tokens_per_s", "ttft_s", "tpot_s", "e2e_s", "duration_s",
     "num_output_tokens"}`` over ``timings`` (each percentile entry is ``{"p50", "p99"}``)."""
     if not timings:

@@ -33,10 +33,11 @@ from llmlab.inference.scheduler import SchedulerOutput
 from llmlab.metrics.profiling import phase
 from llmlab.inference.sequence import Sequence
 from llmlab.model.context import forward_context
+from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over all layers: 2 (K and V) x layers x block_size x kv_heads x D x
     element size."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -96,20 +97,30 @@ class ModelRunner:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def _host(self) -> torch.Tensor:
+        if self.host_cache is None:
+            raise RuntimeError("swap preemption needs host blocks: this runner has num_host_blocks=0")
+        return self.host_cache
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             dev, host = zip(*pairs)
-            self.host_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)].to("cpu")
+            self._host()[:, :, list(host)] = self.kv_cache[:, :, list(dev)].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             host, dev = zip(*pairs)
-            self.kv_cache[:, :, list(dev)] = self.host_cache[:, :, list(host)].to(self.device)
+            self.kv_cache[:, :, list(dev)] = self._host()[:, :, list(host)].to(self.device)
 
     # --- the step ---------------------------------------------------------------------------------
-    def _batch(self, group: list[tuple], is_prefill: bool) -> AttentionBatch:
+    def _batch(self, group: list[tuple[Sequence, int]], is_prefill: bool) -> AttentionBatch:
         bs, dev = self.block_size, self.device
-        ids, positions, slots, ctx, qlens, tables = [], [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx: list[int] = []
+        qlens: list[int] = []
+        tables: list[list[int]] = []
         for seq, n in group:
             c = seq.num_computed_tokens
             pos = range(c, c + n)
@@ -130,19 +141,19 @@ class ModelRunner:
             is_prefill=is_prefill,
         )
 
-    def prepare_prefill(self, group: list[tuple]) -> AttentionBatch:
+    def prepare_prefill(self, group: list[tuple[Sequence, int]]) -> AttentionBatch:
         """The batch of ``(seq, n)`` pairs computing ``n`` tokens each from their
         ``num_computed_tokens`` on: prompts, prompt chunks, recomputation after preemption (decode
         rows, ``n = 1``, may share it)."""
         return self._batch(group, is_prefill=any(n > 1 for _, n in group))
 
-    def prepare_decode(self, group: list[tuple]) -> AttentionBatch:
+    def prepare_decode(self, group: list[tuple[Sequence, int]]) -> AttentionBatch:
         """The batch of ``(seq, 1)`` pairs: each computes its newest token."""
         if any(n != 1 for _, n in group):
             raise ValueError("prepare_decode takes sequences computing exactly one token")
         return self._batch(group, is_prefill=False)
 
-    def attention_groups(self, scheduled: list[tuple]) -> list[list[tuple]]:
+    def attention_groups(self, scheduled: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
         """The step's ``(seq, n)`` pairs grouped into attention calls: all in one where a
         kernel runs (Triton or the CPU one: it walks each sequence's own blocks, no padding); otherwise prompts
         apart from decodes (the reference pads every query of a call to the longest, so one
@@ -209,6 +220,22 @@ class ModelRunner:
         order = [x for g in self.attention_groups(out.scheduled) for x in g]
         return order, multimodal.step_inputs(self.model, order, self.device)
 
+    # --- LoRA adapters (llmlab.inference.lora; LLMEngine.enable_lora/add_lora/remove_lora) ---------
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Give the model's target layers ``max_loras`` adapter slots (:func:`~llmlab.inference.
+        lora.enable_lora`); ``ValueError`` for a bound below 1."""
+        from llmlab.inference.lora import enable_lora
+
+        self.lora = enable_lora(self.model, max_loras, max_lora_rank)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter into a free slot (:meth:`~llmlab.inference.lora.LoRASlots.load`)."""
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter ``name``'s slot; ``KeyError`` when none is loaded by that name."""
+        self.lora.unload(name)
+
     def prepare(self, out: SchedulerOutput) -> tuple[list[AttentionBatch], list[int], list[int]]:
         """The step's attention batches, the rows of the flattened step whose logits are sampled
         (each sequence's last token, when it is its last to compute) and their sequence ids."""
@@ -260,4 +287,5 @@ class ModelRunner:
         with forward_context(
             PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
         ):
-            return self.model(ids[None], positions=positions, logits_indices=rows, **extra)
+            logits: torch.Tensor = self.model(ids[None], positions=positions, logits_indices=rows, **extra)
+        return logits

@@ -9,6 +9,7 @@ TPOT are those of :mod:`llmlab.inference.metrics`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmlab.inference import metrics
 
@@ -34,6 +35,15 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         return metrics.tpot(self.first_token_time, self.finish_time, self.num_output_tokens)
 
+    def timing(self) -> metrics.RequestTiming:
+        """A finished request's :class:`~llmlab.inference.metrics.RequestTiming` (what
+        :func:`~llmlab.inference.metrics.summarize` takes). Raises ``ValueError`` when it has no
+        first token or no finish time yet."""
+        first, finish = self.first_token_time, self.finish_time
+        if first is None or finish is None:
+            raise ValueError(f"a request without a first token ({first}) or finish ({finish}) has no timing")
+        return metrics.RequestTiming(self.arrival_time, first, finish, self.num_output_tokens)
+
 
 @dataclass
 class Logprob:
@@ -56,7 +66,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None  # None while running, then "stop" | "length" | "abort" | "error"
-    logprobs: list[dict] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
 
@@ -75,11 +85,11 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
-    sampling_defaults: dict = field(default_factory=dict)
-    prompt_logprobs: list | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
-def error_output(request_id: str, prompt, message: str, now: float) -> RequestOutput:
+def error_output(request_id: str, prompt: object, message: str, now: float) -> RequestOutput:
     """The finished output of a request refused before it ran (``finish_reason="error"``)."""
     text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
     text = text if isinstance(text, str) else None
@@ -122,7 +132,7 @@ class StepMetrics:
     block_size: int
     num_cow_copies: int
     num_prefix_hit_tokens: int  # cumulative
-    seq_lens: tuple = ()
+    seq_lens: tuple[int, ...] = ()
     sample_s: float = 0.0
 
     @property

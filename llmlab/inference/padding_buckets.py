@@ -11,10 +11,15 @@ step is one call. Each row's result is the same maths either way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmlab.inference.sequence import Sequence
+
 CALL_COST = 32768  # one more attention call, in padded (query, key) pairs; rough CPU figure
 
 
-def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
+def buckets(group: list[tuple[Sequence, int]], max_parts: int = 4) -> list[list[tuple[Sequence, int]]]:
     """Cut ``(seq, num_new_tokens)`` pairs, sorted by context length, into up to ``max_parts``
     contiguous buckets when that saves padding: a call costs about ``S * max_context *
     (max_query + 16)`` (the gathered keys count like 16 queries), plus :data:`CALL_COST` (both
@@ -25,11 +30,16 @@ def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
     ctx = [s.num_computed_tokens + n for s, n in g]  # ascending
     ql = [n for _, n in g]
 
-    def cost(lo, hi, qmax):  # bucket g[lo:hi]: keys gathered (each counted like 16 queries)
+    def cost(
+        lo: int, hi: int, qmax: int
+    ) -> int:  # bucket g[lo:hi]: keys gathered (each counted like 16 queries)
         return (hi - lo) * ctx[hi - 1] * (qmax + 16)  # plus (query, key) pairs
 
-    def best_cut(lo, hi):  # (gain, cut) of the best single cut of g[lo:hi], O(hi - lo)
-        pre, m = [], 0
+    def best_cut(
+        lo: int, hi: int
+    ) -> tuple[int, int | None]:  # (gain, cut) of the best single cut of g[lo:hi], O(hi - lo)
+        pre: list[int] = []
+        m = 0
         for i in range(lo, hi):
             m = max(m, ql[i])
             pre.append(m)  # max query of g[lo:i+1]
@@ -38,7 +48,7 @@ def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
             m = max(m, ql[i])
             suf[i - lo] = m  # max query of g[i:hi]
         whole = cost(lo, hi, pre[-1])
-        best = (0, None)
+        best: tuple[int, int | None] = (0, None)
         for i in range(lo + 1, hi):
             gain = whole - cost(lo, i, pre[i - 1 - lo]) - cost(i, hi, suf[i - lo]) - CALL_COST
             if gain > best[0]:
@@ -47,8 +57,8 @@ def buckets(group: list[tuple], max_parts: int = 4) -> list[list[tuple]]:
 
     bounds = [(0, len(g))]
     while len(bounds) < max_parts:
-        cuts = [(best_cut(lo, hi), k) for k, (lo, hi) in enumerate(bounds) if hi - lo > 1]
-        cuts = [(gain, cut, k) for (gain, cut), k in cuts if cut is not None]
+        found = [(best_cut(lo, hi), k) for k, (lo, hi) in enumerate(bounds) if hi - lo > 1]
+        cuts = [(gain, cut, k) for (gain, cut), k in found if cut is not None]
         if not cuts:
             break
         _, cut, k = max(cuts)

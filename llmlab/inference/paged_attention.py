@@ -20,6 +20,7 @@ default: ``llmlab.kernels.enable(paged_attention=...)`` or ``LLMLAB_KERNELS=page
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import llmlab.kernels as K
 
 
-def slot_mapping(block_table: list[int], positions, block_size: int) -> list[int]:
+def slot_mapping(block_table: list[int], positions: Iterable[int], block_size: int) -> list[int]:
     """Flat cache slot (``block * block_size + offset``) of each position of one sequence."""
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 

@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Fields a checkpoint's generation_config.json may fill when a request leaves them unset, with
 # the value used when neither sets them (vLLM's defaults).
@@ -54,11 +58,19 @@ RANGES = {
 MAX_LOGIT_BIAS = 100.0  # the OpenAI API's range for a logit_bias value
 
 
-def _check_float(name: str, v, lo: float, hi: float) -> None:
+def _check_float(name: str, v: object, lo: float, hi: float) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name}={v!r} must be a number")
     if not math.isfinite(v) or not lo <= v <= hi:
         raise ValueError(f"{name}={v} must be a finite number in [{lo:g}, {hi:g}]")
+
+
+def filled(v: T | None, name: str) -> T:
+    """``v``, a :data:`DEFAULTS` field that :class:`SamplingParams` filled at construction; raises
+    ``ValueError`` naming the field when it was set back to None since."""
+    if v is None:
+        raise ValueError(f"{name}=None: SamplingParams fills it at construction; set a value, not None")
+    return v
 
 
 @dataclass
@@ -111,9 +123,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
-    _unset: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    _unset: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         unset = {k for k in DEFAULTS if getattr(self, k) is None}
         self._unset = frozenset(unset)
         for k in unset:
@@ -138,24 +150,26 @@ class SamplingParams:
             raise ValueError(f"n={self.n} must be >= 1")
         for name, (lo, hi) in RANGES.items():
             _check_float(name, getattr(self, name), lo, hi)
-        if 0.0 < self.temperature < MIN_TEMPERATURE:
+        temperature, top_k = filled(self.temperature, "temperature"), filled(self.top_k, "top_k")
+        max_tokens = filled(self.max_tokens, "max_tokens")
+        if 0.0 < temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature={self.temperature} must be 0 (greedy) or in "
                 f"[{MIN_TEMPERATURE:g}, {RANGES['temperature'][1]:g}]"
             )
-        if self.top_k < -1:
+        if top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1, 0 (all tokens) or a positive count")
         if self.top_p == 0.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.max_tokens < 1:
+        if max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name}={v!r} must be an integer >= 0 or None")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop or ()):
             raise ValueError("stop strings must be non-empty strings")
         for t, b in (self.logit_bias or {}).items():
             _check_float(f"logit_bias[{t}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
@@ -175,7 +189,7 @@ class SamplingParams:
         """Whether ``name`` was given (not left to the defaults)."""
         return name not in self._unset
 
-    def with_defaults(self, defaults: dict) -> tuple["SamplingParams", dict]:
+    def with_defaults(self, defaults: dict[str, Any]) -> tuple["SamplingParams", dict[str, Any]]:
         """A copy whose unset fields take ``defaults`` (e.g. a checkpoint's generation config;
         keys outside :data:`DEFAULTS` are ignored), and the ``{field: value}`` actually used."""
         used = {k: v for k, v in defaults.items() if k in self._unset}
@@ -190,14 +204,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int, device) -> torch.Generator:
+def make_generator(seed: int, device: str | torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(int(seed) % (2**63 - 1))
     return g
 
 
 # --- logits processors (each [V] fp32 -> [V]) --------------------------------------------------
-def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids) -> torch.Tensor:
+def apply_min_tokens(
+    logits: torch.Tensor, num_output_tokens: int, min_tokens: int, stop_ids: Iterable[int]
+) -> torch.Tensor:
     """Mask ``stop_ids`` (EOS and stop token ids) to -inf while ``num_output_tokens < min_tokens``
     (HF's ``MinNewTokensLengthLogitsProcessor``)."""
     ids = [t for t in stop_ids if 0 <= t < logits.shape[-1]]
@@ -208,7 +224,7 @@ def apply_min_tokens(logits: torch.Tensor, num_output_tokens: int, min_tokens: i
     return logits
 
 
-def apply_logit_bias(logits: torch.Tensor, logit_bias: dict | None) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float] | None) -> torch.Tensor:
     """``logits[t] += bias`` for each ``{t: bias}`` of ``logit_bias`` (OpenAI's ``logit_bias``)."""
     if not logit_bias:
         return logits
@@ -219,8 +235,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict | None) -> torch.Ten
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_ids,
-    output_ids,
+    prompt_ids: Iterable[int],
+    output_ids: Collection[int],
     repetition_penalty: float = 1.0,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
@@ -266,7 +282,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def process_logits(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids, stop_ids
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Iterable[int],
+    output_ids: Collection[int],
+    stop_ids: Iterable[int],
 ) -> torch.Tensor:
     """Steps 1-2 of the module docstring: ``min_tokens`` masking and ``logit_bias``, then the
     penalties. ``logits`` ``[V]`` (any float dtype) -> fp32 ``[V]``."""
@@ -276,7 +296,7 @@ def process_logits(
         logits,
         prompt_ids,
         output_ids,
-        params.repetition_penalty,
+        filled(params.repetition_penalty, "repetition_penalty"),
         params.presence_penalty,
         params.frequency_penalty,
     )
@@ -287,8 +307,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     logits = logits.float()
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = apply_min_p(logits / params.temperature, params.min_p)
-    logits = filter_logits(logits, params.top_k, params.top_p)
+    temperature, min_p = filled(params.temperature, "temperature"), filled(params.min_p, "min_p")
+    logits = apply_min_p(logits / temperature, min_p)
+    logits = filter_logits(logits, filled(params.top_k, "top_k"), filled(params.top_p, "top_p"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -297,7 +318,7 @@ def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> dict[int, tuple
     """``{token: (logprob, rank)}`` of the ``k`` most likely tokens and of ``token_id`` under the
     raw log-softmax of ``logits [V]`` (rank 1 = most likely), as vLLM returns them."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out = {}
+    out: dict[int, tuple[float, int]] = {}
     if k > 0:
         vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
         out = {int(t): (float(v), r + 1) for r, (v, t) in enumerate(zip(vals, ids))}

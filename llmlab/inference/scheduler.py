@@ -113,7 +113,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     # --- the step ----------------------------------------------------------------------------
-    def schedule(self, in_flight: frozenset = frozenset()) -> SchedulerOutput:
+    def schedule(self, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
         """The next step's plan. ``in_flight``: ids of running sequences whose previous step has
         not come back yet (a pipeline keeps several steps in flight, vLLM's virtual engines):
         they are neither scheduled nor preempted, but count towards ``max_num_seqs``."""

@@ -14,6 +14,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the engine's opaque slots below: typed for the checker, never imported here
+    import torch
+
+    from llmlab.inference.detokenizer import IncrementalDetokenizer
+    from llmlab.inference.multimodal import MultimodalState
+    from llmlab.inference.outputs import Logprob
+    from llmlab.inference.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -24,6 +33,20 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
+
+
+class StopStrings(Protocol):
+    """A sequence's stop-string matcher (:class:`~llmlab.inference.stop_checker.StopMatcher`)."""
+
+    @property
+    def held(self) -> int: ...
+
+    def feed(self, text: str, start: int, report: bool = True) -> tuple[int, str] | None: ...
+
+
+# What names a block's tokens in the prefix cache (Sequence.block_tokens): the token ids, then for
+# a prompt with images each overlapping image's (content hash, offset) key.
+BlockTokens = tuple[int | tuple[str, int], ...]
 
 
 @dataclass
@@ -38,7 +61,7 @@ class Sequence:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: object  # SamplingParams (kept opaque here)
+    params: SamplingParams
     arrival_time: float = 0.0
     sample_index: int = 0  # which of the request's n samples this is
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
@@ -59,18 +82,18 @@ class Sequence:
     finish_time: float | None = None
     # Opaque slots for the engine: a torch.Generator, the incremental detokenizer, the stop
     # strings' matcher and the text shown, the log-probabilities of each generated position.
-    generator: object = None
+    generator: torch.Generator | None = None
     seed: int = 0
-    detokenizer: object = None
-    stop_matcher: object = None
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStrings | None = None
     text: str = ""
-    logprobs: list = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     # Images in the prompt (llmlab.inference.multimodal.MultimodalState) or None: their spans
     # name the prompt's blocks for prefix caching (block_tokens) and their M-RoPE positions.
-    mm: object = None
+    mm: MultimodalState | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
@@ -99,11 +122,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def block_tokens(self, start: int, end: int) -> tuple:
+    def block_tokens(self, start: int, end: int) -> BlockTokens:
         """What names tokens ``[start, end)`` in the prefix cache: their ids, and for a prompt
         with images each overlapping image's content hash (``mm.block_key``)."""
         toks = tuple(self.token_ids[start:end])
-        return toks if self.mm is None else toks + self.mm.block_key(start, end)  # type: ignore[attr-defined]
+        return toks if self.mm is None else toks + self.mm.block_key(start, end)
 
     # --- transitions -------------------------------------------------------------------------
     def append_token(self, token_id: int) -> None:

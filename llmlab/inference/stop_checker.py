@@ -15,7 +15,14 @@ or in a stop string's length squared, and the automaton's state is also the tail
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 from llmlab.inference.detokenizer import IncrementalDetokenizer
+from llmlab.inference.sampling import filled
+
+if TYPE_CHECKING:
+    from llmlab.inference.sequence import Sequence
 
 
 def _failure(s: str) -> list[int]:
@@ -35,15 +42,15 @@ class StopMatcher:
     """The stop strings of one sequence over its growing text. ``state[j]``: the length of the
     longest prefix of ``stops[j]`` the text ends with."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: Iterable[str]):
         self.stops = list(stops)
         self.fail = [_failure(x) for x in self.stops]
         self.state = [0] * len(self.stops)
 
-    def feed(self, text: str, start: int, report: bool = True):
+    def feed(self, text: str, start: int, report: bool = True) -> tuple[int, str] | None:
         """Advance over ``text[start:]``; returns ``(index, stop)`` of the earliest stop string
         completed in it (None if none, or always None with ``report=False``)."""
-        best = None
+        best: tuple[int, str] | None = None
         for j, stop in enumerate(self.stops):
             k, f = self.state[j], self.fail[j]
             for i in range(start, len(text)):
@@ -70,12 +77,12 @@ class StopMatcher:
 class StopChecker:
     """``eos_token_ids``: the model's end-of-sequence ids; ``max_model_len``: the context."""
 
-    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int):
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def start(self, seq) -> None:
+    def start(self, seq: Sequence) -> None:
         """Give a new sequence (or a forked sample) its detokenizer, before its first token."""
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
@@ -83,7 +90,7 @@ class StopChecker:
             )
             seq.stop_matcher = StopMatcher(seq.params.stop) if seq.params.stop else None
 
-    def check(self, seq) -> str | None:
+    def check(self, seq: Sequence) -> str | None:
         """After ``seq`` got a token: ``"stop"``, ``"length"`` or None (keep going)."""
         p = seq.params
         tok = seq.token_ids[-1]
@@ -104,11 +111,14 @@ class StopChecker:
                     return "stop"
         if stop_tok:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (
+            seq.num_output_tokens >= filled(p.max_tokens, "max_tokens")
+            or seq.num_tokens >= self.max_model_len
+        ):
             return "length"
         return None
 
-    def finish(self, seq) -> None:
+    def finish(self, seq: Sequence) -> None:
         """A finished sequence's text takes what the detokenizer still held (an incomplete
         character at the very end stays U+FFFD, as ``decode`` writes it)."""
         if seq.detokenizer is not None:
@@ -116,7 +126,7 @@ class StopChecker:
             seq.text = seq.detokenizer.text
             seq.detokenizer = None
 
-    def visible_text(self, seq) -> str | None:
+    def visible_text(self, seq: Sequence) -> str | None:
         """The text to show: while running, without a tail that could still become a stop string."""
         if self.tokenizer is None:
             return None

@@ -33,6 +33,7 @@ import dataclasses
 import os
 import sys
 import traceback
+from typing import Any
 
 import cloudpickle
 import torch
@@ -42,15 +43,17 @@ from llmlab.inference.attention_context import AttentionBatch
 from llmlab.inference.errors import EngineDeadError
 from llmlab.inference.model_runner import ModelRunner
 from llmlab.model.layers import MLP
+from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.parallel.tensor_parallel import check_shardable
 from llmlab.parallel.tp_plan import TP_PLAN, apply_plan
 from llmlab.runtime import process
+from llmlab.runtime.comm import Group
 from llmlab.runtime.hardware import resolve_device
 from llmlab.runtime.messages import broadcast_message
 
 
-def validate(config, tp: int, quantization=None) -> None:
+def validate(config: ModelConfig, tp: int, quantization: str | None = None) -> None:
     """Raise ``ValueError`` naming the constraint when ``tp`` ranks cannot shard ``config``."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size={tp} must be >= 1")
@@ -64,7 +67,7 @@ def validate(config, tp: int, quantization=None) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
+def shard_model(model: LlamaForCausalLM, group: Group) -> LlamaForCausalLM:
     """Replace ``model``'s layers by this rank's tensor-parallel shards, in place, with training's
     plan (:data:`~llmlab.parallel.tp_plan.TP_PLAN`; see the module docstring); ``lm_head`` gathers
     its logits (``[*, V]`` on every rank, for sampling) and is tied to the embedding when the
@@ -73,21 +76,22 @@ def shard_model(model: LlamaForCausalLM, group) -> LlamaForCausalLM:
     if any(type(layer.mlp) is not MLP for layer in model.model.layers):
         raise ValueError("tensor-parallel inference needs dense MLPs")
     apply_plan(model, TP_PLAN, group, sequence_parallel=False)
-    model.lm_head.gather_output = True
+    head: Any = model.lm_head  # now the plan's ColumnParallelLinear
+    head.gather_output = True
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
-def _as_dict(b: AttentionBatch) -> dict:
+def _as_dict(b: AttentionBatch) -> dict[str, Any]:
     return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
 
 
-def _from_dict(d: dict, device) -> AttentionBatch:
+def _from_dict(d: dict[str, Any], device: torch.device) -> AttentionBatch:
     return AttentionBatch(**{k: (v if k == "is_prefill" else v.to(device)) for k, v in d.items()})
 
 
-def _comm_device(group, device: torch.device) -> torch.device:
+def _comm_device(group: Group, device: torch.device) -> torch.device:
     """Where broadcast tensors live: the rank's GPU under NCCL, the CPU under gloo."""
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
@@ -105,10 +109,10 @@ class TensorParallelRunner(ModelRunner):
         dtype: torch.dtype,
         num_host_blocks: int = 0,
         padding_buckets: bool = True,
-        group=None,
+        group: Group = None,
         paged_attention: str = "auto",
         cpu_fused: bool = False,
-    ):
+    ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.paged_attention, self.cpu_fused = paged_attention, cpu_fused  # (no packing: TP layers)
         self.rank, self.tp = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -116,18 +120,20 @@ class TensorParallelRunner(ModelRunner):
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
-        c, attn = self.config, model.model.layers[0].self_attn
+        c = self.config
+        attn: Any = model.model.layers[0].self_attn  # this rank's
         shape = (c.num_hidden_layers, 2, num_blocks, block_size, attn.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, device=device, dtype=dtype)
         host_shape = shape[:2] + (num_host_blocks,) + shape[3:]
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
-        self.procs: list = []
-        self._owns_group, self._store = False, None
+        self.procs: list[Any] = []
+        self._owns_group = False
+        self._store: dist.TCPStore | None = None
         self._stopped = False
 
     # --- rank 0: broadcast, then do -----------------------------------------------------------
-    def _send(self, msg) -> None:
+    def _send(self, msg: tuple[Any, ...]) -> None:
         if self.rank == 0 and self.tp > 1:
             try:
                 broadcast_message(msg, src=0, group=self.group, device=_comm_device(self.group, self.device))
@@ -150,25 +156,46 @@ class TensorParallelRunner(ModelRunner):
             f"{err}); the ranks are out of step, the engine cannot go on"
         )
 
-    def copy_blocks(self, pairs):
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._send(("copy", pairs))
         super().copy_blocks(pairs)
 
-    def swap_out(self, pairs):
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._send(("swap_out", pairs))
         super().swap_out(pairs)
 
-    def swap_in(self, pairs):
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._send(("swap_in", pairs))
         super().swap_in(pairs)
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Every rank: adapter slots on its layers, split like the layers (inference/lora.py)."""
+        super().enable_lora(max_loras, max_lora_rank)  # a bad bound is refused on rank 0 only
+        self._send(("lora", "enable_lora", (max_loras, max_lora_rank)))
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Every rank loads its slices of the adapter (``path`` readable by every rank)."""
+        super().load_lora(name, path)  # checked against the base here first: workers then agree
+        self._send(("lora", "load_lora", (name, path)))
+
+    def unload_lora(self, name: str) -> None:
+        super().unload_lora(name)
+        self._send(("lora", "unload_lora", (name,)))
+
     @torch.no_grad()
-    def forward(self, batches: list[AttentionBatch], sample_rows: list[int]) -> torch.Tensor:
-        """Rank 0: send the step to the other ranks, then run this rank's shard of it."""
-        self._send(("step", [_as_dict(b) for b in batches], sample_rows))
+    def forward(
+        self, batches: list[AttentionBatch], sample_rows: list[int], **extra: torch.Tensor
+    ) -> torch.Tensor:
+        """Rank 0: send the step (and each token's adapter slot) to the other ranks, then run
+        this rank's shard of it. ``extra`` (a vision-language model's inputs) is refused: tensor
+        parallelism serves text models."""
+        if extra:
+            raise ValueError("tensor-parallel inference takes no multimodal inputs")
+        slots = None if self.lora is None or self.lora.token_slots is None else self.lora.token_slots.tolist()
+        self._send(("step", [_as_dict(b) for b in batches], sample_rows, slots))
         try:
             return super().forward(batches, sample_rows)
         except Exception as e:
@@ -183,7 +210,11 @@ class TensorParallelRunner(ModelRunner):
                 None, src=0, group=self.group, device=_comm_device(self.group, self.device)
             )
             if op == "step":
+                if args[2] is not None:
+                    self.lora.set_slots(args[2], self.device)
                 ModelRunner.forward(self, [_from_dict(b, self.device) for b in args[0]], args[1])
+            elif op == "lora":
+                getattr(ModelRunner, args[0])(self, *args[1])
             elif op == "copy":
                 ModelRunner.copy_blocks(self, args[0])
             elif op == "swap_out":
@@ -213,13 +244,15 @@ class TensorParallelRunner(ModelRunner):
 
     @classmethod
     def launch(
-        cls, model: LlamaForCausalLM, spec, tp: int, device: torch.device, runner_args: dict
+        cls, model: LlamaForCausalLM, spec: Any, tp: int, device: torch.device, runner_args: dict[str, Any]
     ) -> "TensorParallelRunner":
         """Rank 0's runner over ``tp`` ranks: spawn ``tp - 1`` workers (each loads ``spec``, the
         engine's ``model`` argument, itself when it is a path or preset name) unless
         ``torch.distributed`` is initialised already with ``tp`` ranks (``torchrun``)."""
         validate(model.config, tp)
-        procs, store, owns = [], None, False
+        procs: list[Any] = []
+        store: dist.TCPStore | None = None
+        owns = False
         if dist.is_initialized():
             if dist.get_world_size() != tp or dist.get_rank() != 0:
                 raise ValueError(
@@ -242,7 +275,9 @@ class TensorParallelRunner(ModelRunner):
         return runner
 
 
-def _start_workers(model, spec, tp: int, device: torch.device, runner_args: dict):
+def _start_workers(
+    model: LlamaForCausalLM, spec: Any, tp: int, device: torch.device, runner_args: dict[str, Any]
+) -> tuple[list[Any], dist.TCPStore]:
     """Start ranks 1..tp-1 (:mod:`llmlab.runtime.process`), each loading ``spec`` itself when it is
     a path or preset name, else ``model``'s weights; join them in this process's default group as
     rank 0. Returns ``(processes, the rendezvous store)``; on a failed rendezvous they are stopped and the error raised."""
@@ -283,7 +318,7 @@ def join_torchrun(tp: int) -> int:
     return dist.get_rank()
 
 
-def run_worker(spec, device="auto") -> None:
+def run_worker(spec: Any, device: str = "auto") -> None:
     """A rank other than 0 of an initialised process group (``torchrun``): load ``spec`` (path or
     preset), shard it, and serve rank 0's steps until it stops; rank 0 builds the engine with
     ``tensor_parallel_size`` = the world size (and sends its cache sizes first)."""
@@ -306,7 +341,16 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-def _worker_entry(rank, tp, port, backend, payload, device, threads, env) -> None:
+def _worker_entry(
+    rank: int,
+    tp: int,
+    port: int,
+    backend: str,
+    payload: bytes,
+    device: str,
+    threads: int,
+    env: dict[str, str],
+) -> None:
     """A started rank > 0: it dies with its parent, joins rank 0's store, loads the model and
     serves rank 0's steps; a failure prints its traceback to stderr and exits 1."""
     try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Collection, Iterable
+from typing import Any
 
 
 def sharegpt_workload(
@@ -22,7 +24,7 @@ def sharegpt_workload(
     output_len_median: float = 32.0,
     sigma: float = 0.9,
     vocab_size: int = 256,
-) -> dict:
+) -> dict[str, list[Any]]:
     """A seeded ShareGPT-like workload: lognormal prompt and output lengths (median
     ``*_median`` tokens, shape ``sigma``: a heavy right tail, as the ShareGPT conversations vLLM
     benchmarks with), clipped so that prompt >= 4, output >= 2 and prompt + output <= ``max_len``.
@@ -72,7 +74,7 @@ def poisson_arrivals(num_requests: int, request_rate: float | None, seed: int = 
     return out
 
 
-def kv_waste(seq_lens, block_size: int) -> float:
+def kv_waste(seq_lens: Collection[int], block_size: int) -> float:
     """Share of allocated KV slots holding no token when sequences of ``seq_lens`` tokens each
     own ``ceil(L / block_size)`` blocks (PagedAttention, Kwon et al. 2023 §2.3 / §4.2: only the
     last block of a sequence is partly empty). 0.0 for no sequences. About
@@ -82,14 +84,14 @@ def kv_waste(seq_lens, block_size: int) -> float:
     return 0.0 if alloc == 0 else 1.0 - sum(seq_lens) / alloc
 
 
-def trace_waste(step_seq_lens, block_size: int) -> float:
+def trace_waste(step_seq_lens: Iterable[Collection[int]], block_size: int) -> float:
     """:func:`kv_waste` averaged over the steps of a trace (a list of per-step length lists) that
     held any sequence: the engine's ``kv_cache_waste_fraction`` recomputed at ``block_size``."""
     ws = [kv_waste(lens, block_size) for lens in step_seq_lens if lens]
     return sum(ws) / len(ws) if ws else 0.0
 
 
-def concurrent_trace(prompt_lens, output_lens) -> list[list[int]]:
+def concurrent_trace(prompt_lens: Collection[int], output_lens: Collection[int]) -> list[list[int]]:
     """The per-step cached lengths if every request runs from step 1 (offline, cache large
     enough): after step ``k`` a request with prompt ``p`` and output ``o > k`` holds ``p + k - 1``
     tokens (its newest sampled token is written at the next step)."""

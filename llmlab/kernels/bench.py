@@ -163,7 +163,7 @@ def bench_attention(
             if impl == "eager" and B * H * T * T * 4 > 8 * 2**30:
                 rows.append({"impl": impl, "shape": (B, H, T, D), "fwd_ms": None})
                 continue
-            fn = lambda *a, impl=impl: _attention(*a, causal=True, impl=impl)  # noqa: E731
+            fn = lambda q, k, v, impl=impl: _attention(q, k, v, causal=True, impl=impl)  # noqa: E731
             with torch.no_grad():
                 t_f = time_cuda(lambda: fn(q, k, v))
             t_fb = time_cuda(_fwd_bwd(fn, (q, k, v)))

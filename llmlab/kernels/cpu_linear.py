@@ -85,7 +85,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if path(weight.dtype) != "onednn":
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-    weight._packed = packed
+    setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
     return packed
 
 

@@ -36,39 +36,11 @@ INTERPRETED = bool(knobs.runtime.interpret)
 
 
 @triton.jit
-def _fwd(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    sm_scale,
-    sqb,
-    sqh,
-    sqt,
-    sqd,
-    skb,
-    skh,
-    skt,
-    skd,
-    svb,
-    svh,
-    svt,
-    svd,
-    sob,
-    soh,
-    sot,
-    sod,
-    H,
-    GROUP,
-    T,
-    D,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _fwd(Q, K, V, O, LSE, sm_scale,
+         sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+         H, GROUP, T, D,
+         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -123,42 +95,12 @@ def _fwd(
 
 
 @triton.jit
-def _bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    sm_scale,
-    sqb,
-    sqh,
-    sqt,
-    sqd,
-    skb,
-    skh,
-    skt,
-    skd,
-    svb,
-    svh,
-    svt,
-    svd,
-    sdb,
-    sdh,
-    sdt,
-    sdd,
-    H,
-    GROUP,
-    T,
-    D,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
+              sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+              sdb, sdh, sdt, sdd,
+              H, GROUP, T, D,
+              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -211,45 +153,12 @@ def _bwd_dkdv(
 
 
 @triton.jit
-def _bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    sm_scale,
-    sqb,
-    sqh,
-    sqt,
-    sqd,
-    skb,
-    skh,
-    skt,
-    skd,
-    svb,
-    svh,
-    svt,
-    svd,
-    sdb,
-    sdh,
-    sdt,
-    sdd,
-    sxb,
-    sxh,
-    sxt,
-    sxd,
-    H,
-    GROUP,
-    T,
-    D,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, sm_scale,
+            sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+            sdb, sdh, sdt, sdd, sxb, sxh, sxt, sxd,
+            H, GROUP, T, D,
+            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     # int64 offsets: B*H*T*D (or T*stride) passes 2^31 elements at long contexts
     pid_bh = tl.program_id(1).to(tl.int64)

@@ -41,39 +41,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _paged_attention(
-    Q,
-    KC,
-    VC,
-    O,
-    TABLES,
-    CTX,
-    QLEN,
-    QSTART,
-    sm_scale,
-    sqn,
-    sqh,
-    sqd,
-    skb,
-    sks,
-    skh,
-    skd,
-    svb,
-    svs,
-    svh,
-    svd,
-    son,
-    soh,
-    sod,
-    stb,
-    stn,
-    GROUP: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _paged_attention(Q, KC, VC, O, TABLES, CTX, QLEN, QSTART, sm_scale,
+                     sqn, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, son, soh, sod,
+                     stb, stn,
+                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     s = tl.program_id(0)  # sequence
     hk = tl.program_id(1)  # KV head
     pid_m = tl.program_id(2)  # tile of (token, head-in-group) query rows

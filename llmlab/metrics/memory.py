@@ -15,7 +15,7 @@ all), which is why the labs use it as the main number.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -45,8 +45,10 @@ def grad_bytes(params: Iterable[torch.Tensor]) -> int:
     return tensor_bytes(p.grad for p in params)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``)."""
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``).
+    ``optimizer``: a ``torch.optim.Optimizer``, or any object with ``state`` (the trainer's) that
+    may wrap one as ``optim`` or ``optimizer`` (read when its own ``state`` is empty)."""
     inner = getattr(optimizer, "optim", None) or getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer and not optimizer.state:
         optimizer = inner

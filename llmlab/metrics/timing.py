@@ -47,8 +47,8 @@ class EventTimeline:
         self.cuda = torch.device(device).type == "cuda"
         self.events = events
         self._pending: list = []
-        self._ref = None
-        self._stream = None
+        self._ref: tuple[torch.cuda.Event, float] | None = None  # (reference event, its host time)
+        self._stream: torch.cuda.Stream | None = None
 
     def _cuda_event(self):
         if self._ref is None:  # one synchronisation per step: the host time of a reference event
@@ -83,6 +83,8 @@ class EventTimeline:
         if not self._pending:
             return
         torch.cuda.synchronize()
+        if self._ref is None:  # made with the first pending event
+            raise RuntimeError("EventTimeline: pending events without a reference event")
         ref_ev, ref_t = self._ref
         for kind, index, ev in self._pending:
             self.events.append((kind, index, ref_t + ref_ev.elapsed_time(ev) / 1e3))

@@ -15,6 +15,7 @@ Shapes: ``B`` batch, ``T`` sequence length, ``h`` hidden size, ``H`` heads, ``D`
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     the high ones (below ``... / high_freq_factor``) and blends linearly in between. Raises
     ``ValueError`` for another ``rope_type``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    rt = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    rt = scaling.get("rope_type", "default")
     if rt == "default":
         return inv_freq
     factor = float(scaling["factor"])
@@ -339,7 +341,8 @@ class LlamaForCausalLM(nn.Module):
         """Inference: q/k/v and gate/up each become one matmul over views of one weight (fewer
         kernel launches per layer); layers that are not plain ``nn.Linear`` are left as they are."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
+            attention: Any = layer.self_attn  # Attention (a submodule reads as Tensor | Module)
+            attention.fuse()
             if type(layer.mlp) is MLP:
                 layer.mlp.fuse()
         return self

@@ -75,23 +75,49 @@ def check_rank(config: Any, rank: int, targets: list[str]) -> None:
             )
 
 
+def is_target(name: str, targets: list[str]) -> bool:
+    """Whether module ``name`` (a full-model name) is a LoRA target: a decoder layer's
+    ``*.<target>``."""
+    return name.rsplit(".", 1)[-1] in targets and ".layers." in f".{name}"
+
+
+def init_lora_A(name: str, in_features: int, rank: int, seed: int) -> torch.Tensor:
+    """The initial ``A [rank, in_features]`` of module ``name``: kaiming uniform (PEFT's default,
+    ``U(-1/sqrt(in), 1/sqrt(in))``) from a generator seeded by ``(seed, name)``, the same on every
+    rank and every layout (a tensor-parallel rank cuts its slice of it)."""
+    import zlib
+
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+    bound = 1 / math.sqrt(in_features)
+    return torch.rand((rank, in_features), generator=g) * 2 * bound - bound
+
+
+def adapter_shapes(model: nn.Module, names: list[str], rank: int) -> dict[str, tuple[int, int]]:
+    """The full (unsharded) shapes of the adapters of modules ``names``: ``lora_A [rank, in]``,
+    ``lora_B [out, rank]`` from each module's ``in_features``/``out_features`` (the full sizes,
+    also for a tensor-parallel layer)."""
+    shapes = {}
+    for n in names:
+        m = model.get_submodule(n)
+        shapes[f"{n}.lora_A.weight"] = (rank, int(getattr(m, "in_features")))
+        shapes[f"{n}.lora_B.weight"] = (int(getattr(m, "out_features")), rank)
+    return shapes
+
+
 @torch.no_grad()
 def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, seed: int = 0) -> list[str]:
     """Replace every ``nn.Linear`` named ``*.<target>`` in ``model`` by a :class:`LoRALinear`,
-    freeze every other parameter, and return the adapted modules' names."""
-    import zlib
-
+    freeze every other parameter, and return the adapted modules' names. (Under tensor
+    parallelism: :func:`llmlab.parallel.tp_lora.apply_lora`.)"""
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in targets or not isinstance(module, nn.Linear) or ".layers." not in f".{name}":
+        if not is_target(name, targets) or not isinstance(module, nn.Linear):
             continue
+        leaf = name.rsplit(".", 1)[-1]
         lora = LoRALinear(module, rank, alpha)
-        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
-        bound = 1 / math.sqrt(module.in_features)
-        lora.lora_A.weight.copy_(torch.rand(lora.lora_A.weight.shape, generator=g) * 2 * bound - bound)
+        lora.lora_A.weight.copy_(init_lora_A(name, module.in_features, rank, seed))
         lora.lora_B.weight.zero_()
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, lora)

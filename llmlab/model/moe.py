@@ -66,6 +66,13 @@ class MoE(nn.Module):
     Raises ``ValueError`` if ``num_experts < 1`` or top-k is not in ``1..E`` (config validation).
     """
 
+    # summed over forwards since the last reset_stats (read by collect_moe_stats)
+    _acc_tokens: torch.Tensor
+    _acc_dropped: torch.Tensor
+    _acc_lb: float
+    _acc_calls: int
+    _acc_near_ties: int
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         if config.num_experts < 1:
@@ -219,10 +226,11 @@ def collect_moe_stats(model: nn.Module, group=None, pp_group=None, num_layers: i
     """
     import torch.distributed as dist
 
-    held = [
-        (getattr(layer, "layer_idx", i), layer.mlp)
-        for i, layer in enumerate(m for m in model.modules() if isinstance(getattr(m, "mlp", None), MoE))
-    ]
+    held: list[tuple[int, MoE]] = []  # (layer index, its MoE) in layer order
+    for layer in model.modules():
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, MoE):
+            held.append((getattr(layer, "layer_idx", len(held)), mlp))
     if not held:
         return {}
     L, E = num_layers or len(held), held[0][1].num_experts

@@ -20,6 +20,9 @@ from torch import nn
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale[:, None]).T + bias``; ``q`` int8 ``[out, in]``, ``scale`` fp32 ``[out]``."""
 
+    q: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("q", q)

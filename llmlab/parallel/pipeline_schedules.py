@@ -196,6 +196,13 @@ def bubble_fraction_theory(schedule: str, p: int, m: int, v: int = 1) -> float:
     return pipeline_bubble_fraction(p, m, v if schedule == "interleaved" else 1)
 
 
+def _deadlock(waiting: dict[int, list[Action]], blocking_sends: bool) -> RuntimeError:
+    """The error of a stuck simulation, naming the actions each unfinished rank waits at."""
+    stuck = {r: " ".join(str(x) for x in acts) for r, acts in waiting.items()}
+    how = " (circular wait with blocking sends)" if blocking_sends else ""
+    return RuntimeError(f"pipeline schedule deadlocks{how}: ranks wait at {stuck}")
+
+
 def simulate(
     schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0, blocking_sends: bool = False
 ) -> dict[str, Any]:
@@ -222,11 +229,10 @@ def simulate(
     timeline: list[list[Any]] = [[] for _ in range(p)]
     inflight, peak = [0] * p, [0] * p
 
-    def batch_end(r: int) -> int:
-        j = pc[r]
-        while j < len(schedule[r]) and schedule[r][j].op in COMM:
-            j += 1
-        return j
+    def batch_end(r: int) -> int:  # the end of the run of p2p actions at rank r's next action
+        return next(
+            (j for j in range(pc[r], len(schedule[r])) if schedule[r][j].op not in COMM), len(schedule[r])
+        )
 
     while any(pc[r] < len(schedule[r]) for r in range(p)):
         progressed = False
@@ -262,30 +268,19 @@ def simulate(
                     pc[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {
-                r: " ".join(
-                    str(x) for x in schedule[r][pc[r] : batch_end(r)] or schedule[r][pc[r] : pc[r] + 1]
-                )
-                for r in range(p)
-                if pc[r] < len(schedule[r])
+            waiting = {
+                r: schedule[r][pc[r] : batch_end(r)] or schedule[r][pc[r] : pc[r] + 1] for r in range(p)
             }
-            how = " (circular wait with blocking sends)" if blocking_sends else ""
-            raise RuntimeError(f"pipeline schedule deadlocks{how}: ranks wait at {stuck}")
+            raise _deadlock({r: w for r, w in waiting.items() if pc[r] < len(schedule[r])}, blocking_sends)
     unmatched = (
-        sorted(sent)
-        if not blocking_sends
-        else sorted(k for (k, is_send) in posted if (k, not is_send) not in posted)
+        sorted(sent) if not blocking_sends else sorted(k for (k, s) in posted if (k, not s) not in posted)
     )
     if unmatched:
         raise RuntimeError(f"unmatched sends: {unmatched}")
     span = max(clock)
     busy = [sum(e[4] - e[3] for e in tl) for tl in timeline]
-    return {
-        "timeline": timeline,
-        "span": span,
-        "bubble_fraction": sum(1 - b / span for b in busy) / p,
-        "peak_inflight": peak,
-    }
+    bubble = sum(1 - b / span for b in busy) / p
+    return {"timeline": timeline, "span": span, "bubble_fraction": bubble, "peak_inflight": peak}
 
 
 def format_schedule(schedule: list[list[Action]], compute_only: bool = True) -> str:

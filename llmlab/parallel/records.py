@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from torch import nn
+from torch import Tensor, nn
 
 _ATTR = "llmlab_record"
 R = TypeVar("R", "ParamRecord", "ModelRecord")
@@ -48,8 +48,8 @@ def _record(obj: Any, make: Callable[[], R]) -> R:
     return rec
 
 
-def param_record(p: nn.Parameter) -> ParamRecord:
-    """``p``'s record, made (all ``False``) on first use."""
+def param_record(p: Tensor) -> ParamRecord:
+    """``p``'s record (a model parameter's), made (all ``False``) on first use."""
     return _record(p, ParamRecord)
 
 

@@ -61,7 +61,7 @@ from llmlab.parallel.tp_comm import (
 )
 from llmlab.runtime import comm
 from llmlab.runtime.comm import Group
-from typing import Any
+from typing import Any, Protocol
 from llmlab.model.config import ModelConfig
 
 
@@ -79,7 +79,7 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
 
     Backward all-gathers ``x`` again (for the weight gradients) and reduce-scatters the input
     gradient (Korthikanti et al. 2022, §4.2.2). Several weights share the gather, as Megatron's
-    fused QKV matmul does.
+    fused QKV matmul does; a frozen weight (LoRA's base) gets no gradient computed.
     """
 
     @staticmethod
@@ -97,11 +97,12 @@ class _SequenceParallelColumnMatmul(torch.autograd.Function):
         flat = total.reshape(-1, total.shape[-1])
         grad_total: Tensor | None = None
         out: list[Tensor | None] = []
-        for g, w, has_b in zip(grads, ws, ctx.has_bias):
+        for i, (g, w, has_b) in enumerate(zip(grads, ws, ctx.has_bias)):
             gi = g @ w
             grad_total = gi if grad_total is None else grad_total + gi
             g2 = g.reshape(-1, g.shape[-1])
-            out += [g2.t() @ flat, g2.sum(0) if has_b else None]
+            need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+            out += [g2.t() @ flat if need_w else None, g2.sum(0) if has_b and need_b else None]
         assert grad_total is not None
         return (reduce_scatter_along(grad_total, 1, ctx.group, grad=True), None, *out)
 
@@ -115,23 +116,61 @@ def column_parallel_linears(
     ``[B, T, out_i/tp]`` tensor per layer. Without SP: one ``copy_to`` region (identity forward,
     one all-reduce of the input gradient backward); with SP: one all-gather forward, one
     all-gather + one reduce-scatter backward.
+
+    A layer with a LoRA adapter (``lora_A [r, in]`` replicated, ``lora_B [out/tp, r]`` its rows)
+    adds ``scaling * B (A x)``: ``A x`` joins the region as one more weight (the same gathered
+    input, the input gradient summed with the base's), so the adapter adds no communication here;
+    ``A``'s gradient is partial (this rank's rows of ``B``), summed over tp after backward
+    (:func:`llmlab.parallel.tp_lora.apply_lora`). A layer serving many adapters
+    (``served_lora``, :class:`ServedLoRA`; inference, no SP) adds each token's own the same way.
     """
+    adapted = [layer for layer in layers if layer.lora_A is not None]
+    a_weights = [layer.lora_A.weight for layer in adapted if layer.lora_A is not None]
     if sequence_parallel and comm.group_size(group) > 1:
-        params = [t for layer in layers for t in (layer.weight, layer.bias)]
-        return list(_SequenceParallelColumnMatmul.apply(x, group, *params))
-    x = copy_to_tensor_model_parallel_region(x, group)
-    return [F.linear(x, layer.weight, layer.bias) for layer in layers]
+        if any(layer.served_lora is not None for layer in layers):
+            raise ValueError("served LoRA adapters need sequence_parallel=False (serving does not shard T)")
+        params: list[Tensor | None] = [t for layer in layers for t in (layer.weight, layer.bias)]
+        params += [t for a in a_weights for t in (a, None)]
+        outs = list(_SequenceParallelColumnMatmul.apply(x, group, *params))
+    else:
+        x = copy_to_tensor_model_parallel_region(x, group)
+        outs = [F.linear(x, layer.weight, layer.bias) for layer in layers]
+        outs += [F.linear(x, a) for a in a_weights]
+    low_rank = iter(outs[len(layers) :])
+    ys = [
+        y if layer.lora_B is None else y + layer.lora_B(next(low_rank)) * layer.lora_scaling
+        for y, layer in zip(outs, layers)
+    ]
+    return [  # served adapters (inference): each token's own, from the whole input x
+        y if (a := layer.served_lora) is None or not a.active() else a.up(a.down(x), y)
+        for y, layer in zip(ys, layers)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------
+class ServedLoRA(Protocol):
+    """Many LoRA adapters on one parallel layer, each token its own (the serving engine's slots,
+    :mod:`llmlab.inference.lora`), split as the training adapters are (:mod:`llmlab.parallel.
+    tp_lora`): ``down(x [..., in or in/tp]) -> [..., r]`` (each token's ``x A_s^T``; partial on a
+    row-parallel layer, summed in its reduction), ``up(z [..., r], y) -> y + B_s z`` per token."""
+
+    def active(self) -> bool: ...  # any token of this step has an adapter (the same on every rank)
+
+    def down(self, x: Tensor) -> Tensor: ...
+
+    def up(self, z: Tensor, y: Tensor) -> Tensor: ...
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X W^T + b`` with ``W``'s output features split over the tp group (Megatron §3).
 
     Shapes: input ``[*, in_features]`` (``[B, T/tp, in]`` with ``sequence_parallel``), output
     ``[*, out_features/tp]``, or ``[*, out_features]`` with ``gather_output=True`` (one all-gather
-    of the last dim). Parameters: ``weight [out/tp, in]``, ``bias [out/tp]``.
+    of the last dim). Parameters: ``weight [out/tp, in]``, ``bias [out/tp]``; with a LoRA
+    adapter (:mod:`llmlab.parallel.tp_lora`) also ``lora_A.weight [r, in]`` (replicated) and
+    ``lora_B.weight [out/tp, r]`` (split like ``weight``), output scaled by ``lora_scaling``.
     Build it from a full ``nn.Linear`` with :meth:`from_linear`.
     Raises ``ValueError`` if ``tp`` does not divide ``out_features``.
     """
@@ -155,6 +194,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // n, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features // n)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
+        self.lora_A: nn.Linear | None = None  # LoRA (llmlab.parallel.tp_lora): none by default
+        self.lora_B: nn.Linear | None = None
+        self.lora_scaling = 0.0
+        self.served_lora: ServedLoRA | None = None  # many adapters, served (inference.lora)
+
+    def split_parameters(self) -> list[nn.Parameter]:
+        """The parameters split like the output features: ``weight``, ``bias`` and LoRA's
+        ``lora_B.weight`` (not the replicated ``lora_A``)."""
+        b = None if self.lora_B is None else self.lora_B.weight
+        return [p for p in (self.weight, self.bias, b) if isinstance(p, nn.Parameter)]
 
     @classmethod
     @torch.no_grad()
@@ -203,6 +252,9 @@ class RowParallelLinear(nn.Module):
     ``[*, in]`` (this rank keeps its slice). Output ``[*, out]``: the partial products are summed
     with one all-reduce, or, with ``sequence_parallel``, one reduce-scatter that leaves
     ``[B, T/tp, out]``. The bias ``[out]`` is replicated and added after the reduction.
+    With a LoRA adapter (:mod:`llmlab.parallel.tp_lora`): ``lora_A.weight [r, in/tp]`` (split
+    like ``weight``) and ``lora_B.weight [out, r]`` (replicated); the partial ``x A^T [*, r]``
+    rides in the base's reduction (one ``[*, out + r]`` collective), then ``scaling * B`` applies.
     Raises ``ValueError`` if ``tp`` does not divide ``in_features``.
     """
 
@@ -227,6 +279,10 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             # partial gradient: summed over tp after backward
             param_record(self.bias).sequence_parallel = True
+        self.lora_A: nn.Linear | None = None  # LoRA (llmlab.parallel.tp_lora): none by default
+        self.lora_B: nn.Linear | None = None
+        self.lora_scaling = 0.0
+        self.served_lora: ServedLoRA | None = None  # many adapters, served (inference.lora)
 
     @classmethod
     @torch.no_grad()
@@ -251,11 +307,31 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.group)
         y = F.linear(x, self.weight)
+        z = self._low_rank(x)
+        if z is not None:  # x A^T is partial too: reduced in the same collective
+            y = torch.cat([y, z], dim=-1)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
             y = reduce_from_tensor_model_parallel_region(y, self.group)
-        return y if self.bias is None else y + self.bias
+        if z is None:
+            return y if self.bias is None else y + self.bias
+        y, z = y[..., : self.out_features], y[..., self.out_features :]
+        y = y if self.bias is None else y + self.bias
+        if self.lora_B is not None:
+            out: Tensor = y + self.lora_B(z) * self.lora_scaling
+            return out
+        assert self.served_lora is not None
+        return self.served_lora.up(z, y.contiguous())
+
+    def _low_rank(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial ``x A^T [*, r]`` of the LoRA adapter (or of each token's served
+        adapter), ``None`` without one."""
+        if self.lora_A is not None:
+            return F.linear(x, self.lora_A.weight)
+        if self.served_lora is None or not self.served_lora.active():
+            return None
+        return self.served_lora.down(x)
 
     def extra_repr(self) -> str:
         return (

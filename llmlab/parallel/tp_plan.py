@@ -75,7 +75,7 @@ class SumOverKVReplicas:
         self.attns, self.group = attns, group
 
     def __call__(self, grad_of: Callable[[Parameter], torch.Tensor | None] = _grad) -> None:
-        params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.parameters()]
+        params = [p for a in self.attns for m in (a.k_proj, a.v_proj) for p in m.split_parameters()]
         grads = [g for g in map(grad_of, params) if g is not None and g.numel()]
         if not grads:
             return
@@ -116,7 +116,7 @@ def _mark_duplicates(model: nn.Module, attns: list[ParallelAttention], group: Gr
     for a in attns:
         if a.kv_replicated:
             first = r % (comm.group_size(group) // a.kv_num_shards) == 0
-            for p in (*a.k_proj.parameters(), *a.v_proj.parameters()):
+            for p in (*a.k_proj.split_parameters(), *a.v_proj.split_parameters()):
                 param_record(p).tp_duplicate = not first
 
 

@@ -6,6 +6,7 @@ import time
 
 from llmlab.planner.cluster import GB, ClusterSpec, cluster_preset
 from llmlab.planner.search import search
+from llmlab.planner.serve_spec import ServeWorkload
 from llmlab.planner.specs import ModelSpec, Workload, from_hf_config, from_params, from_preset
 
 
@@ -24,6 +25,19 @@ def resolve_model(model=None, params=None, config=None, **shape) -> ModelSpec:
     return from_params(params, **{k: v for k, v in shape.items() if v is not None}).validate()
 
 
+def _serve_workload(workload: Workload | ServeWorkload | None) -> ServeWorkload | None:
+    if isinstance(workload, Workload):
+        raise TypeError("plan(serve=True) takes a ServeWorkload, not a training Workload")
+    return workload
+
+
+def _train_workload(workload: Workload | ServeWorkload | None) -> Workload:
+    """``workload`` (default: ``Workload()``), checked."""
+    if isinstance(workload, ServeWorkload):
+        raise TypeError("a ServeWorkload is for plan(serve=True); training takes a Workload")
+    return (workload or Workload()).validate()
+
+
 def plan(
     model=None,
     *,
@@ -31,7 +45,7 @@ def plan(
     config=None,
     cluster: ClusterSpec | str = "a800",
     num_gpus: int = 8,
-    workload: Workload | None = None,
+    workload: Workload | ServeWorkload | None = None,
     max_microbatches: int = 64,
     zero_stages=(0, 1, 2, 3),
     serve: bool = False,
@@ -69,7 +83,7 @@ def plan(
             config=config,
             cluster=cluster,
             num_gpus=num_gpus,
-            workload=workload,
+            workload=_serve_workload(workload),
             **overrides,
         )
     shape = {
@@ -81,7 +95,7 @@ def plan(
     if isinstance(cluster, str):
         cluster = cluster_preset(cluster, num_gpus, **overrides)
     cluster = cluster.validate()
-    workload = (workload or Workload()).validate()
+    workload = _train_workload(workload)
     t0 = time.perf_counter()
     rows = search(spec, workload, cluster, max_microbatches, zero_stages)
     if not rows:

@@ -138,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
         cluster = calibrate(
             args.num_gpus, args.model if args.model in PRESETS else "tiny", dtype=workload.dtype
         )
+        links = cluster.op_links
+        if links is None:  # calibrate() always measures them
+            raise RuntimeError("calibration measured no links")
         print(
-            f"calibrated {cluster.name}: all-reduce α {cluster.op_links['all_reduce']['latency'] * 1e6:.0f} µs, "
-            f"β {cluster.op_links['all_reduce']['bandwidth'] / GB:.2f} GB/s; "
-            f"model {max(r for _, r in cluster.op_links['model']) / 1e9:.1f} GFLOP/s per rank"
+            f"calibrated {cluster.name}: all-reduce α {links['all_reduce']['latency'] * 1e6:.0f} µs, "
+            f"β {links['all_reduce']['bandwidth'] / GB:.2f} GB/s; "
+            f"model {max(r for _, r in links['model']) / 1e9:.1f} GFLOP/s per rank"
         )
     else:
         cluster = _cluster(args)

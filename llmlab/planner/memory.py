@@ -105,4 +105,6 @@ def memory_per_gpu(model, lay, workload, cluster) -> dict:
         rec["stage"] = stage
         if best is None or rec["total"] > best["total"]:
             best = rec
+    if best is None:  # the first stage is always checked
+        raise RuntimeError("memory_per_gpu: no pipeline stage checked")
     return best

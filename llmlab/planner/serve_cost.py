@@ -102,6 +102,36 @@ def _batch(
     return b, served >= rate
 
 
+def _no_room_for_one_sequence(mem: dict, w: Any, cluster: Any) -> str:
+    """Why a layout's KV cache cannot hold one sequence of ``max_model_len`` (the ``why_not``)."""
+    gb, usable = 1e9, w.gpu_memory_utilization * cluster.gpu_memory_bytes
+    used = f"weights {mem['weights'] / gb:.1f} GB + activations {mem['activations'] / gb:.1f} GB"
+    if mem["kv_budget"] <= 0:
+        return (
+            f"{used} exceed the {w.gpu_memory_utilization:g} x {cluster.gpu_memory_bytes / gb:.0f} GB "
+            f"= {usable / gb:.1f} GB the engine may use per GPU"
+        )
+    return (
+        f"{used} leave {mem['kv_budget'] / gb:.2f} GB for KV per GPU: {mem['kv_tokens']:,} "
+        f"tokens, less than one sequence of max-model-len {w.max_model_len:,}"
+    )
+
+
+def _ttft(m: Any, w: Any, tp: int, pp: int, cluster: Any, flop_rate: float) -> float:
+    """Time to first token (s): the prompt's FLOPs over ``tp*pp`` GPUs at ``flop_rate``, plus two
+    ring all-reduces of the prompt's activations per layer under TP, times ``pp`` stages in turn."""
+    lat, bw = cluster.link(tp)
+    act_bytes = 4 if w.weight_dtype == "fp32" else 2
+    stage_prefill = (
+        prefill_flops(m.active_params, w.prompt_len, m.num_layers, m.hidden) / (tp * pp) / flop_rate
+    )
+    tp_prefill = 0.0
+    if tp > 1:
+        per_layer = ring_all_reduce_time(w.prompt_len * m.hidden * act_bytes, tp, bw, lat)
+        tp_prefill = 2 * math.ceil(m.num_layers / pp) * per_layer
+    return pp * (stage_prefill + tp_prefill)
+
+
 def evaluate_serving(
     m: Any,
     w: Any,
@@ -134,15 +164,7 @@ def evaluate_serving(
     }
     one_seq = blocks_for(w.max_model_len, w.block_size)
     if mem["kv_blocks"] < one_seq:
-        gb, usable = 1e9, w.gpu_memory_utilization * cluster.gpu_memory_bytes
-        used = f"weights {mem['weights'] / gb:.1f} GB + activations {mem['activations'] / gb:.1f} GB"
-        why = (
-            f"{used} exceed the {w.gpu_memory_utilization:g} x {cluster.gpu_memory_bytes / gb:.0f} GB "
-            f"= {usable / gb:.1f} GB the engine may use per GPU"
-            if mem["kv_budget"] <= 0
-            else f"{used} leave {mem['kv_budget'] / gb:.2f} GB for KV per GPU: {mem['kv_tokens']:,} "
-            f"tokens, less than one sequence of max-model-len {w.max_model_len:,}"
-        )
+        why = _no_room_for_one_sequence(mem, w, cluster)
         return row | {"fits": False, "why_not": why}
     conc_max = max_concurrency(mem["kv_blocks"], w.block_size, w.max_model_len)
     conc_wl = min(
@@ -150,21 +172,7 @@ def evaluate_serving(
     )
     rate = cluster.peak(w.weight_dtype if w.weight_dtype in ("fp32", "bf16", "fp16") else "bf16")
     flop_rate = rate * cluster.achievable_fraction
-    lat, bw = cluster.link(tp)
-    act_bytes = 4 if w.weight_dtype == "fp32" else 2
-    stage_prefill = (
-        prefill_flops(m.active_params, w.prompt_len, m.num_layers, m.hidden) / (tp * pp) / flop_rate
-    )
-    tp_prefill = (
-        (
-            2
-            * math.ceil(m.num_layers / pp)
-            * ring_all_reduce_time(w.prompt_len * m.hidden * act_bytes, tp, bw, lat)
-        )
-        if tp > 1
-        else 0.0
-    )
-    ttft = pp * (stage_prefill + tp_prefill)
+    ttft = _ttft(m, w, tp, pp, cluster, flop_rate)
     tpot_of = lambda b: pp * _tick(m, w, tp, pp, cluster, hbm, flop_rate, b, mem)["tick_s"]  # noqa: E731
     batch, meets = _batch(w, replicas, conc_wl, tpot_of, ttft)
     tick = _tick(m, w, tp, pp, cluster, hbm, flop_rate, max(batch, 1.0), mem)

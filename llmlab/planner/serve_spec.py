@@ -181,11 +181,12 @@ def serve_model(
         return SERVE_MODELS[model]
     from llmlab.planner.specs import from_params, from_preset
 
-    s = (
-        from_preset(model)
-        if model is not None
-        else from_params(params, **{k: v for k, v in shape.items() if v is not None})
-    )
+    if model is not None:
+        s = from_preset(model)
+    elif params is not None:
+        s = from_params(params, **{k: v for k, v in shape.items() if v is not None})
+    else:  # (one of the three is given: checked above)
+        raise ValueError("give exactly one of --model PRESET, --params N or --config config.json")
     max_pos = 131072
     if model is not None:
         from llmlab.model.config import PRESETS, get_preset

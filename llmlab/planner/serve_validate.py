@@ -21,7 +21,7 @@ from typing import Any
 from llmlab.planner.cluster import ClusterSpec
 from llmlab.planner.serve_spec import ServeModel, ServeWorkload
 
-VALIDATION_MODEL = dict(
+VALIDATION_MODEL: dict[str, Any] = dict(
     vocab_size=256,
     hidden_size=256,
     intermediate_size=768,
@@ -115,7 +115,7 @@ def engine_kv_pool(
     from llmlab.inference.engine import LLMEngine
     from llmlab.inference.sampling import SamplingParams
 
-    out = {}
+    out: dict[str, Any] = {}
     for key, n_tok in (
         ("concurrency_max_len", max_model_len),
         ("concurrency_seq_len", seq_len or max_model_len),

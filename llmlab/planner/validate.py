@@ -84,7 +84,7 @@ def pick_layouts(
     (without context parallelism when ``skip_cp``)."""
     from llmlab.training.config import validate as validate_cfg
 
-    picked = []
+    picked: list[dict] = []
     for row in sorted(rows, key=lambda r: r["step_time_s"]):
         if skip_cp and row["cp"] > 1:
             continue

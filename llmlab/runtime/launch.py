@@ -215,24 +215,19 @@ def launch(
     procs = []
     try:
         for r in range(world_size):
-            procs.append(
-                process.start(
-                    _entry,
-                    (
-                        r,
-                        world_size,
-                        backend,
-                        "127.0.0.1",
-                        store.port,
-                        payload,
-                        str(log_dir),
-                        threads,
-                        env,
-                        secret,
-                    ),
-                    name=f"llmlab-rank{r}",
-                )
+            entry_args = (
+                r,
+                world_size,
+                backend,
+                "127.0.0.1",
+                store.port,
+                payload,
+                str(log_dir),
+                threads,
+                env,
+                secret,
             )
+            procs.append(process.start(_entry, entry_args, name=f"llmlab-rank{r}"))
         _wait(procs, store, secret, on_metric, timeout, log_dir)
         try:
             # verified before unpickling: only bytes a rank of this launch signed are decoded

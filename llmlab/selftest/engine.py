@@ -5,6 +5,7 @@ the device against the CPU (see :mod:`llmlab.selftest`).
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ def check_engine_device_vs_cpu(quick: bool) -> dict:
                 equal += k
         res[_name(dtype)] = {"decided_tokens": checked, "equal": equal}
     ok = all(v["decided_tokens"] == v["equal"] for v in res.values())
-    out = {
+    out: dict[str, Any] = {
         "status": PASS if ok else FAIL,
         "dtypes": res,
         "detail": ", ".join(

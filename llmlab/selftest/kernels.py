@@ -5,6 +5,7 @@ measured K/V bandwidth (see :mod:`llmlab.selftest`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -239,6 +240,7 @@ def check_paged_attention_bandwidth(quick: bool) -> dict:
     from llmlab.inference.paged_attention import paged_attention_reference
     from llmlab.kernels.bench import peak_bandwidth
 
+    fn: Callable[..., torch.Tensor]
     if _gpu():
         _need_triton()
         from llmlab.kernels.paged_attention import paged_attention_triton as fn

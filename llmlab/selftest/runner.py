@@ -100,7 +100,7 @@ def run_check(name: str, quick: bool, timeout: float | None = None) -> dict:
     """Run one check in its own process (forked from the launcher's fork server, which has torch
     imported already) and kill its process group at ``timeout`` s (then: FAIL, "hang"). Returns
     the check's result with ``seconds`` added."""
-    timeout = timeout or CHECKS[name][2 if quick else 1]
+    timeout = timeout or (CHECKS[name][2] if quick else CHECKS[name][1])
     env = dict(os.environ)
     if not _gpu():
         env.setdefault("TRITON_INTERPRET", "1")

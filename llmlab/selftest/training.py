@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ def check_train_one_device(quick: bool) -> dict:
     from llmlab.training.trainer import rank_main
 
     steps = 5 if quick else 20
+    kw: dict[str, Any]
     if _gpu():
         kw = dict(model="small", global_batch_size=8, seq_len=256, device="cuda")
     else:

@@ -84,6 +84,8 @@ class ChatRenderer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         else:
+            if self._compiled is None:  # a template is compiled whenever the tokenizer's is not used
+                raise RuntimeError("no chat template to render the messages with")
             special = {k: getattr(self.tokenizer, k, None) or "" for k in ("bos_token", "eos_token")}
             text = self._compiled.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **special

@@ -22,35 +22,7 @@ from llmlab.serve.config import add_server_arguments, server_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="shakespeare",
-        help="checkpoint directory (HF Llama/Qwen2 or llmlab) or a preset with shipped "
-        "weights (default: shakespeare, bundled)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send (default: the checkpoint folder's name, or the preset)",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)",
-    )
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("LLMLAB_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (and "
-        "/metrics with --public-metrics) (default: $LLMLAB_API_KEY)",
-    )
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE",
-        help="Jinja chat template (default: the tokenizer's, else a plain 'role: text' one)",
-    )
+    _add_model_arguments(p)
     p.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -92,6 +64,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --api-key, let /metrics answer without the key (default: off)",
     )
+    _add_lora_arguments(p)
+    add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
+    g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
+    add_engine_arguments(
+        g,
+        None,
+        {
+            "tensor_parallel_size": {
+                "help": "ranks the model is sharded over (with --data-parallel-size > 1: only with "
+                "--distributed-executor-backend ray or --pipeline-parallel-size > 1)"
+            }
+        },
+    )
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What is served and where: ``--model``, ``--served-model-name``, ``--host``, ``--port``,
+    ``--api-key``, ``--chat-template``."""
+    p.add_argument(
+        "--model",
+        default="shakespeare",
+        help="checkpoint directory (HF Llama/Qwen2 or llmlab) or a preset with shipped "
+        "weights (default: shakespeare, bundled)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the checkpoint folder's name, or the preset)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMLAB_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (and "
+        "/metrics with --public-metrics) (default: $LLMLAB_API_KEY)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="Jinja chat template (default: the tokenizer's, else a plain 'role: text' one)",
+    )
+
+
+def _add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """``--lora-modules``, ``--max-loras``, ``--max-lora-rank`` (vLLM's names; llmlab/serve/lora.py)."""
     p.add_argument(
         "--lora-modules",
         nargs="+",
@@ -107,18 +130,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "POST /v1/load_lora_adapter loads more at run time)",
     )
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (default 16)")
-    add_server_arguments(p.add_argument_group("HTTP server (ServerConfig fields)"))
-    g = p.add_argument_group("engine (EngineConfig fields; the limits answer 4xx naming the flag)")
-    add_engine_arguments(
-        g,
-        None,
-        {
-            "tensor_parallel_size": {
-                "help": "ranks the model is sharded over (with --data-parallel-size > 1: only with "
-                "--distributed-executor-backend ray or --pipeline-parallel-size > 1)"
-            }
-        },
-    )
 
 
 def engine_config(args) -> EngineConfig:
@@ -174,14 +185,7 @@ def validate(args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ModuleNotFoundError as e:
-        raise NotImplementedError(
-            f"llmlab serve needs the 'serve' extra ({e.name} is missing): pip install -e '.[serve]'"
-        ) from None
+    _check_serve_extra()
     from llmlab.serve import build_engines, default_served_name
     from llmlab.serve.lora import parse_lora_modules
     from llmlab.serve.app import build_app
@@ -234,6 +238,39 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         send_buffer_bytes=http.send_buffer_bytes,
     )
+    _announce(args, name, host, port)
+    tb = None
+    if args.tensorboard:
+        from llmlab.serve.tensorboard import GaugeLogger
+
+        tb = GaugeLogger(metrics, args.tensorboard).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        sock.close()
+        if tb is not None:
+            tb.close()
+    print("llmlab serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _check_serve_extra() -> None:
+    """``NotImplementedError`` naming the missing package of the 'serve' extra."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise NotImplementedError(
+            f"llmlab serve needs the 'serve' extra ({e.name} is missing): pip install -e '.[serve]'"
+        ) from None
+
+
+def _announce(args: argparse.Namespace, name: str, host: str, port: int) -> None:
+    """The listening line on stdout (tests and scripts wait for it), and a warning on stderr
+    when the server listens beyond this machine without an API key."""
     if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
         print(
             f"llmlab serve: warning: listening on {host} without --api-key: anyone who can reach "
@@ -247,21 +284,6 @@ def run(args: argparse.Namespace) -> int:
         f"({args.data_parallel_size} replica{'s' * (args.data_parallel_size > 1)})",
         flush=True,
     )
-    tb = None
-    if args.tensorboard:
-        from llmlab.serve.tensorboard import GaugeLogger
-
-        tb = GaugeLogger(metrics, args.tensorboard).start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        for e in engines:
-            e.shutdown()
-        sock.close()
-        if tb is not None:
-            tb.close()
-    print("llmlab serve: stopped", file=sys.stderr, flush=True)
-    return 0
 
 
 def _device_type(device: str) -> str:

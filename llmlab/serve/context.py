@@ -15,6 +15,7 @@ import concurrent.futures
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -23,6 +24,9 @@ from llmlab.serve.config import ServerConfig
 from llmlab.serve.protocol import APIError
 from llmlab.serve.router import Router
 
+if TYPE_CHECKING:
+    from llmlab.serve.metrics import ServerMetrics
+
 
 @dataclass
 class ServingContext:
@@ -30,7 +34,7 @@ class ServingContext:
     served_model_name: str
     router: Router
     renderer: ChatRenderer | None
-    metrics: object = None
+    metrics: ServerMetrics | None = None
     server: ServerConfig = field(default_factory=ServerConfig)
     open_streams: int = 0  # streamed responses running (max_concurrent_streams)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -53,6 +53,8 @@ class _Endpoint:
         u = urlparse(url if "://" in url else "http://" + url)
         if u.scheme != "http":
             raise ValueError(f"--endpoint {url!r}: only http:// endpoints are supported")
+        if not u.hostname:
+            raise ValueError(f"--endpoint {url!r}: no host name")
         self.host, self.port = u.hostname, u.port or 80
         self.base = u.path.rstrip("/")
         if self.base.endswith("/v1"):
@@ -159,7 +161,7 @@ def run_rate(
     for th in threads:
         th.join()
     ok = [r for r in results if r and "error" not in r]
-    errors = [r["error"] for r in results if not r or "error" in r]
+    errors = [r["error"] if r else "no result (its thread failed)" for r in results if not r or "error" in r]
     if not ok:
         raise RuntimeError(f"every request failed; first error: {errors[0] if errors else '?'}")
     timings = [RequestTiming(r["send"], r["first"], r["end"], r["tokens"]) for r in ok]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 
 def new_id(prefix: str) -> str:
@@ -40,7 +41,7 @@ def sse(obj) -> str:
 class ChoiceDeltas:
     """Per choice: the text already streamed and whether its last chunk was sent."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sent: dict[int, str] = {}
         self.done: set[int] = set()
 
@@ -94,7 +95,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict], decode, text
     token) and ``text_offset`` (where each token's text starts in the choice's text).
     ``logprobs[i]``: the engine's ``{token_id: Logprob}`` of token ``i`` (None: the first prompt
     token, which has no log-probability: ``null`` entries as vLLM's echo)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, d in zip(token_ids, logprobs):
         if d is None:
             text = decode([tid])
@@ -211,7 +212,7 @@ def chunk(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-    out = {
+    out: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,

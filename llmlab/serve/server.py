@@ -17,11 +17,17 @@ import socket
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmlab.serve.generation import ABORT_CONNECTION
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from llmlab.serve.metrics import ServerMetrics
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -121,6 +127,10 @@ class ServerThread:
 
     ``start`` waits until it answers (``TimeoutError`` after ``start_timeout`` s); ``stop`` shuts it
     down and joins the thread (and the engine threads, through the app's shutdown)."""
+
+    # set by llmlab.serve.serve for its callers (notebooks, tests): the app and its metrics
+    app: FastAPI
+    metrics: ServerMetrics
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from llmlab.solutions import (
     lab10,
     lab11,
     lab12,
+    lab15,
 )
 
 MODULES = {
@@ -40,6 +41,7 @@ MODULES = {
     "10": lab10,
     "11": lab11,
     "12": lab12,
+    "15": lab15,
 }
 LABS = tuple(MODULES)
 
@@ -54,7 +56,7 @@ def _registry() -> tuple[dict, dict]:
     return solutions, lab_of
 
 
-SOLUTIONS, LAB_OF = _registry()  # exercise name -> reference solution; -> lab number ("00".."12")
+SOLUTIONS, LAB_OF = _registry()  # exercise name -> reference solution; -> lab number ("00".."15")
 
 
 def solutions_on() -> bool:

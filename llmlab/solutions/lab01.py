@@ -67,7 +67,9 @@ def ddp_buckets(
     all-reduce starts early in backward), every later one ``bucket_cap_bytes``; the last bucket
     may be smaller. Return the parameter indices of each bucket, e.g. ``[[5, 4], [3, 2, 1], [0]]``.
     """
-    buckets, cur, size = [], [], 0
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
     for i in reversed(range(len(param_bytes))):
         cur.append(i)
         size += param_bytes[i]

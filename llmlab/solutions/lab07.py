@@ -18,7 +18,8 @@ def schedule_step(
     requests are admitted in order while fewer than ``max_num_seqs`` are scheduled, each getting
     ``min(remaining, budget left)`` tokens (chunked prefill). Return ``[(request_id, tokens)]``.
     """
-    out, budget = [], max_num_batched_tokens
+    out: list[tuple[str, int]] = []
+    budget = max_num_batched_tokens
     for rid, n in running + waiting:
         if budget <= 0 or len(out) >= max_num_seqs:
             break

@@ -51,4 +51,18 @@ def causal_k_tiles(q_tile: int, block_m: int, block_n: int, seq_len: int) -> dic
     return {"visit": visit, "masked": masked}
 
 
-EXERCISES = [online_softmax_update, rms_norm_forward, causal_k_tiles]
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lab 09. The "dynamic range adjustment" of W8A8 inference: quantise activations per token at
+    run time (Xiao et al. 2023, *SmoothQuant*, §2 "per-token"; ``llmlab/kernels/int8_linear.py``).
+
+    ``x [N, in]`` float, one row per token. Each row gets its own scale from its measured range,
+    ``sx = max|x[t, :]| / 127`` (symmetric, no zero point; an all-zero row must not give a zero
+    scale: clamp the row maximum to at least ``1e-12`` first), and ``qx = round(x / sx)`` clipped
+    to ``[-127, 127]``. Return ``(qx int8 [N, in], sx fp32 [N, 1])``, so that ``x ~= qx * sx``.
+    """
+    x = x.float()
+    sx = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x / sx).clamp(-127, 127).to(torch.int8), sx
+
+
+EXERCISES = [online_softmax_update, rms_norm_forward, causal_k_tiles, quantize_per_token]

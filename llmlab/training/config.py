@@ -217,6 +217,13 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"world_size": self.world_size}
 
+    def require_checkpoint_dir(self) -> str:
+        """``checkpoint_dir``, which resuming and saving checkpoints need; ``ValueError`` naming the
+        flag when it is unset (:func:`check_inputs` refuses such a configuration first)."""
+        if not self.checkpoint_dir:
+            raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+        return self.checkpoint_dir
+
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
         """Read flags from a JSON (or, with PyYAML installed, YAML) file; keys are flag names
@@ -271,7 +278,9 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         from llmlab.training.hf_init import hf_model_config
 
         return hf_model_config(cfg.init_from)  # --seq-len beyond its positions is refused
-    overrides = {"max_position_embeddings": max(cfg.seq_len, get_preset(cfg.model).max_position_embeddings)}
+    overrides: dict[str, int | float] = {
+        "max_position_embeddings": max(cfg.seq_len, get_preset(cfg.model).max_position_embeddings)
+    }
     if cfg.num_experts is not None:
         overrides["num_experts"] = cfg.num_experts
     if cfg.top_k is not None:
@@ -450,13 +459,13 @@ def validate(cfg: TrainConfig) -> ModelConfig:
 
 
 def check_lora(cfg: TrainConfig, mc: ModelConfig) -> None:
-    """The ``--lora-*`` checks (``ValueError``/``NotImplementedError`` naming the flag)."""
+    """The ``--lora-*`` checks (``ValueError`` naming the flag)."""
     from llmlab.model.lora import check_rank, parse_targets
 
+    if cfg.lora_rank is None:
+        return  # no adapters: nothing to check
     if not cfg.init_from:
         raise ValueError("--lora-rank needs --init-from (adapters are trained on a pretrained base)")
-    if cfg.tp > 1:
-        raise NotImplementedError("--lora-rank with --tp > 1 is not supported yet (use dp, zero, pp or cp)")
     check_rank(mc, cfg.lora_rank, parse_targets(cfg.lora_target))
 
 

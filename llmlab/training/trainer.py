@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -211,22 +211,30 @@ class Engine:
         model = context_parallel.apply(model, mesh, sc.cp)
         model = expert_parallel.apply(model, mesh, sc.ep)
         if self.cfg.lora_rank is not None:  # adapters on the frozen base (llmlab.model.lora)
-            from llmlab.model.lora import apply_lora, parse_targets
-
-            apply_lora(
-                model,
-                parse_targets(self.cfg.lora_target),
-                self.cfg.lora_rank,
-                self.cfg.lora_alpha,
-                self.cfg.seed,
-            )
-            self.full_shapes |= {n: tuple(p.shape) for n, p in model.named_parameters()}
+            self._add_lora(model)
         if self.cfg.activation_checkpointing:
             from llmlab.training.recompute import apply_activation_checkpointing
 
             apply_activation_checkpointing(model)
         local = pipeline_parallel.apply(model, mesh, sc.pp) if mesh.pp > 1 else model
         return model, local
+
+    def _add_lora(self, model: torch.nn.Module) -> None:
+        """LoRA adapters on the (tensor-parallel) model, their full shapes recorded for the
+        checkpoint: :func:`llmlab.model.lora.apply_lora`, under TP
+        :func:`llmlab.parallel.tp_lora.apply_lora` (each adapter split like its base layer)."""
+        from llmlab.model.lora import adapter_shapes, apply_lora, parse_targets
+        from llmlab.parallel import tp_lora
+
+        cfg, targets = self.cfg, parse_targets(self.cfg.lora_target)
+        assert cfg.lora_rank is not None
+        if self.mesh.tp > 1:
+            names = tp_lora.apply_lora(
+                model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed, self.mesh.groups["tp"]
+            )
+        else:
+            names = apply_lora(model, targets, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+        self.full_shapes |= adapter_shapes(model, names, cfg.lora_rank)
 
     def _wrap(self, local: torch.nn.Module) -> tuple[TrainedModule, TrainerOptimizer]:
         """Strategy 5, over the data x context-parallel ranks (:meth:`~llmlab.runtime.mesh.Mesh.
@@ -383,9 +391,13 @@ def global_loss(local_loss: float | None, mesh: Mesh, device) -> float:
     counted in the strategies' communication bytes.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        if local_loss is None:
+            raise ValueError("global_loss: a single rank holds the loss, but it is None")
         return float(local_loss)
-    holds = mesh.is_last_stage and mesh.coords["tp"] == 0 and local_loss is not None
-    t = torch.tensor([float(local_loss) if holds else 0.0], dtype=torch.float64, device=device)
+    holds = mesh.is_last_stage and mesh.coords["tp"] == 0
+    t = torch.tensor(
+        [float(local_loss) if holds and local_loss is not None else 0.0], dtype=torch.float64, device=device
+    )
     dist.all_reduce(t)
     return t.item() / (mesh.dp * mesh.cp)  # cp ranks: equal token counts, so the mean of means
 
@@ -442,6 +454,42 @@ def _profile_range(cfg: TrainConfig) -> tuple[int, int] | None:
     return parse_steps(cfg.profile_steps, 1, cfg.steps)
 
 
+def _microbatches(loader: Any, step: int, mesh: Mesh, cfg: TrainConfig, device: torch.device) -> list:
+    """This rank's ``[(x, y), ...]`` micro-batches of ``step`` on ``device`` (its data-parallel
+    share; under context parallelism its tokens of the same sequences)."""
+    micro = [
+        (x.to(device), y.to(device))
+        for x, y in loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
+    ]
+    if cfg.cp > 1:
+        from llmlab.parallel.context_parallel import shard_microbatches
+
+        micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+    return micro
+
+
+def _rank_result(engine: Engine, mesh: Mesh, steps: list, device: torch.device) -> dict:
+    """The rank's part of the metrics JSON: coordinates, memory by kind (bytes), bytes moved by
+    each collective, the step records (rank 0), the pipeline's schedule statistics."""
+    out: dict[str, Any] = {
+        "rank": mesh.rank,
+        "coords": dict(mesh.coords),
+        "memory_bytes": {
+            "params": param_bytes(engine.parameters()),
+            "grads": engine.grad_bytes,
+            "optimizer_states": optimizer_state_bytes(engine.optimizer),
+            "activations_peak": engine.activation_peak,
+        },
+        "comm_bytes": comm.COUNTER.snapshot(),
+        "steps": steps if mesh.rank == 0 else None,
+    }
+    if device.type == "cuda":  # the caching allocator's view, beside the exact tensor accounting
+        out["memory_bytes"]["cuda"] = cuda_memory(device)
+    if engine.pipeline is not None:
+        out["pipeline"] = engine.pipeline.stats()
+    return out
+
+
 def rank_main(cfg: TrainConfig) -> dict:
     """One rank of ``llmlab train``; returns its part of the metrics JSON."""
     device_type = resolve_device(cfg)
@@ -462,7 +510,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     if cfg.resume:
         from llmlab.training.checkpoint import load_checkpoint
 
-        meta = load_checkpoint(engine, cfg.checkpoint_dir)
+        meta = load_checkpoint(engine, cfg.require_checkpoint_dir())
         if meta is not None:
             first = meta["next_data_step"]
     clock = CheckpointClock(
@@ -475,14 +523,7 @@ def rank_main(cfg: TrainConfig) -> dict:
     for step in range(first, cfg.steps + 1):
         if step == kill_at:  # a simulated hardware fault: this rank dies without a word
             os.kill(os.getpid(), signal.SIGKILL)
-        micro = [
-            (x.to(device), y.to(device))
-            for x, y in loader.microbatches(step, mesh.coords["dp"], mesh.dp, cfg.num_microbatches)
-        ]
-        if cfg.cp > 1:  # this rank's tokens of the same sequences
-            from llmlab.parallel.context_parallel import shard_microbatches
-
-            micro = shard_microbatches(micro, mesh, cfg.cp_mode)
+        micro = _microbatches(loader, step, mesh, cfg, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -498,14 +539,8 @@ def rank_main(cfg: TrainConfig) -> dict:
         if mc.num_experts:  # routing statistics of this step, summed over dp and pp (collective)
             from llmlab.model.moe import collect_moe_stats
 
-            rec.update(
-                collect_moe_stats(
-                    engine.model,
-                    mesh.groups.get("dp"),
-                    mesh.groups.get("pp"),
-                    num_layers=mc.num_hidden_layers,
-                )
-            )
+            dp_group, pp_group = mesh.groups.get("dp"), mesh.groups.get("pp")
+            rec.update(collect_moe_stats(engine.model, dp_group, pp_group, num_layers=mc.num_hidden_layers))
         u = mfu(tps / max(1, dist.get_world_size() if dist.is_initialized() else 1), fpt, peak)
         if u is not None:
             rec["mfu"] = u
@@ -516,24 +551,9 @@ def rank_main(cfg: TrainConfig) -> dict:
         if clock.due(step):
             from llmlab.training.checkpoint import save_checkpoint
 
-            save_checkpoint(engine, step, loss, cfg.checkpoint_dir, extra=clock.record(rec))
+            save_checkpoint(engine, step, loss, cfg.require_checkpoint_dir(), extra=clock.record(rec))
     prof.close()
-    out = {
-        "rank": mesh.rank,
-        "coords": dict(mesh.coords),
-        "memory_bytes": {
-            "params": param_bytes(engine.parameters()),
-            "grads": engine.grad_bytes,
-            "optimizer_states": optimizer_state_bytes(engine.optimizer),
-            "activations_peak": engine.activation_peak,
-        },
-        "comm_bytes": comm.COUNTER.snapshot(),
-        "steps": steps if mesh.rank == 0 else None,
-    }
-    if device.type == "cuda":  # the caching allocator's view, beside the exact tensor accounting
-        out["memory_bytes"]["cuda"] = cuda_memory(device)
-    if engine.pipeline is not None:
-        out["pipeline"] = engine.pipeline.stats()
+    out = _rank_result(engine, mesh, steps, device)
     if cfg.save_model:  # collective: gathered from every layout's shards (training/export.py)
         save_model(engine, cfg.save_model)
     return out
@@ -552,7 +572,7 @@ def train(cfg: TrainConfig, progress: bool = True, on_step=None) -> dict:
     if cfg.resume:  # schedule flags against the checkpoint's, before any rank starts
         from llmlab.training.checkpoint import check_resume_flags, latest_checkpoint
 
-        found = latest_checkpoint(cfg.checkpoint_dir, log=lambda m: None)
+        found = latest_checkpoint(cfg.require_checkpoint_dir(), log=lambda m: None)
         if found is not None:
             check_resume_flags(cfg, found[1], found[0])
     bar = None

@@ -65,7 +65,7 @@ def use_style() -> None:
     """Apply :data:`STYLE` to matplotlib (all later figures)."""
     import matplotlib
 
-    matplotlib.rcParams.update(STYLE)
+    matplotlib.rcParams.update(STYLE)  # type: ignore[arg-type]  # the stub takes only Literal key names
 
 
 class LiveFigure:

@@ -139,13 +139,10 @@ class ServingDashboard(LivePlot):
                 line.set_marker(".")
             pct = p50_p99(r[key] for r in self.finished)
             for q, style in (("p50", "-"), ("p99", "--")):
-                if pct[q] is not None:
+                v = pct[q]
+                if v is not None:
                     ax.axhline(
-                        1e3 * pct[q],
-                        color="k",
-                        linestyle=style,
-                        linewidth=1,
-                        label=f"{q} {1e3 * pct[q]:.1f} ms",
+                        1e3 * v, color="k", linestyle=style, linewidth=1, label=f"{q} {1e3 * v:.1f} ms"
                     )
         elif name == PANELS["kv"]:
             ax.set_ylim(0, 105)
