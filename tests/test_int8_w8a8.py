@@ -40,8 +40,8 @@ def test_w8a8_linear_equals_the_float_reference_of_the_same_quantised_maths(dtyp
         # exact int32 sums and one dequantisation order: every path gives the same bits
         assert torch.equal(y, ys["reference"]), kernel
     qx, _ = L.quantize_per_token(x)
-    if "int_mm" in KERNELS:  # the int32 sums are exact integers
-        assert torch.equal(L.int8_matmul(qx, qw, "int_mm"), qx.int() @ qw.int().t())
+    for kernel in {"int_mm", "onednn"} & set(KERNELS):  # the int32 sums are exact integers
+        assert torch.equal(L.int8_matmul(qx, qw, kernel), qx.int() @ qw.int().t())
     if "onednn" in KERNELS:  # the packed product with the weight scales in its epilogue
         torch.testing.assert_close(L._qlinear(qx, L.pack(qw), sw), (qx.int() @ qw.int().t()).float() * sw)
     exact = torch.nn.functional.linear(x.float(), w, b)  # and close to the unquantised product

@@ -142,10 +142,13 @@ def _buildable() -> bool:
 
 
 def int8_matmul(qx: torch.Tensor, qw: torch.Tensor, kernel: str) -> torch.Tensor:
-    """``qx int8 [N, in] @ qw int8 [out, in].T`` -> the sums ``[N, out]``: int32 from ``"int_mm"``,
-    fp32 (the same integers, see the module note) from ``"reference"``."""
+    """``qx int8 [N, in] @ qw int8 [out, in].T`` -> the sums ``[N, out]``: int32 from ``"int_mm"``
+    and ``"onednn"`` (its fp32 output with unit scales, exact below 2**24), fp32 (the same
+    integers, see the module note) from ``"reference"``."""
     if kernel == "int_mm":
         return torch._int_mm(qx, qw.t())
+    if kernel == "onednn":
+        return _qlinear(qx, pack(qw), torch.ones(qw.shape[0])).to(torch.int32)
     return qx.float() @ qw.float().t()
 
 
