@@ -75,12 +75,12 @@ def draw(ax, commits: list[str], series: dict[str, list[float | None]], title: s
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0, -0.22), ncol=2)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--machine", default="llmlab-ci")
     p.add_argument("--main-only", action="store_true", help="only commits of main's first-parent line")
     p.add_argument("--out", default=str(ROOT / "docs" / "figures" / "asv_history.png"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
