@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -284,6 +285,8 @@ void attend_rows(const Item<T>& it, const T* const* qr, float scale, int64_t lo,
 template <int NC>
 constexpr int max_rows() { return std::max(1, std::min(4, 16 / NC)); }
 
+#include "paged_attention_decode.h"   // (the decode items: attend_decode)
+
 template <typename T, int NC, int RT = max_rows<NC>()>
 void dispatch_rows(int rt, const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
                    bool tiled, int64_t ld, Buffers& buf, float* const* sc, T* const* out) {
@@ -359,6 +362,51 @@ ItemFn<T> item_fn(int64_t D) {
   }
 }
 
+template <typename T>
+using DecodeFn = void (*)(const BlockRef<T>*, int64_t, const BlockRef<T>*, int64_t, int64_t, int64_t, int64_t,
+                          const T*, int64_t, int64_t, float, T*, int64_t, DecodeState&);
+
+template <typename T>
+DecodeFn<T> decode_fn(int64_t D) {
+  switch (D) {
+    case 16: return attend_decode<T, 1>;
+    case 32: return attend_decode<T, 2>;
+    case 48: return attend_decode<T, 3>;
+    case 64: return attend_decode<T, 4>;
+    case 80: return attend_decode<T, 5>;
+    case 96: return attend_decode<T, 6>;
+    case 112: return attend_decode<T, 7>;
+    case 128: return attend_decode<T, 8>;
+    case 256: return attend_decode<T, 16>;
+    default: return nullptr;
+  }
+}
+
+// Appends a decode sequence's blocks in range (the window's, or all up to its new token) to walk.
+template <typename T>
+void add_blocks(const Item<T>& it, int64_t ctx, int64_t window, std::vector<BlockRef<T>>& walk) {
+  const int64_t pos = ctx - 1, lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  for (int64_t b = lo / it.bs; b * it.bs <= pos; ++b) {
+    const int64_t t0 = std::max(lo, b * it.bs), off = it.table[b] * it.c_blk + (t0 - b * it.bs) * it.c_tok;
+    walk.push_back({it.k + off, it.v + off, std::min(pos, (b + 1) * it.bs - 1) - t0 + 1});
+  }
+}
+
+// The work items: (sequence, kv head), or (sequence, -1) for a whole decode sequence (query_len 1),
+// which is what decodes are as long as there are at least as many of them as threads.
+std::vector<std::pair<int64_t, int64_t>> work_items(const int64_t* ql, int64_t S, int64_t Hkv) {
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < S; ++s) decodes += ql[s] == 1;
+  const bool whole = decodes >= at::get_num_threads();
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t s = 0; s < S; ++s) {
+    if (whole && ql[s] == 1) items.emplace_back(s, -1);
+    else
+      for (int64_t h = 0; h < Hkv; ++h) items.emplace_back(s, h);
+  }
+  return items;
+}
+
 }  // namespace
 
 bool supports_head_dim(int64_t D) { return item_fn<float>(D) != nullptr; }
@@ -404,14 +452,32 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch:
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* tp = bt.data_ptr<int64_t>();
     const auto fn = item_fn<scalar_t>(D);
-    at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    const auto dec = decode_fn<scalar_t>(D);
+    const auto items = work_items(ql_p, S, Hkv);
+    const auto item = [&](int64_t s, int64_t hkv) {
+      return Item<scalar_t>{kp + std::max<int64_t>(hkv, 0) * k_cache.stride(2), vp + std::max<int64_t>(hkv, 0) * k_cache.stride(2),
+                            k_cache.stride(0), k_cache.stride(1), tp + s * bt.size(1), bs};
+    };
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       Buffers buf;
+      DecodeState st;
+      std::vector<BlockRef<scalar_t>> walk;           // the decode items' blocks, in order
+      std::vector<int64_t> first(end - begin + 1, 0);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / Hkv, hkv = i % Hkv;
-        const Item<scalar_t> it{kp + hkv * k_cache.stride(2), vp + hkv * k_cache.stride(2),
-                                k_cache.stride(0), k_cache.stride(1), tp + s * bt.size(1), bs};
-        fn(it, qp, q.stride(0), q.stride(1), cl_p[s], ql_p[s], q0[s], hkv, G, static_cast<float>(scale),
-           sliding_window, op, out.stride(0), out.stride(1), buf);
+        if (items[i].second < 0) add_blocks(item(items[i].first, -1), cl_p[items[i].first], sliding_window, walk);
+        first[i + 1 - begin] = static_cast<int64_t>(walk.size());
+      }
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [s, hkv] = items[i];
+        if (hkv >= 0) {
+          fn(item(s, hkv), qp, q.stride(0), q.stride(1), cl_p[s], ql_p[s], q0[s], hkv, G, static_cast<float>(scale),
+             sliding_window, op, out.stride(0), out.stride(1), buf);
+          continue;
+        }
+        const BlockRef<scalar_t>* w = walk.data() + first[i - begin];
+        dec(w, first[i + 1 - begin] - first[i - begin], walk.data() + walk.size(), bs, k_cache.stride(1),
+            k_cache.stride(2), Hkv, qp + q0[s] * q.stride(0), q.stride(1), G, static_cast<float>(scale),
+            op + q0[s] * out.stride(0), out.stride(1), st);
       }
     });
   };
