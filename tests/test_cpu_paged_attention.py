@@ -11,6 +11,8 @@ tests rather than skipping them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +32,16 @@ from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 
 level = level_fixture(C)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _case(H, Hkv, D, ctx, qlens, dtype, block_size=8, num_blocks=40, seed=0):
@@ -80,6 +92,25 @@ def test_bf16_paths_within_its_rounding(H, Hkv, D, window, level):
     got = C.paged_attention_cpu(q, k, v, t, c, ql, sliding_window=window)
     want = paged_attention_reference(q.float(), k.float(), v.float(), t, c, ql, sliding_window=window)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 1, 48), (4, 4, 128), (14, 2, 32)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_batches_within_rounding_of_the_reference(H, Hkv, D, dtype, tol, window, level):
+    # a decode-only batch (one new token per sequence: whole-sequence items walking their blocks
+    # with online softmax, also with one thread), G = 3, 8, 1, 7 query heads per kv head (row
+    # tiles of up to 4), contexts of 1 key, a block's edge, several blocks and a partial block
+    ctx = [1, 8, 9, 30, 64, 17]
+    args = _case(H, Hkv, D, ctx=ctx, qlens=[1] * len(ctx), dtype=dtype, num_blocks=60)
+    want = paged_attention_reference(
+        *(a.float() if a.is_floating_point() else a for a in args), sliding_window=window
+    )
+    for threads in (1, torch.get_num_threads()):
+        with torch_threads(threads):
+            got = C.paged_attention_cpu(*args, sliding_window=window)
+        assert got.dtype == dtype and got.shape == (len(ctx), H, D)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_strided_queries_and_a_scale():
