@@ -8,20 +8,30 @@
 // reads kv head h / (H / Hkv). Scores, softmax and the weighted sum are computed in fp32 whatever
 // the storage dtype (fp32, bf16, fp16), as vLLM's CPU kernel does; out has q's dtype.
 //
-// Work item: one (sequence, kv head). Its G = H / Hkv query heads are "rows" that read the same
-// K and V: up to RT rows of one query position go together, so each K or V row read (and
+// Decode items (a sequence with query_len 1, when there are at least as many of them as threads)
+// are whole sequences: paged_attention_decode.h walks the sequence's blocks once, and for each
+// block and kv head computes the scores of the G query heads, updates an online softmax and adds
+// the block's V rows, while prefetching the next block of the walk (the layout keeps a block's K,
+// all kv heads, in one contiguous 12 KB stretch for SmolLM2's shapes in bf16). Measured on this
+// repository's machine (one thread, SmolLM2-135M's shapes, 40 sequences of 100-250 tokens, blocks
+// at random in a 1 GiB cache read cold as in the engine, benchmarks/bench_cpu_paged_attention.py):
+// bf16 0.90 -> 0.74 ms a layer, fp32 1.20 -> 1.18 ms (memory-bound at ~9.4 GB/s).
+//
+// Other work items: one (sequence, kv head). Its G = H / Hkv query heads are "rows" that read the
+// same K and V: up to RT rows of one query position go together, so each K or V row read (and
 // converted to fp32) serves all of them. Two passes per row tile (Kwon et al., SOSP 2023, §4.1;
 // the in-place walk over the block table is their kernel's, the loop order is ours):
-//   1. scores q.k and their max. Decode-like items (few rows) read K rows in place and reduce 16
-//      keys' partial dot products at once (a shuffle tree instead of one horizontal sum per key);
+//   1. scores q.k and their max. Short items (few rows) read K rows in place and reduce 16 keys'
+//      partial dot products at once (a shuffle tree instead of one horizontal sum per key);
 //      prompt items (many rows) first copy the sequence's K, transposed, into an fp32 buffer
 //      [D, context] once, and then 64 keys' scores are 64 lanes of plain multiply-adds.
 //   2. exp(s - max), its sum, and the weighted sum of V rows read in place.
 // bf16 on a build with AVX512-BF16 (and head dims a multiple of 32) multiplies bf16 pairs
 // directly (vdpbf16ps, fp32 sums): prompt items then copy K and V once into pairs, and round
-// their softmax weights to bf16 for the weighted sum of V, as flash attention kernels do.
-// The next block's rows are prefetched before a block is read (blocks lie anywhere in the cache;
-// on this repository's machine that took a decode step's attention from 1.3 to 0.9 ms a layer).
+// their softmax weights to bf16 for the weighted sum of V, as flash attention kernels do (decode
+// items keep fp32 weights). The next block's rows are prefetched before a block is read (blocks
+// lie anywhere in the cache, where the hardware prefetcher, which follows strides within a page,
+// cannot see them coming).
 // Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them to AVX-512, AVX2
 // or SSE, whatever the build targets.
 #include <torch/extension.h>
