@@ -82,6 +82,7 @@ def test_smoothing_factors_and_bad_alpha():
         S.smooth(LlamaForCausalLM(CFG), torch.zeros(1, 4, dtype=torch.long), 0.0)
     from llmlab.inference.engine_config import EngineConfig
 
+    assert EngineConfig().smoothquant_alpha == S.ALPHA  # the engine's default is the module's
     with pytest.raises(ValueError, match="smoothquant_alpha"):
         EngineConfig(smoothquant_alpha=1.5)
     ids = S.calibration_ids(None, 97, n=2, seq_len=8)  # no tokenizer: seeded ids, same every time

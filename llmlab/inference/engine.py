@@ -226,8 +226,9 @@ class LLMEngine:
     (:mod:`llmlab.model.quantize`), ``"w8a8"`` also quantises their inputs per token and multiplies
     in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in
     place), after SmoothQuant's smoothing with migration strength ``smoothquant_alpha`` (0: none;
-    :mod:`llmlab.inference.smooth_quant`); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
-    every step (tests); ``on_step(StepMetrics)`` hook;
+    :mod:`llmlab.inference.smooth_quant`); ``seed`` for requests without one;
+    ``check_invariants`` verifies the block pool after every step (tests); ``on_step(StepMetrics)``
+    hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
     (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks);
     ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each, all of them workers

@@ -112,7 +112,7 @@ class EngineConfig:
         choices=("int8", "int8-weight-only", "w8a8"),
     )
     smoothquant_alpha: float = option(
-        0.5,
+        0.6,  # llmlab.inference.smooth_quant.ALPHA
         "w8a8: SmoothQuant's migration strength in [0, 1], activation outliers moved into the "
         "weights per channel, calibrated on the start of the bundled corpus (0: no smoothing)",
     )
