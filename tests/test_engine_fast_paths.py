@@ -32,13 +32,15 @@ class _Seq:
 
 def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
     torch.manual_seed(0)
-    x = torch.randn(5, 97)
-    x[1, 3] = x[1].max()  # a tie: the first maximum, like the per-row path
+    x = torch.randn(5, 49152)  # a real vocabulary's width (the vectorised reductions)
+    x[1, 40000] = x[1, 3] = x[1].max() + 1  # a tie: the first maximum, like the per-row path
+    x[2, 49151] = x[2, 17] = x[2].max() + 1
     x[4, 0] = float("nan")  # left to the per-row path (it reports the error)
     rows = dict(zip([10, 11, 12, 13, 14], x))
     seqs = [_Seq(10), _Seq(11), _Seq(12), _Seq(13, repetition_penalty=1.2), _Seq(14)]
     got = greedy_tokens(rows, seqs)
     assert got == {i: int(torch.argmax(rows[i])) for i in (10, 11, 12)}
+    assert got[11] == 3 and got[12] == 17
     banned = int(torch.argmax(rows[12]))  # a logit_bias row is processed per row
     seqs[2] = _Seq(12, logit_bias={banned: -100.0})
     assert 12 not in greedy_tokens(rows, seqs)
