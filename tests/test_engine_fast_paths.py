@@ -108,3 +108,54 @@ def test_context_reuses_its_plan_across_layers_and_windows():
         ref = paged_attention_reference(q, ref_cache[0], ref_cache[1], tables, ctx, ql, sliding_window=window)
         assert torch.equal(got, ref)
     assert set(c.plans) == {(0, None), (0, 3)}  # one plan per window, not per layer
+
+
+def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step():
+    """A bf16 step of two whole prompts, a decode and a later prompt chunk: the prompts go to
+    SDPA over the step's own K/V (llmlab.inference.prompt_sdpa), the rest to the C++ kernel, and
+    the result is the reference's to bf16 rounding; fp32 steps and sliding windows keep the
+    kernel alone."""
+    torch.manual_seed(0)
+    bs, H, Hkv, D = 4, 4, 2, 16
+    ctx, ql = [20, 10, 17, 30], [20, 1, 17, 12]  # prompt, decode, prompt, chunk (18 cached)
+    tables = torch.arange(4 * 8).view(4, 8)[:, torch.randperm(8)]
+    slots = torch.tensor(
+        [int(tables[s, p // bs]) * bs + p % bs for s in range(4) for p in range(ctx[s] - ql[s], ctx[s])]
+    )
+    N = sum(ql)
+    for dtype, window, sdpa in [
+        (torch.bfloat16, None, True),
+        (torch.float32, None, False),
+        (torch.bfloat16, 5, False),
+    ]:
+        kv = torch.randn(1, 2, 32, bs, Hkv, D, dtype=dtype)
+        batch = AttentionBatch(
+            torch.zeros(N, dtype=torch.long),
+            torch.zeros(N, dtype=torch.long),
+            slots,
+            tables,
+            torch.tensor(ctx),
+            torch.tensor(ql),
+            True,
+        )
+        c = PagedAttentionContext(kv.clone(), [batch], paged_attention="cpu")
+        q, k, v = (torch.randn(N, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
+        got = c.attention(0, q, k, v, window)
+        cache = c.kv_cache[0]
+        ref = paged_attention_reference(
+            q.float(),
+            cache[0].float(),
+            cache[1].float(),
+            tables,
+            torch.tensor(ctx),
+            torch.tensor(ql),
+            sliding_window=window,
+        )
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.float(), ref, **tol)
+        plan = c.prompt_plans.get(0)
+        assert (plan is not None) == sdpa
+        if sdpa:
+            assert plan.prompts == [(0, 20), (21, 38)] and plan.rest_rows.tolist() == [20] + list(
+                range(38, 50)
+            )
