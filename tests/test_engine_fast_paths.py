@@ -110,11 +110,13 @@ def test_context_reuses_its_plan_across_layers_and_windows():
     assert set(c.plans) == {(0, None), (0, 3)}  # one plan per window, not per layer
 
 
-def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step():
+def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step(monkeypatch):
     """A bf16 step of two whole prompts, a decode and a later prompt chunk: the prompts go to
     SDPA over the step's own K/V (llmlab.inference.prompt_sdpa), the rest to the C++ kernel, and
     the result is the reference's to bf16 rounding; fp32 steps and sliding windows keep the
-    kernel alone."""
+    kernel alone, as do CPUs without AMX (forced here with LLMLAB_CPU_ISA=avx2)."""
+    from llmlab.inference import prompt_sdpa
+
     torch.manual_seed(0)
     bs, H, Hkv, D = 4, 4, 2, 16
     ctx, ql = [20, 10, 17, 30], [20, 1, 17, 12]  # prompt, decode, prompt, chunk (18 cached)
@@ -123,11 +125,15 @@ def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step():
         [int(tables[s, p // bs]) * bs + p % bs for s in range(4) for p in range(ctx[s] - ql[s], ctx[s])]
     )
     N = sum(ql)
-    for dtype, window, sdpa in [
-        (torch.bfloat16, None, True),
-        (torch.float32, None, False),
-        (torch.bfloat16, 5, False),
+    amx = prompt_sdpa.takes(torch.bfloat16)
+    for dtype, window, isa, sdpa in [
+        (torch.bfloat16, None, None, amx),
+        (torch.float32, None, None, False),
+        (torch.bfloat16, 5, None, False),
+        (torch.bfloat16, None, "avx2", False),
     ]:
+        if isa:
+            monkeypatch.setenv("LLMLAB_CPU_ISA", isa)
         kv = torch.randn(1, 2, 32, bs, Hkv, D, dtype=dtype)
         batch = AttentionBatch(
             torch.zeros(N, dtype=torch.long),

@@ -115,10 +115,10 @@ class PagedAttentionContext:
         self, i: int, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None
     ) -> prompt_sdpa.PromptPlan | None:
         """Batch ``i``'s fresh prompts for SDPA (:mod:`llmlab.inference.prompt_sdpa`: the C++
-        kernel's 16-bit CPU steps without a sliding window), planned by the first layer."""
+        kernel's 16-bit CPU steps with AMX, without a sliding window), planned by the first layer."""
         if (
             sliding_window is not None
-            or q.dtype not in prompt_sdpa.DTYPES
+            or not prompt_sdpa.takes(q.dtype)
             or not self.batches[i].is_prefill
             or kernel_for(q, k_cache, self.paged_attention) != "cpu"
         ):

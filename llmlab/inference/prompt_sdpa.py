@@ -8,7 +8,9 @@ without reading the cache (the K/V are still written to it, for the decode steps
 CPU with AMX, PyTorch's flash-attention kernel runs bf16 and fp16 through tile matrix products:
 measured here, a 4,500-token step of 30 prompts (9 query heads, 3 kv heads, head_dim 64) took
 14 ms a layer against the C++ kernel's 25 ms. In fp32 it is slower than the C++ kernel (38 ms),
-so this path is for 16-bit dtypes only. The other sequences of the step (decodes, later prompt
+so this path is for 16-bit dtypes on CPUs with the AMX tiles for them only (:func:`takes`: bf16
+with ``amx_bf16``, fp16 with ``amx_fp16``, as :func:`llmlab.kernels.cpu_isa.effective_flags`
+reports them, so ``LLMLAB_CPU_ISA`` below ``avx512_bf16`` turns it off). The other sequences of the step (decodes, later prompt
 chunks) go to the paged kernel in one call, as before. Same maths as the reference
 (:func:`~llmlab.inference.paged_attention.paged_attention_reference`); scores in fp32 in both.
 
@@ -25,8 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-DTYPES = (torch.bfloat16, torch.float16)  # where SDPA's CPU kernel beats the C++ one (AMX tiles)
+AMX = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}  # where SDPA beats the C++ kernel
 MIN_TOKENS = 16  # shorter prompts: the call's fixed cost is more than it saves
+
+
+def takes(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` step's fresh prompts go through SDPA on this CPU (its AMX flag for the
+    dtype is in :func:`~llmlab.kernels.cpu_isa.effective_flags`)."""
+    from llmlab.kernels import cpu_isa
+
+    return dtype in AMX and AMX[dtype] in cpu_isa.effective_flags()
 
 
 @dataclass
