@@ -32,13 +32,15 @@ class _Seq:
 
 def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
     torch.manual_seed(0)
-    x = torch.randn(5, 97)
-    x[1, 3] = x[1].max()  # a tie: the first maximum, like the per-row path
+    x = torch.randn(5, 49152)  # a real vocabulary's width (the vectorised reductions)
+    x[1, 40000] = x[1, 3] = x[1].max() + 1  # a tie: the first maximum, like the per-row path
+    x[2, 49151] = x[2, 17] = x[2].max() + 1
     x[4, 0] = float("nan")  # left to the per-row path (it reports the error)
     rows = dict(zip([10, 11, 12, 13, 14], x))
     seqs = [_Seq(10), _Seq(11), _Seq(12), _Seq(13, repetition_penalty=1.2), _Seq(14)]
     got = greedy_tokens(rows, seqs)
     assert got == {i: int(torch.argmax(rows[i])) for i in (10, 11, 12)}
+    assert got[11] == 3 and got[12] == 17
     banned = int(torch.argmax(rows[12]))  # a logit_bias row is processed per row
     seqs[2] = _Seq(12, logit_bias={banned: -100.0})
     assert 12 not in greedy_tokens(rows, seqs)
@@ -106,3 +108,60 @@ def test_context_reuses_its_plan_across_layers_and_windows():
         ref = paged_attention_reference(q, ref_cache[0], ref_cache[1], tables, ctx, ql, sliding_window=window)
         assert torch.equal(got, ref)
     assert set(c.plans) == {(0, None), (0, 3)}  # one plan per window, not per layer
+
+
+def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step(monkeypatch):
+    """A bf16 step of two whole prompts, a decode and a later prompt chunk: the prompts go to
+    SDPA over the step's own K/V (llmlab.inference.prompt_sdpa), the rest to the C++ kernel, and
+    the result is the reference's to bf16 rounding; fp32 steps and sliding windows keep the
+    kernel alone, as do CPUs without AMX (forced here with LLMLAB_CPU_ISA=avx2)."""
+    from llmlab.inference import prompt_sdpa
+
+    torch.manual_seed(0)
+    bs, H, Hkv, D = 4, 4, 2, 16
+    ctx, ql = [20, 10, 17, 30], [20, 1, 17, 12]  # prompt, decode, prompt, chunk (18 cached)
+    tables = torch.arange(4 * 8).view(4, 8)[:, torch.randperm(8)]
+    slots = torch.tensor(
+        [int(tables[s, p // bs]) * bs + p % bs for s in range(4) for p in range(ctx[s] - ql[s], ctx[s])]
+    )
+    N = sum(ql)
+    amx = prompt_sdpa.takes(torch.bfloat16)
+    for dtype, window, isa, sdpa in [
+        (torch.bfloat16, None, None, amx),
+        (torch.float32, None, None, False),
+        (torch.bfloat16, 5, None, False),
+        (torch.bfloat16, None, "avx2", False),
+    ]:
+        if isa:
+            monkeypatch.setenv("LLMLAB_CPU_ISA", isa)
+        kv = torch.randn(1, 2, 32, bs, Hkv, D, dtype=dtype)
+        batch = AttentionBatch(
+            torch.zeros(N, dtype=torch.long),
+            torch.zeros(N, dtype=torch.long),
+            slots,
+            tables,
+            torch.tensor(ctx),
+            torch.tensor(ql),
+            True,
+        )
+        c = PagedAttentionContext(kv.clone(), [batch], paged_attention="cpu")
+        q, k, v = (torch.randn(N, h, D, dtype=dtype) for h in (H, Hkv, Hkv))
+        got = c.attention(0, q, k, v, window)
+        cache = c.kv_cache[0]
+        ref = paged_attention_reference(
+            q.float(),
+            cache[0].float(),
+            cache[1].float(),
+            tables,
+            torch.tensor(ctx),
+            torch.tensor(ql),
+            sliding_window=window,
+        )
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.float(), ref, **tol)
+        plan = c.prompt_plans.get(0)
+        assert (plan is not None) == sdpa
+        if sdpa:
+            assert plan.prompts == [(0, 20), (21, 38)] and plan.rest_rows.tolist() == [20] + list(
+                range(38, 50)
+            )

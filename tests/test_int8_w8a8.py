@@ -106,7 +106,7 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
     assert linear_bytes(mq) == (linear_bytes(mf) - head) // 4 + 4 * rows + head  # 3.28 MB -> 0.94 MB
     tokens = torch.tensor(ByteTokenizer().encode(load_corpus()[-20000:]))
     ppl, ppl_q = (perplexity(m, tokens, seq_len=64, max_windows=4) for m in (mf, mq))
-    assert abs(ppl_q - ppl) / ppl < 0.01  # measured +0.02%
+    assert abs(ppl_q - ppl) / ppl < 0.01  # measured +0.42% smoothed (the default), +0.02% unsmoothed
     prompts = ["ROMEO:", "KING HENRY:", "First Citizen:", "JULIET:"]
     a, b = _greedy(fp, prompts), _greedy(q, prompts)
     # Teacher-forced: W8A8's next-token argmax on fp32's own continuation (free-running greedy
@@ -118,7 +118,7 @@ def test_engine_w8a8_bytes_perplexity_greedy_and_forced_fallback(monkeypatch):
         with torch.no_grad():
             agree += (mq(x)[0, len(ids) - 1 :].argmax(-1) == torch.tensor(r)).sum().item()
         total += len(r)
-    assert agree / total >= 0.95  # measured 0.99
+    assert agree / total >= 0.95  # measured 0.99 smoothed, 0.97 unsmoothed
     assert (down.packed is not None) == (down.kernel == "onednn")  # packed at its first call
     monkeypatch.setenv(L.ENV, "reference")  # forced fallback: same tokens
     qr = LLM("shakespeare", device="cpu", num_gpu_blocks=32, quantization="w8a8")

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmlab.inference import prompt_sdpa
 from llmlab.inference.paged_attention import (
     AttentionPlan,
+    kernel_for,
     paged_attention,
     plan_attention,
     walks_block_tables,
@@ -66,6 +68,7 @@ class PagedAttentionContext:
     cpu_fused: bool = False
     slot_mapping: torch.Tensor = field(init=False)  # [N]: every batch's slots, in order
     plans: dict[tuple[int, int | None], AttentionPlan] = field(init=False)  # (batch, window) -> plan
+    prompt_plans: dict[int, prompt_sdpa.PromptPlan | None] = field(init=False)  # batch -> split
 
     def __post_init__(self) -> None:
         self.slot_mapping = (
@@ -74,6 +77,7 @@ class PagedAttentionContext:
             else torch.cat([b.slot_mapping for b in self.batches])
         )
         self.plans = {}
+        self.prompt_plans = {}
 
     def _attend(
         self,
@@ -107,6 +111,48 @@ class PagedAttentionContext:
                 impl=self.paged_attention,
             )
 
+    def _prompt_plan(
+        self, i: int, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None
+    ) -> prompt_sdpa.PromptPlan | None:
+        """Batch ``i``'s fresh prompts for SDPA (:mod:`llmlab.inference.prompt_sdpa`: the C++
+        kernel's 16-bit CPU steps with AMX, without a sliding window), planned by the first layer."""
+        if (
+            sliding_window is not None
+            or not prompt_sdpa.takes(q.dtype)
+            or not self.batches[i].is_prefill
+            or kernel_for(q, k_cache, self.paged_attention) != "cpu"
+        ):
+            return None
+        if i not in self.prompt_plans:
+            b = self.batches[i]
+            self.prompt_plans[i] = prompt_sdpa.plan_prompts(b.block_tables, b.context_lens, b.query_lens)
+        return self.prompt_plans[i]
+
+    def _attend_batch(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        plan = self._prompt_plan(i, q, k_cache, sliding_window)
+        if plan is None:
+            return self._attend(i, q, k_cache, v_cache, sliding_window)
+        kind = "prefill" if self.batches[i].is_prefill else "decode"
+        with phase("attention", kind=kind, tokens=q.shape[0]):
+            return prompt_sdpa.attend(
+                plan,
+                q,
+                k,
+                v,
+                lambda qr, bt, cl, ql: paged_attention(
+                    qr, k_cache, v_cache, bt, cl, ql, impl=self.paged_attention
+                ),
+            )
+
     def attention(
         self,
         layer_idx: int,
@@ -121,8 +167,11 @@ class PagedAttentionContext:
         k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if len(self.batches) == 1:
-            return self._attend(0, q, k_cache, v_cache, sliding_window)
+            return self._attend_batch(0, q, k, v, k_cache, v_cache, sliding_window)
         sizes = [b.num_tokens for b in self.batches]
         return torch.cat(
-            [self._attend(i, qb, k_cache, v_cache, sliding_window) for i, qb in enumerate(q.split(sizes))]
+            [
+                self._attend_batch(i, qb, kb, vb, k_cache, v_cache, sliding_window)
+                for i, (qb, kb, vb) in enumerate(zip(q.split(sizes), k.split(sizes), v.split(sizes)))
+            ]
         )

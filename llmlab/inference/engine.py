@@ -192,6 +192,22 @@ def _make_runner(
     return runner
 
 
+def _prepare_quantization(model: Any, tokenizer: Any, cfg: EngineConfig) -> None:
+    """What quantisation does to ``model`` (in place) before the runner fuses it: int8 weights
+    (``int8-weight-only``), or for ``w8a8`` SmoothQuant's smoothing (``smoothquant_alpha > 0``,
+    calibrated on the start of the bundled corpus, :mod:`llmlab.inference.smooth_quant`; the int8
+    layers come after the runner fused q/k/v and gate/up, :func:`_make_runner`)."""
+    if cfg.quantization in ("int8", "int8-weight-only"):
+        from llmlab.model.quantize import quantize_int8
+
+        quantize_int8(model)  # in place: every linear but lm_head
+    elif cfg.quantization == "w8a8" and cfg.smoothquant_alpha > 0:
+        from llmlab.inference import smooth_quant
+
+        ids = smooth_quant.calibration_ids(tokenizer, model.config.vocab_size)
+        smooth_quant.smooth(model, ids, cfg.smoothquant_alpha)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -209,8 +225,10 @@ class LLMEngine:
     linear weight but the output head as int8 with per-output-channel scales
     (:mod:`llmlab.model.quantize`), ``"w8a8"`` also quantises their inputs per token and multiplies
     in int8 (:mod:`llmlab.inference.quantize_w8a8`; a model object passed in is quantised in
-    place); ``seed`` for requests without one; ``check_invariants`` verifies the block pool after
-    every step (tests); ``on_step(StepMetrics)`` hook;
+    place), after SmoothQuant's smoothing with migration strength ``smoothquant_alpha`` (0: none;
+    :mod:`llmlab.inference.smooth_quant`); ``seed`` for requests without one;
+    ``check_invariants`` verifies the block pool after every step (tests); ``on_step(StepMetrics)``
+    hook;
     ``tensor_parallel_size`` ranks the model is sharded over, this process being rank 0
     (:mod:`llmlab.inference.tensor_parallel`; :meth:`shutdown` stops the other ranks);
     ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks each, all of them workers
@@ -250,10 +268,7 @@ class LLMEngine:
         )
         distributed = cfg.pipeline_parallel_size > 1 or cfg.distributed_executor_backend == "ray"
         _validate_layout(cfg, model.config, distributed)  # every rank a worker when distributed
-        if cfg.quantization in ("int8", "int8-weight-only"):
-            from llmlab.model.quantize import quantize_int8
-
-            quantize_int8(model)  # in place: every linear but lm_head
+        _prepare_quantization(model, self.tokenizer, cfg)
         self.quantization = cfg.quantization
         self.mm_config = getattr(model, "mm_config", None)  # a vision-language model's
         if self.mm_config is not None and cfg.tensor_parallel_size != 1:

@@ -111,6 +111,11 @@ class EngineConfig:
         "(int8: the same); w8a8: int8 weights and per-token int8 activations, int8 products",
         choices=("int8", "int8-weight-only", "w8a8"),
     )
+    smoothquant_alpha: float = option(
+        0.6,  # llmlab.inference.smooth_quant.ALPHA
+        "w8a8: SmoothQuant's migration strength in [0, 1], activation outliers moved into the "
+        "weights per channel, calibrated on the start of the bundled corpus (0: no smoothing)",
+    )
     tensor_parallel_size: int = option(1, "ranks the model is sharded over")
     pipeline_parallel_size: int = option(
         1,
@@ -213,6 +218,8 @@ class EngineConfig:
         for name in ("limit_mm_per_prompt", "max_image_pixels"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.smoothquant_alpha <= 1:
+            raise ValueError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1]")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0")
         for name in (
