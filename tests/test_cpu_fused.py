@@ -7,6 +7,8 @@ the fp32 greedy tokens are unchanged. Built on first use (a C++ compiler and nin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,9 +17,9 @@ import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import cpu_fused as C
 from cpu_levels import level_fixture
-from llmlab.model.config import ModelConfig
 from llmlab.model.layers import RMSNorm
 from llmlab.model.llama import LlamaForCausalLM, rotary_cos_sin
+from tiny_llama import TINY
 
 level = level_fixture(C)
 
@@ -114,15 +116,7 @@ def test_the_switch_reaches_the_model():
 
 
 def test_engine_tokens_equal_without_the_fused_ops(level):
-    cfg = ModelConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    cfg = dataclasses.replace(TINY, vocab_size=96)
     model = LlamaForCausalLM(cfg, seed=3)
     prompts = [[1, 5, 9, 2, 7] * k for k in (1, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=12)

@@ -7,6 +7,8 @@ bf16 as on an AVX2-only CPU, the bf16 engine still serves."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -20,8 +22,8 @@ import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import cpu_isa
 from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears, path
-from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+from tiny_llama import TINY
 
 LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]  # the current level, and the one below
 
@@ -56,16 +58,7 @@ def test_pack_refuses_what_it_cannot_pack():
         pack(torch.zeros(4, 4, dtype=torch.float64))
 
 
-CFG = ModelConfig(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+CFG = dataclasses.replace(TINY, tie_word_embeddings=True)
 
 
 def test_pack_linears_keeps_parameters_and_state_dict():

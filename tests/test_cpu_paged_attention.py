@@ -28,8 +28,8 @@ from llmlab.inference.paged_attention import (
 )
 from cpu_levels import level_fixture
 from llmlab.kernels import cpu_paged_attention as C
-from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+from tiny_llama import TINY
 
 level = level_fixture(C)
 
@@ -155,15 +155,7 @@ def test_dispatch_and_the_switch(monkeypatch):
         K.enable(paged_attention="cpu")
 
 
-CFG = ModelConfig(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+CFG = TINY
 
 
 def test_engine_tokens_equal_the_reference_engine(level):

@@ -15,19 +15,11 @@ from llmlab.inference import LLM, SamplingParams
 from llmlab.inference import engine_config as ec
 from llmlab.inference.engine_config import EngineConfig
 from llmlab.kernels.cpu_linear import PackedLinear
-from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
 from llmlab.serve import build_engines
+from tiny_llama import TINY
 
-CFG = ModelConfig(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+CFG = TINY
 PROMPTS = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

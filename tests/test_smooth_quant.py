@@ -6,18 +6,10 @@ import pytest
 import torch
 
 from llmlab.inference import smooth_quant as S
-from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
+from tiny_llama import TINY
 
-CFG = ModelConfig(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+CFG = TINY
 
 
 def test_smoothing_leaves_the_float_model_unchanged_on_the_shipped_model():
