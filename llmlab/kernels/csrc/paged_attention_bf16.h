@@ -1,5 +1,5 @@
 // PagedAttention's bf16 passes on CPUs with AVX512-BF16: part of paged_attention_cpu.cpp,
-// included inside its anonymous namespace after its vector helpers (vf, load16, reduce16,
+// included inside its anonymous namespace after paged_attention_common.h (vf, load16, reduce16,
 // max_of, exp_sum, for_each_key, scores_in_place, Item), not compiled on its own.
 #pragma once
 #if defined(__AVX512BF16__)

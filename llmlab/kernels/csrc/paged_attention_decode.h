@@ -1,6 +1,6 @@
 // PagedAttention's decode path: part of paged_attention_cpu.cpp, included inside its anonymous
-// namespace after its vector helpers and the bf16 ones (vf, load16, reduce16, exp_f, Item, kDpBf16,
-// dp, ld512), not compiled on its own.
+// namespace after paged_attention_common.h (vf, load16, reduce16, exp_f, Item, max_rows) and the
+// bf16 passes (kDpBf16, dp, ld512), not compiled on its own.
 //
 // A decode item is a whole sequence with one new token (query_len 1): all its kv heads and all H
 // query rows. Its blocks are walked once, in order, and each block is finished before the next:
