@@ -159,7 +159,7 @@ def test_fresh_prompts_through_sdpa_equal_the_paged_kernel_in_a_mixed_step(monke
         )
         tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.float(), ref, **tol)
-        plan = c.prompt_plans.get(0)
+        plan = c.prompt_plans[(0, window)]
         assert (plan is not None) == sdpa
         if sdpa:
             assert plan.prompts == [(0, 20), (21, 38)] and plan.rest_rows.tolist() == [20] + list(

@@ -68,7 +68,7 @@ class PagedAttentionContext:
     cpu_fused: bool = False
     slot_mapping: torch.Tensor = field(init=False)  # [N]: every batch's slots, in order
     plans: dict[tuple[int, int | None], AttentionPlan] = field(init=False)  # (batch, window) -> plan
-    prompt_plans: dict[int, prompt_sdpa.PromptPlan | None] = field(init=False)  # batch -> split
+    prompt_plans: dict[tuple[int, int | None], prompt_sdpa.PromptPlan | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.slot_mapping = (
@@ -115,18 +115,21 @@ class PagedAttentionContext:
         self, i: int, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None
     ) -> prompt_sdpa.PromptPlan | None:
         """Batch ``i``'s fresh prompts for SDPA (:mod:`llmlab.inference.prompt_sdpa`: the C++
-        kernel's 16-bit CPU steps with AMX, without a sliding window), planned by the first layer."""
-        if (
-            sliding_window is not None
-            or not prompt_sdpa.takes(q.dtype)
-            or not self.batches[i].is_prefill
-            or kernel_for(q, k_cache, self.paged_attention) != "cpu"
-        ):
-            return None
-        if i not in self.prompt_plans:
+        kernel's 16-bit CPU steps with AMX, without a sliding window), or ``None``; decided and
+        planned once per step and window by the first layer, reused by the others."""
+        key = (i, sliding_window)
+        if key not in self.prompt_plans:
             b = self.batches[i]
-            self.prompt_plans[i] = prompt_sdpa.plan_prompts(b.block_tables, b.context_lens, b.query_lens)
-        return self.prompt_plans[i]
+            eligible = (
+                sliding_window is None
+                and b.is_prefill
+                and prompt_sdpa.takes(q.dtype)
+                and kernel_for(q, k_cache, self.paged_attention) == "cpu"
+            )
+            self.prompt_plans[key] = (
+                prompt_sdpa.plan_prompts(b.block_tables, b.context_lens, b.query_lens) if eligible else None
+            )
+        return self.prompt_plans[key]
 
     def _attend_batch(
         self,
@@ -141,8 +144,7 @@ class PagedAttentionContext:
         plan = self._prompt_plan(i, q, k_cache, sliding_window)
         if plan is None:
             return self._attend(i, q, k_cache, v_cache, sliding_window)
-        kind = "prefill" if self.batches[i].is_prefill else "decode"
-        with phase("attention", kind=kind, tokens=q.shape[0]):
+        with phase("attention", kind="prefill", tokens=q.shape[0]):  # (plans are prefill batches')
             return prompt_sdpa.attend(
                 plan,
                 q,
