@@ -149,21 +149,27 @@ template <typename T>
 using ItemFn = void (*)(const Item<T>&, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                         int64_t, float, int64_t, T*, int64_t, int64_t, Buffers&);
 
-// The compiled head dims: D / 16 in {1, ..., 8, 16} (head_dim 16 .. 128, and 256).
-template <typename T>
-ItemFn<T> item_fn(int64_t D) {
+// The compiled head dims: D / 16 in {1, ..., 8, 16} (head_dim 16 .. 128, and 256). f(nc) gives the
+// kernel instantiated for NC = nc (a std::integral_constant); nullptr for another head dim.
+template <typename Fn, typename F>
+Fn by_head_dim(int64_t D, F&& f) {
   switch (D) {
-    case 16: return attend_item<T, 1>;
-    case 32: return attend_item<T, 2>;
-    case 48: return attend_item<T, 3>;
-    case 64: return attend_item<T, 4>;
-    case 80: return attend_item<T, 5>;
-    case 96: return attend_item<T, 6>;
-    case 112: return attend_item<T, 7>;
-    case 128: return attend_item<T, 8>;
-    case 256: return attend_item<T, 16>;
+    case 16: return f(std::integral_constant<int, 1>{});
+    case 32: return f(std::integral_constant<int, 2>{});
+    case 48: return f(std::integral_constant<int, 3>{});
+    case 64: return f(std::integral_constant<int, 4>{});
+    case 80: return f(std::integral_constant<int, 5>{});
+    case 96: return f(std::integral_constant<int, 6>{});
+    case 112: return f(std::integral_constant<int, 7>{});
+    case 128: return f(std::integral_constant<int, 8>{});
+    case 256: return f(std::integral_constant<int, 16>{});
     default: return nullptr;
   }
+}
+
+template <typename T>
+ItemFn<T> item_fn(int64_t D) {
+  return by_head_dim<ItemFn<T>>(D, [](auto nc) -> ItemFn<T> { return attend_item<T, decltype(nc)::value>; });
 }
 
 template <typename T>
@@ -172,18 +178,7 @@ using DecodeFn = void (*)(const BlockRef<T>*, int64_t, const BlockRef<T>*, int64
 
 template <typename T>
 DecodeFn<T> decode_fn(int64_t D) {
-  switch (D) {
-    case 16: return attend_decode<T, 1>;
-    case 32: return attend_decode<T, 2>;
-    case 48: return attend_decode<T, 3>;
-    case 64: return attend_decode<T, 4>;
-    case 80: return attend_decode<T, 5>;
-    case 96: return attend_decode<T, 6>;
-    case 112: return attend_decode<T, 7>;
-    case 128: return attend_decode<T, 8>;
-    case 256: return attend_decode<T, 16>;
-    default: return nullptr;
-  }
+  return by_head_dim<DecodeFn<T>>(D, [](auto nc) -> DecodeFn<T> { return attend_decode<T, decltype(nc)::value>; });
 }
 
 // Appends a decode sequence's blocks in range (the window's, or all up to its new token) to walk.
