@@ -91,6 +91,39 @@ def test_quantize_per_token_equals_the_reference_bit_for_bit(dtype, level):
     assert q[5, 7] == 127 and q[3].abs().sum() == 0 and torch.isfinite(s).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_is_the_first_maximum_and_flags_non_finite_rows(dtype, level):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 2 * 49152, generator=g).to(dtype)[:, :49152]  # strided rows, a real vocabulary
+    x[1, 30000] = x[1, 20] = 50.0  # a tie: the first index wins, as argmax's
+    x[2, 0] = 60.0  # the maximum at index 0
+    x[3, 77], x[4, 5], x[5, 6] = float("nan"), float("inf"), float("-inf")
+    idx, finite = C.argmax_rows(x)
+    assert idx.dtype == torch.int64 and finite.dtype == torch.bool and idx.shape == finite.shape == (9,)
+    assert finite.tolist() == [True, True, True, False, False, False, True, True, True]
+    ok = finite.nonzero().flatten()
+    assert torch.equal(idx[ok], x[ok].float().argmax(-1))
+    assert idx[1] == 20 and idx[2] == 0 and idx[~finite].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_equals_the_index_copy_reference(dtype, level):
+    from llmlab.inference.paged_attention import write_kv
+
+    N, H, Hkv, D, nb, bs = 7, 9, 3, 64, 5, 4
+    qkv = torch.randn(N, (H + 2 * Hkv) * D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    k = qkv.as_strided((N, Hkv, D), (qkv.stride(0), D, 1), H * D)  # views of the fused output
+    v = qkv.as_strided((N, Hkv, D), (qkv.stride(0), D, 1), (H + Hkv) * D)
+    slots = torch.tensor([3, 17, 0, 19, 8, 9, 12])
+    want = torch.randn(2, nb, bs, Hkv, D).to(dtype)
+    got = want.clone()
+    write_kv(want[0], want[1], k, v, slots)
+    C.write_kv(got[0], got[1], k, v, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=r"slot 20 outside the cache's \[0, 20\)"):
+        C.write_kv(got[0], got[1], k, v, torch.tensor([3, 17, 0, 20, 8, 9, 12]))
+
+
 def test_bad_inputs_name_the_constraint():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match=r"weight must be \[8\]"):
@@ -103,6 +136,16 @@ def test_bad_inputs_name_the_constraint():
         C.silu_mul(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"cos and sin must be \[3, 8\]"):
         C.rotary_(torch.randn(3, 2, 8), torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        C.write_kv(
+            torch.zeros(2, 4, 1, 8),
+            torch.zeros(2, 4, 1, 8),
+            x[:, None],
+            x[:, None].bfloat16(),
+            torch.arange(4),
+        )
+    with pytest.raises(RuntimeError, match="V > 0 contiguous"):
+        C.argmax_rows(x.t())
 
 
 def test_the_switch_reaches_the_model():

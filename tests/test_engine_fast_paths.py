@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmlab.inference import LLM, SamplingParams
@@ -30,7 +31,8 @@ class _Seq:
         self.params = SamplingParams(temperature=0.0, **params)
 
 
-def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
+@pytest.mark.parametrize("cpu_fused", [False, True], ids=["torch", "c++"])
+def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain(cpu_fused):
     torch.manual_seed(0)
     x = torch.randn(5, 49152)  # a real vocabulary's width (the vectorised reductions)
     x[1, 40000] = x[1, 3] = x[1].max() + 1  # a tie: the first maximum, like the per-row path
@@ -38,13 +40,13 @@ def test_greedy_tokens_equal_per_row_argmax_and_skip_what_is_not_plain():
     x[4, 0] = float("nan")  # left to the per-row path (it reports the error)
     rows = dict(zip([10, 11, 12, 13, 14], x))
     seqs = [_Seq(10), _Seq(11), _Seq(12), _Seq(13, repetition_penalty=1.2), _Seq(14)]
-    got = greedy_tokens(rows, seqs)
+    got = greedy_tokens(rows, seqs, cpu_fused)  # cpu_fused: the one-pass C++ argmax
     assert got == {i: int(torch.argmax(rows[i])) for i in (10, 11, 12)}
     assert got[11] == 3 and got[12] == 17
     banned = int(torch.argmax(rows[12]))  # a logit_bias row is processed per row
     seqs[2] = _Seq(12, logit_bias={banned: -100.0})
-    assert 12 not in greedy_tokens(rows, seqs)
-    assert greedy_tokens({10: x[0]}, seqs[:1]) == {}  # one row: the per-row path
+    assert 12 not in greedy_tokens(rows, seqs, cpu_fused)
+    assert greedy_tokens({10: x[0]}, seqs[:1], cpu_fused) == {}  # one row: the per-row path
 
 
 def test_engine_greedy_tokens_unchanged_by_the_fast_path(monkeypatch):
@@ -54,7 +56,7 @@ def test_engine_greedy_tokens_unchanged_by_the_fast_path(monkeypatch):
     fast = [o.outputs[0].token_ids for o in LLM(model, block_size=4).generate(prompts, params)]
     import llmlab.inference.engine as E
 
-    monkeypatch.setattr(E, "greedy_tokens", lambda logits, seqs: {})  # the per-row reference
+    monkeypatch.setattr(E, "greedy_tokens", lambda logits, seqs, cpu_fused=False: {})  # the per-row reference
     ref = [o.outputs[0].token_ids for o in LLM(model, block_size=4).generate(prompts, params)]
     assert fast == ref and all(len(t) == 6 for t in fast)
 

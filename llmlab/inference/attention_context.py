@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmlab.inference import prompt_sdpa
+from llmlab.kernels import cpu_fused
 from llmlab.inference.paged_attention import (
     AttentionPlan,
     kernel_for,
@@ -167,7 +168,10 @@ class PagedAttentionContext:
         paged attention of ``q [N, H, D]`` (``[N, H, D]``); with ``sliding_window`` a query sees
         only the last ``sliding_window`` positions, itself included."""
         k_cache, v_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
-        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        if self.cpu_fused and k.is_cpu and k.dtype == k_cache.dtype and _rows(k) and _rows(v):
+            cpu_fused.write_kv(k_cache, v_cache, k, v, self.slot_mapping)  # one C++ call
+        else:
+            write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if len(self.batches) == 1:
             return self._attend_batch(0, q, k, v, k_cache, v_cache, sliding_window)
         sizes = [b.num_tokens for b in self.batches]
@@ -177,3 +181,8 @@ class PagedAttentionContext:
                 for i, (qb, kb, vb) in enumerate(zip(q.split(sizes), k.split(sizes), v.split(sizes)))
             ]
         )
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """Whether each row of ``t [N, heads, D]`` is contiguous (what the C++ cache write reads)."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]

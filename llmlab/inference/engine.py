@@ -595,7 +595,9 @@ class LLMEngine:
                 self._add_prompt_logprobs(out, prompt_logits)
             else:
                 logits = self.runner.execute(out)
-            fast = greedy_tokens(logits, [s for s, _ in out.scheduled])  # one argmax for plain greedy
+            fast = greedy_tokens(
+                logits, [s for s, _ in out.scheduled], self.config.cpu_fused
+            )  # one argmax for plain greedy
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001  (the step's requests fail, not the engine)
@@ -659,7 +661,9 @@ class LLMEngine:
         out.scheduled = [
             (s, n) for s, n in out.scheduled if not s.is_finished and s.request_id in self.requests
         ]
-        return self._complete(out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled]), t0, cow)
+        return self._complete(
+            out, logits, greedy_tokens(logits, [s for s, _ in out.scheduled], self.config.cpu_fused), t0, cow
+        )
 
     def _schedule_virtual_engine(self) -> SchedulerOutput | None:
         """The next step of a pipeline: the running sequences are split into ``depth`` groups by

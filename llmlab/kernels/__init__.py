@@ -234,7 +234,7 @@ FUSED_KINDS = ("attention", "rmsnorm", "swiglu", "rotary", "residual_rmsnorm")
 
 
 def _cpu_fused(t: torch.Tensor, cpu_fused: bool | None = None) -> bool:
-    return (_settings.cpu_fused if cpu_fused is None else cpu_fused) and t.device.type == "cpu"
+    return (_settings.cpu_fused if cpu_fused is None else cpu_fused) and t.is_cpu
 
 
 def use_fused(kind: str, t: torch.Tensor, cpu_fused: bool | None = None) -> bool:

@@ -1,7 +1,8 @@
 """Fused elementwise operators for CPU tensors, in C++: the inference engine's RMSNorm (with the
-residual add before it), SiLU-and-multiply and rotary embedding on CPU, and W8A8's per-token
-activation quantisation (:func:`quantize_per_token`, which :mod:`~llmlab.kernels.int8_linear`
-calls on its int8 paths whether or not ``cpu_fused`` is on).
+residual add before it), SiLU-and-multiply and rotary embedding on CPU, the step's greedy
+argmax (:func:`argmax_rows`), the paged KV cache write (:func:`write_kv`), and W8A8's per-token activation quantisation
+(:func:`quantize_per_token`, which :mod:`~llmlab.kernels.int8_linear` calls on its int8 paths
+whether or not ``cpu_fused`` is on).
 
 In a decoder layer these are a dozen PyTorch operators (RMSNorm alone is a cast, a square, a
 mean, a reciprocal square root, two products and a cast back), each of which reads and writes
@@ -74,3 +75,22 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     1e-12) / 127`` per row, ``qx = round(x / sx)``, half to even, clipped to [-127, 127])."""
     q, s = _module().quantize_per_token(x)
     return q, s
+
+
+def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's greedy tokens in one pass: ``x [rows, V]`` (fp32, bf16, fp16; CPU, ``V``
+    contiguous) -> ``(index int64 [rows], finite bool [rows])``, ``index`` the first maximum of
+    each row (``torch.argmax``'s choice) where the row is finite (no nan, no inf), 0 where not."""
+    idx, finite = _module().argmax_rows(x)
+    return idx, finite
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """The paged KV cache write of :func:`llmlab.inference.paged_attention.write_kv` in one
+    call: ``k, v [N, Hkv, D]`` (each row contiguous; rows may be strided) stored at flat ``slots
+    [N]`` (int64) of ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` (contiguous, k's
+    dtype), in place. ``RuntimeError`` naming the constraint for other shapes or dtypes, or a
+    slot outside the cache."""
+    _module().write_kv(k_cache, v_cache, k, v, slots)

@@ -74,7 +74,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None:
             w, b, split = self.fused_gate_up
-            gate, up = kernels.linear(x, w, b).split(split, dim=-1)
+            gate, up = kernels.linear(x, w, b).split_with_sizes(split, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         cpu = engine_cpu_fused()

@@ -143,7 +143,7 @@ class Attention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused_qkv is not None:
             w, b, split = self.fused_qkv
-            q, k, v = kernels.linear(x, w, b).split(split, dim=-1)
+            q, k, v = kernels.linear(x, w, b).split_with_sizes(split, -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         ctx = get_context()

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -216,6 +217,80 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
   return {q, s};
 }
 
+// The step's greedy tokens (llmlab.inference.batched_greedy): for each row of x [rows, V] the
+// index of its first maximum (torch.argmax's choice) and whether the row is finite. One pass
+// finds the maximum and the finite check (an inf or nan has all its exponent bits set); a
+// second, over the row still in cache, stops at the first element equal to it. A row that is
+// not finite gets index 0 (its caller leaves it to the per-row path, which reports it).
+std::vector<torch::Tensor> argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be a CPU tensor [rows, V] with V > 0 contiguous");
+  const int64_t rows = x.size(0), V = x.size(1), rs = x.stride(0);
+  auto idx = torch::zeros({rows}, x.options().dtype(at::kLong));
+  auto finite = torch::empty({rows}, x.options().dtype(at::kBool));
+  dispatch(x, "argmax_rows", [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    int64_t* ip = idx.data_ptr<int64_t>();
+    bool* fp = finite.data_ptr<bool>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const T* r = xp + i * rs;
+        float m = to_f(r[0]);
+        uint32_t bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+        for (int64_t j = 0; j < V; ++j) {
+          union { float f; uint32_t i; } u{to_f(r[j])};
+          m = u.f > m ? u.f : m;
+          bad |= (u.i & 0x7F800000u) == 0x7F800000u;  // all exponent bits: inf or nan
+        }
+        fp[i] = bad == 0;
+        if (!fp[i]) continue;
+        int64_t at = 0;
+        while (to_f(r[at]) != m) ++at;
+        ip[i] = at;
+      }
+    });
+  });
+  return {idx, finite};
+}
+
+// The paged KV cache write (llmlab.inference.paged_attention.write_kv, two index_copy_ calls
+// there): k, v [N, Hkv, D] (rows may be strided, each row's Hkv x D contiguous) stored at flat
+// slots [N] (int64) of k_cache, v_cache [num_blocks, block_size, Hkv, D] (contiguous, k's
+// dtype). One call and a copy per row, for both caches.
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slots) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4,
+              "write_kv: the caches must be contiguous CPU tensors [num_blocks, block_size, Hkv, D] of one shape");
+  const int64_t Hkv = k_cache.size(2), D = k_cache.size(3), N = k.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const auto& t : {k, v}) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(0) == N && t.size(1) == Hkv && t.size(2) == D &&
+                    t.stride(2) == 1 && t.stride(1) == D,
+                "write_kv: k and v must be CPU tensors [", N, ", ", Hkv, ", ", D, "] with each row contiguous");
+    TORCH_CHECK(t.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                "write_kv: k, v and the caches must have one dtype");
+  }
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.size(0) == N && slots.is_contiguous(),
+              "write_kv: slots must be a contiguous int64 CPU tensor [", N, "]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "write_kv: slot ", sp[i], " outside the cache's [0, ", num_slots, ")");
+  const int64_t es = k.element_size(), row = Hkv * D * es;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
+  for (int64_t i = 0; i < N; ++i) {
+    std::memcpy(kc + sp[i] * row, kp + i * ks, row);
+    std::memcpy(vc + sp[i] * row, vp + i * vs, row);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after the residual add (fused_ops_cpu.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
@@ -223,6 +298,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding in place (fused_ops_cpu.cpp)");
   m.def("quantize_per_token", &quantize_per_token,
         "int8 per row from its absolute maximum -> (qx, sx) (fused_ops_cpu.cpp)");
+  m.def("argmax_rows", &argmax_rows,
+        "first maximum and finite check of each row of x [rows, V] (fused_ops_cpu.cpp)");
+  m.def("write_kv", &write_kv, "the paged KV cache write of k, v at slots (fused_ops_cpu.cpp)");
   m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
         "the vector code this build uses (cpu_math.h)");
 }
