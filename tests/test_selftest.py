@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from llmlab.cli import main
-from llmlab.kernels import cpu_fused, cpu_isa, cpu_linear, cpu_paged_attention
+from llmlab.kernels import amx_linear, cpu_fused, cpu_isa, cpu_linear, cpu_paged_attention
 from llmlab.selftest import CHECKS, FAIL, PASS, SKIP, run_check, run_check_here, runner
 
 NAMED = [
@@ -61,6 +61,7 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
         "fp32": "onednn",
         "bf16": cpu_linear.path(torch.bfloat16),
         "fp16": cpu_linear.path(torch.float16),
+        "bf16 small batches": "amx" if amx_linear.available() else cpu_linear.path(torch.bfloat16),
     }
     for name in ("cpu_paged_attention", "cpu_fused_ops"):
         assert c[name]["build_isa"] == c[name]["cpu_isa"] == cpu_isa.cpu_isa(), name

@@ -16,6 +16,12 @@ then packs its model's plain ``nn.Linear`` layers (and the fused q/k/v and gate/
 CPU device. The packed copy is kept beside the weight (the weight stays, for ``state_dict`` and
 the reference path): the linear layers' weight memory doubles.
 
+On a CPU with AMX, a bf16 weight whose dimensions are multiples of 32 also gets a copy in AMX
+tile layout (:mod:`~llmlab.kernels.amx_linear`), which products of up to 48 rows (decode
+steps) take: there the weight's stream from memory sets the speed, and that kernel streams it
+faster than oneDNN. Such weights are then held three times (the weight, oneDNN's copy and the
+tiles).
+
 Which CPUs: PyTorch's oneDNN ops pack fp32 weights on any x86-64, bf16 ones only with AVX-512
 BW/VL/DQ or AVX-NE-CONVERT and fp16 ones only with AVX512-FP16 or AVX-NE-CONVERT (elsewhere
 they raise). :func:`path` chooses by the CPU's flags (:mod:`~llmlab.kernels.cpu_isa`, lowered by
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlab.kernels import cpu_isa
+from llmlab.kernels import amx_linear, cpu_isa
 
 BATCH_HINT = 64  # rows oneDNN picks its blocking for (decode-sized; any row count works)
 
@@ -86,6 +92,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
+    if amx_linear.fits(weight) and amx_linear.available():  # decode-sized batches: AMX tiles
+        setattr(weight, "_amx", amx_linear.pack(weight))
     return packed
 
 
@@ -98,6 +106,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if not isinstance(packed, torch.Tensor):  # a layer standing in for the weight (W8A8, int8)
         return packed(x, bias)
+    amx = getattr(weight, "_amx", None)
+    if amx is not None and bias is None and 0 < x.numel() <= amx_linear.MAX_ROWS * x.shape[-1]:
+        y = amx_linear.linear(x, amx)
+        if y is not None:
+            return y
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

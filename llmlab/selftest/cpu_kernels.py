@@ -4,7 +4,8 @@ lowering it):
 
 * ``cpu_packed_linear``: the oneDNN-prepacked linear (:mod:`llmlab.kernels.cpu_linear`) against
   ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn`` or the ``aten``
-  fallback where the CPU cannot pack that dtype);
+  fallback where the CPU cannot pack that dtype), and bf16 decode-sized batches (``amx`` where
+  the CPU has AMX tiles: :mod:`llmlab.kernels.amx_linear`);
 * ``cpu_paged_attention``: the C++ PagedAttention against the reference, prefill and decode rows
   in one call, fp32 and bf16, with the vector code the build uses (``avx512_bf16``: bf16 pair dot
   products; ``avx512``, ``avx2``, ``generic``: fp32-widening);
@@ -53,6 +54,14 @@ def check_cpu_packed_linear(quick: bool) -> dict:
             x = torch.randn(n, 80, generator=g).to(dtype)
             want = F.linear(x.float(), w.float(), b.float())
             _record(errs, f"{_name(dtype)} x{n}", cpu_linear.linear(x, w, b), want, dtype)
+    # bf16 decode-sized batches, no bias: on AMX tiles where the CPU has them (amx_linear)
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    cpu_linear.pack(w)
+    paths["bf16 small batches"] = "amx" if hasattr(w, "_amx") else paths["bf16"]
+    for n in rows[:2]:
+        x = torch.randn(n, 64, generator=g).bfloat16()
+        want = F.linear(x.float(), w.float())
+        _record(errs, f"bf16 x{n} no bias", cpu_linear.linear(x, w), want, torch.bfloat16)
     out = _verdict(errs, None, paths=paths, **_level())
     out["detail"] = (
         f"{_level()['cpu_isa']}: "
