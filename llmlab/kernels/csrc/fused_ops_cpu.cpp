@@ -49,6 +49,14 @@ void dispatch(const torch::Tensor& t, const char* name, F&& f) {
   else TORCH_CHECK(false, name, " takes fp32, bf16 or fp16 tensors, got ", t.scalar_type());
 }
 
+// f(i) for each row i of [0, rows), the rows split over the intra-op threads, grain at a time.
+template <typename F>
+void each_row(int64_t rows, int64_t grain, F&& f) {
+  at::parallel_for(0, rows, grain, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) f(i);
+  });
+}
+
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " takes CPU tensors");
   TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": the last dimension must be contiguous");
@@ -84,24 +92,22 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
     const T* rp = residual ? rc.data_ptr<T>() : nullptr;
     T* sp = residual ? sum.data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t end) {
-      for (int64_t i = b; i < end; ++i) {
-        const T* xr = xp + i * h;
-        if (rp) {                                  // x + residual, rounded, is the new residual
-          T* sr = sp + i * h;
-          const T* rr = rp + i * h;
+    each_row(rows, 16, [&](int64_t i) {
+      const T* xr = xp + i * h;
+      if (rp) {                                  // x + residual, rounded, is the new residual
+        T* sr = sp + i * h;
+        const T* rr = rp + i * h;
 #pragma omp simd
-          for (int64_t j = 0; j < h; ++j) sr[j] = store<T>(to_f(xr[j]) + to_f(rr[j]));
-          xr = sr;
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t j = 0; j < h; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
-        const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
-        T* orow = op + i * h;
-#pragma omp simd
-        for (int64_t j = 0; j < h; ++j) orow[j] = store<T>(to_f(wp[j]) * rnd<T>(to_f(xr[j]) * r));
+        for (int64_t j = 0; j < h; ++j) sr[j] = store<T>(to_f(xr[j]) + to_f(rr[j]));
+        xr = sr;
       }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < h; ++j) ss += to_f(xr[j]) * to_f(xr[j]);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + e);
+      T* orow = op + i * h;
+#pragma omp simd
+      for (int64_t j = 0; j < h; ++j) orow[j] = store<T>(to_f(wp[j]) * rnd<T>(to_f(xr[j]) * r));
     });
   });
   std::vector<torch::Tensor> res{out.view(x.sizes())};
@@ -124,18 +130,16 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     const T* gp = gate.data_ptr<T>();
     const T* up_ = up.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t end) {
-      for (int64_t i = b; i < end; ++i) {
-        const T* gr = gp + i * gs;
-        const T* ur = up_ + i * us;
-        T* orow = op + i * I;
+    each_row(rows, 4, [&](int64_t i) {
+      const T* gr = gp + i * gs;
+      const T* ur = up_ + i * us;
+      T* orow = op + i * I;
 #pragma omp simd
-        for (int64_t j = 0; j < I; ++j) {
-          const float x = to_f(gr[j]);               // sigmoid from exp(-|x|) <= 1: no huge
-          const float e = exp_f(x < 0.f ? x : -x);   // quotients (their subnormal results cost
-          const float sig = (x < 0.f ? e : 1.f) / (1.f + e);   // a microcode assist each)
-          orow[j] = store<T>(rnd<T>(x * sig) * to_f(ur[j]));
-        }
+      for (int64_t j = 0; j < I; ++j) {
+        const float x = to_f(gr[j]);               // sigmoid from exp(-|x|) <= 1: no huge
+        const float e = exp_f(x < 0.f ? x : -x);   // quotients (their subnormal results cost
+        const float sig = (x < 0.f ? e : 1.f) / (1.f + e);   // a microcode assist each)
+        orow[j] = store<T>(rnd<T>(x * sig) * to_f(ur[j]));
       }
     });
   });
@@ -160,20 +164,18 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     const T* cp = c.data_ptr<T>();
     const T* sp = s.data_ptr<T>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
-    at::parallel_for(0, N, 16, [&](int64_t b, int64_t end) {
-      for (int64_t n = b; n < end; ++n) {
-        const T* cr = cp + n * D;
-        const T* sr = sp + n * D;
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          T* r = xp + n * s0 + hd * s1;
+    each_row(N, 16, [&](int64_t n) {
+      const T* cr = cp + n * D;
+      const T* sr = sp + n * D;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* r = xp + n * s0 + hd * s1;
 #pragma omp simd
-          for (int64_t j = 0; j < half; ++j) {
-            const float x1 = to_f(r[j]), x2 = to_f(r[j + half]);
-            const float lo = rnd<T>(x1 * to_f(cr[j])) + rnd<T>(-x2 * to_f(sr[j]));
-            const float hi = rnd<T>(x2 * to_f(cr[j + half])) + rnd<T>(x1 * to_f(sr[j + half]));
-            r[j] = store<T>(lo);
-            r[j + half] = store<T>(hi);
-          }
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = to_f(r[j]), x2 = to_f(r[j + half]);
+          const float lo = rnd<T>(x1 * to_f(cr[j])) + rnd<T>(-x2 * to_f(sr[j]));
+          const float hi = rnd<T>(x2 * to_f(cr[j + half])) + rnd<T>(x1 * to_f(sr[j + half]));
+          r[j] = store<T>(lo);
+          r[j + half] = store<T>(hi);
         }
       }
     });
@@ -197,20 +199,18 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
     const T* xp = xc.data_ptr<T>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = s.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t end) {
-      for (int64_t i = b; i < end; ++i) {
-        const T* xr = xp + i * h;
-        float m = 0.f;
+    each_row(rows, 16, [&](int64_t i) {
+      const T* xr = xp + i * h;
+      float m = 0.f;
 #pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < h; ++j) m = std::max(m, std::fabs(to_f(xr[j])));
-        const float sc = std::max(m, 1e-12f) / 127.f;
-        sp[i] = sc;
-        int8_t* qr = qp + i * h;
+      for (int64_t j = 0; j < h; ++j) m = std::max(m, std::fabs(to_f(xr[j])));
+      const float sc = std::max(m, 1e-12f) / 127.f;
+      sp[i] = sc;
+      int8_t* qr = qp + i * h;
 #pragma omp simd
-        for (int64_t j = 0; j < h; ++j) {
-          const float v = std::nearbyint(to_f(xr[j]) / sc);
-          qr[j] = static_cast<int8_t>(std::min(std::max(v, -127.f), 127.f));
-        }
+      for (int64_t j = 0; j < h; ++j) {
+        const float v = std::nearbyint(to_f(xr[j]) / sc);
+        qr[j] = static_cast<int8_t>(std::min(std::max(v, -127.f), 127.f));
       }
     });
   });
@@ -233,23 +233,21 @@ std::vector<torch::Tensor> argmax_rows(torch::Tensor x) {
     const T* xp = x.data_ptr<T>();
     int64_t* ip = idx.data_ptr<int64_t>();
     bool* fp = finite.data_ptr<bool>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t end) {
-      for (int64_t i = b; i < end; ++i) {
-        const T* r = xp + i * rs;
-        float m = to_f(r[0]);
-        uint32_t bad = 0;
+    each_row(rows, 1, [&](int64_t i) {
+      const T* r = xp + i * rs;
+      float m = to_f(r[0]);
+      uint32_t bad = 0;
 #pragma omp simd reduction(max : m) reduction(| : bad)
-        for (int64_t j = 0; j < V; ++j) {
-          union { float f; uint32_t i; } u{to_f(r[j])};
-          m = u.f > m ? u.f : m;
-          bad |= (u.i & 0x7F800000u) == 0x7F800000u;  // all exponent bits: inf or nan
-        }
-        fp[i] = bad == 0;
-        if (!fp[i]) continue;
-        int64_t at = 0;
-        while (to_f(r[at]) != m) ++at;
-        ip[i] = at;
+      for (int64_t j = 0; j < V; ++j) {
+        union { float f; uint32_t bits; } u{to_f(r[j])};
+        m = u.f > m ? u.f : m;
+        bad |= (u.bits & 0x7F800000u) == 0x7F800000u;  // all exponent bits: inf or nan
       }
+      fp[i] = bad == 0;
+      if (!fp[i]) return;
+      int64_t at = 0;
+      while (to_f(r[at]) != m) ++at;
+      ip[i] = at;
     });
   });
   return {idx, finite};
