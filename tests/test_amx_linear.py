@@ -19,7 +19,7 @@ from llmlab.kernels import cpu_isa, cpu_linear
 from llmlab.model.llama import LlamaForCausalLM
 from tiny_llama import TINY
 
-HAS_AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_isa.cpu_flags()
+HAS_AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
 
 
 def _within_bf16(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -46,7 +46,9 @@ def test_kernel_equals_fp32_sums_rounded_once(rows, out_in):
     assert y3 is not None and y3.shape == (1, rows, out_in[0])
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="the AMX kernel's dispatch (no AMX here: see the case above)")
+@pytest.mark.skipif(
+    not HAS_AMX, reason="the AMX dispatch: no AMX at this level (the case above checks the fallback)"
+)
 def test_cpu_linear_takes_it_for_small_unbiased_batches_only(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()
@@ -82,7 +84,7 @@ def test_a_lowered_level_takes_onednn_even_for_a_weight_packed_before(monkeypatc
     assert hasattr(w2, "_packed") and not hasattr(w2, "_amx")
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="the kernel's own errors (no AMX here)")
+@pytest.mark.skipif(not HAS_AMX, reason="the kernel's own errors: no AMX at this level")
 def test_bad_inputs_name_the_constraint():
     with pytest.raises(RuntimeError, match="multiples of 32"):
         A.pack(torch.zeros(40, 64, dtype=torch.bfloat16))
