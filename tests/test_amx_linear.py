@@ -115,3 +115,27 @@ def test_bf16_engine_logits_with_the_amx_path_equal_onednn_to_rounding(monkeypat
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         common = set(la) & set(lb)
         assert len(common) >= 3 and all(abs(la[t].logprob - lb[t].logprob) < 0.05 for t in common)
+
+
+def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch):
+    from llmlab.kernels import cpu_build
+
+    flags = cpu_isa.effective_flags() | {"amx_bf16", "amx_tile", "avx512_bf16"}
+    monkeypatch.setattr(cpu_isa, "effective_flags", lambda: flags)  # an AMX CPU, anywhere
+    monkeypatch.setattr(cpu_build, "available", lambda: True)
+    builds = []
+
+    def broken():
+        builds.append(1)
+        raise RuntimeError("Error building extension: bad register name `%tmm0'")
+
+    monkeypatch.setattr(A, "_module", broken)
+    A._built.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build .*bad register name.*stay on oneDNN"):
+            assert A.available() is False
+        w = torch.randn(64, 64).bfloat16()
+        cpu_linear.pack(w)  # no second build, no tiles
+        assert builds == [1] and not hasattr(w, "_amx")
+    finally:
+        A._built.cache_clear()

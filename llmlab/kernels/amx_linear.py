@@ -20,6 +20,9 @@ like the other C++ kernels (:mod:`~llmlab.kernels.cpu_build`).
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from llmlab.kernels import cpu_isa
@@ -38,14 +41,27 @@ def isa() -> str:
 
 
 def available() -> bool:
-    """Whether this CPU, at the current level, runs the kernel: ``amx_bf16`` and ``amx_tile`` in
-    :func:`~llmlab.kernels.cpu_isa.effective_flags` and a build that has them."""
+    """Whether this CPU, at the current level, runs the kernel: ``amx_bf16``, ``amx_tile`` and
+    ``avx512_bf16`` in :func:`~llmlab.kernels.cpu_isa.effective_flags` and a build that has them.
+    The packed linear takes this path on its own (no switch of its own), so a build that fails
+    here (an assembler without AMX, say) warns once and leaves the products on oneDNN."""
     flags = cpu_isa.effective_flags()
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
         return False
     from llmlab.kernels import cpu_build
 
-    return cpu_build.available() and bool(_module().has_amx())
+    return cpu_build.available() and _built(cpu_isa.cpu_isa())
+
+
+@functools.cache
+def _built(level: str) -> bool:
+    try:
+        return bool(_module().has_amx())
+    except RuntimeError as e:  # the compiler's error: reported, not fatal to the packed linear
+        warnings.warn(
+            f"the AMX linear kernel did not build ({e}); bf16 products stay on oneDNN", stacklevel=3
+        )
+        return False
 
 
 def fits(weight: torch.Tensor) -> bool:
