@@ -36,8 +36,10 @@ def pytest_report_header(config):
     packed = "/".join(cpu_linear.path(d) for d in (torch.float32, torch.bfloat16, torch.float16))
     march = next((f for f in cpu_build.flags() if f.startswith("-march")), "no -march")
     low = cpu_isa.fallback()
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_isa.effective_flags()  # (amx_linear)
     return (f"llmlab CPU fast paths: level {level} (this CPU: {cpu_isa.detected()}, {cpu_isa.ENV}="
-            f"{os.environ.get(cpu_isa.ENV, 'unset')}); packed linear fp32/bf16/fp16: {packed}; "
+            f"{os.environ.get(cpu_isa.ENV, 'unset')}); packed linear fp32/bf16/fp16: {packed}"
+            f"{', bf16 decode batches on AMX tiles' if amx else ''}; "
             f"C++ kernels {march}" + (f"; the kernel tests also force {low}" if low else ""))
 
 
