@@ -20,7 +20,9 @@ On a CPU with AMX, a bf16 weight whose dimensions are multiples of 32 also gets 
 tile layout (:mod:`~llmlab.kernels.amx_linear`), which products of up to 48 rows (decode
 steps) take: there the weight's stream from memory sets the speed, and that kernel streams it
 faster than oneDNN. Such weights are then held three times (the weight, oneDNN's copy and the
-tiles).
+tiles). Likewise, on a CPU with AVX-512, an fp32 weight gets a copy in panels of 32 outputs
+(:mod:`~llmlab.kernels.panel_linear`) for products of up to 64 rows, which it streams from
+memory while it computes instead of waiting on it.
 
 Which CPUs: PyTorch's oneDNN ops pack fp32 weights on any x86-64, bf16 ones only with AVX-512
 BW/VL/DQ or AVX-NE-CONVERT and fp16 ones only with AVX512-FP16 or AVX-NE-CONVERT (elsewhere
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmlab.kernels import amx_linear, cpu_isa
+from llmlab.kernels import amx_linear, cpu_isa, panel_linear
 
 BATCH_HINT = 64  # rows oneDNN picks its blocking for (decode-sized; any row count works)
 
@@ -94,6 +96,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
     if amx_linear.fits(weight) and amx_linear.available():  # decode-sized batches: AMX tiles
         setattr(weight, "_amx", amx_linear.pack(weight))
+    if panel_linear.fits(weight) and panel_linear.available():  # fp32 decode-sized batches
+        setattr(weight, "_panels", panel_linear.pack(weight))
     return packed
 
 
@@ -109,6 +113,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     amx = getattr(weight, "_amx", None)
     if amx is not None and bias is None and 0 < x.numel() <= amx_linear.MAX_ROWS * x.shape[-1]:
         y = amx_linear.linear(x, amx)
+        if y is not None:
+            return y
+    panels = getattr(weight, "_panels", None)
+    if panels is not None and 0 < x.numel() <= panel_linear.MAX_ROWS * x.shape[-1]:
+        y = panel_linear.linear(x, panels, weight.shape[0], bias)
         if y is not None:
             return y
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -4,8 +4,9 @@ lowering it):
 
 * ``cpu_packed_linear``: the oneDNN-prepacked linear (:mod:`llmlab.kernels.cpu_linear`) against
   ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn`` or the ``aten``
-  fallback where the CPU cannot pack that dtype), and bf16 decode-sized batches (``amx`` where
-  the CPU has AMX tiles: :mod:`llmlab.kernels.amx_linear`);
+  fallback where the CPU cannot pack that dtype), and decode-sized batches in bf16 (``amx`` where
+  the CPU has AMX tiles: :mod:`llmlab.kernels.amx_linear`) and in fp32 (``panels`` where it has
+  AVX-512: :mod:`llmlab.kernels.panel_linear`);
 * ``cpu_paged_attention``: the C++ PagedAttention against the reference, prefill and decode rows
   in one call, fp32 and bf16, with the vector code the build uses (``avx512_bf16``: bf16 pair dot
   products; ``avx512``, ``avx2``, ``generic``: fp32-widening);
@@ -50,6 +51,8 @@ def check_cpu_packed_linear(quick: bool) -> dict:
         w = (torch.randn(96, 80, generator=g) * 0.1).to(dtype)
         b = torch.randn(96, generator=g).to(dtype)
         cpu_linear.pack(w)
+        if dtype == torch.float32:  # decode-sized batches: in panels where the CPU has AVX-512
+            paths["fp32 small batches"] = "panels" if hasattr(w, "_panels") else paths["fp32"]
         for n in rows:
             x = torch.randn(n, 80, generator=g).to(dtype)
             want = F.linear(x.float(), w.float(), b.float())

@@ -1,0 +1,173 @@
+// An fp32 linear layer for decode-sized batches: y = x W^T (+ bias), AVX-512.
+//
+// A decode step multiplies a few dozen rows by every weight, and the weights do not stay in cache
+// from one step to the next, so each product streams its weight from memory while it computes.
+// oneDNN's prepacked product leaves that stream to the hardware prefetcher and waits on it; here
+// the weight is packed once in panels of 32 output columns ([N/32][K][32], zero-padded), each
+// panel is multiplied by all rows (row blocks of up to 12 rows x 32 columns in 24 vector
+// accumulators), and while one panel is multiplied the next one is prefetched into L2, spread
+// evenly over the row blocks, so the memory streams the next panel while the FMA units work on
+// this one. Rows beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
+//
+// Accumulation is fp32 with fused multiply-adds, over k in order (0, 1, ..., K-1), so results
+// differ from oneDNN's (another summation order) by rounding only. Any N and K; bias optional.
+//
+// Goto and van de Geijn, "Anatomy of High-Performance Matrix Multiplication" (ACM TOMS 2008),
+// sec. 4-6 (panels, register blocks, streaming the larger operand); llmlab.kernels.panel_linear
+// is the Python side, tests/test_panel_linear.py checks it against F.linear.
+#include <torch/extension.h>
+#include "cpu_math.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#define LLMLAB_PANEL 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vectors
+constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
+constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
+
+#ifdef LLMLAB_PANEL
+// One register block: y[R, cols] = x[R, K] . panel[K, 32] (+ bias); while it runs, the cache
+// lines [pf, pf_end) are prefetched into L2, spread evenly over its K/2 steps.
+template <int R>
+void block(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
+           int64_t ldy, const float* __restrict bias, __mmask16 m0, __mmask16 m1, const char* pf,
+           const char* pf_end) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+  const int64_t steps = std::max<int64_t>(1, K / 2), lines = (pf_end - pf) / 64;
+  int64_t due = 0;  // lines owed, in units of 1/steps
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    for (due += lines; due >= steps; due -= steps) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }
+    const float* w = panel + k * kCols;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * K + k]);
+      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+      const __m512 c = _mm512_set1_ps(x[r * K + k + 1]);
+      a0[r] = _mm512_fmadd_ps(c, w2, a0[r]);
+      a1[r] = _mm512_fmadd_ps(c, w3, a1[r]);
+    }
+  }
+  if (k < K) {  // odd K: the last input
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kCols), w1 = _mm512_loadu_ps(panel + k * kCols + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * K + k]);
+      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+    }
+  }
+  if (bias) {
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+    for (int r = 0; r < R; ++r) { a0[r] = _mm512_add_ps(a0[r], b0); a1[r] = _mm512_add_ps(a1[r], b1); }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
+  }
+}
+
+using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, const float*, __mmask16,
+                       __mmask16, const char*, const char*);
+constexpr Block kBlocks[kRowsMax + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
+                                         block<7>,  block<8>, block<9>, block<10>, block<11>, block<12>};
+
+// Rows [0, M) of one chunk, panels [p0, p1) of the weight; the next panel of the range is
+// prefetched while each one is multiplied.
+void chunk(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* y,
+           int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = K * kCols * 4, nb = (M + kRowsMax - 1) / kRowsMax;
+  const int64_t lines_per_block = (panel_bytes / 64 + nb - 1) / nb;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = W + p * K * kCols;
+    const char* next = reinterpret_cast<const char*>(panel + K * kCols);
+    const char* next_end = p + 1 < p1 ? next + panel_bytes : next;
+    const int64_t cols = std::min(kCols, N - p * kCols);
+    const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+    const __mmask16 m1 = cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1));
+    int64_t m = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t rows = (M - m + (nb - b) - 1) / (nb - b);  // blocks of even size
+      const char* s = std::min(next_end, next + b * lines_per_block * 64);
+      const char* e = std::min(next_end, s + lines_per_block * 64);
+      kBlocks[rows](x + m * K, K, panel, y + m * N + p * kCols, N, bias ? bias + p * kCols : nullptr, m0, m1, s,
+                    e);
+      m += rows;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// weight [N, K] fp32 -> panels [ceil(N/32), K, 32]: panel p row k holds W[p*32 + c, k] at c
+// (zero beyond N).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kFloat && w.numel() > 0,
+              "panel_linear: the weight must be a non-empty fp32 CPU tensor [out, in]");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
+  auto padded = torch::zeros({P * kCols, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({P, kCols, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32, panels [P, K, 32] from pack(), N (<= P*32) outputs, bias [N] or None -> y [M, N].
+torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "panel_linear: x must be an fp32 CPU tensor [rows, in]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kCols && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat,
+              "panel_linear: the weight must come from pack()");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(K == panels.size(1), "panel_linear: x has ", K, " features, the weight ", panels.size(1));
+  TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols, "panel_linear: ", N, " outputs do not match ", P, " panels");
+  const float* B = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "panel_linear: bias must be fp32 [", N, "]");
+    B = b.data_ptr<float>();
+  }
+#ifdef LLMLAB_PANEL
+  auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* X = xc.data_ptr<float>();
+  const float* W = panels.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m = 0; m < M; m += kChunk)
+      chunk(X + m * K, std::min(kChunk, M - m), K, W, N, B, Y + m * N, p0, p1);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
+  return torch::Tensor();
+#endif
+}
+
+bool has_avx512() {
+#ifdef LLMLAB_PANEL
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "an fp32 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
+  m.def("linear", &linear, "x [rows, in] times a packed fp32 weight, + bias (panel_linear_cpu.cpp)");
+  m.def("has_avx512", &has_avx512, "whether this build has the AVX-512 kernel (panel_linear_cpu.cpp)");
+  m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
+        "the vector code this build uses (cpu_math.h)");
+}
