@@ -20,7 +20,8 @@ flip near-ties, so bf16 agreement is reported, not required); with --curve the s
 llmlab runs its CPU fast paths, each an option tested against the PyTorch reference: the C++
 PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py), weights
 prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py; with AMX,
-bf16 decode batches take llmlab/kernels/amx_linear.py) and the
+bf16 decode batches take llmlab/kernels/amx_linear.py, with AVX-512 fp32 ones
+llmlab/kernels/panel_linear.py) and the
 fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py), and its
 worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
@@ -271,9 +272,10 @@ def kernel_paths(job: dict) -> str:
             from llmlab.kernels import cpu_fused
             out.append(f"fused C++ ops built for {cpu_fused.isa()}")
         if job["packed_linear"]:
-            from llmlab.kernels import amx_linear
-            amx = amx_linear.available()
-            out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}, "
+            from llmlab.kernels import amx_linear, panel_linear
+            amx, panels = amx_linear.available(), panel_linear.available()
+            out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}"
+                       f"{' (panels at <= 64 rows)' if panels else ''}, "
                        f"bf16 {cpu_linear.path(torch.bfloat16)}"
                        f"{' (AMX tiles at <= 48 rows)' if amx else ''}")
     return "; ".join(out)
