@@ -40,10 +40,12 @@ struct Lanes<c10::BFloat16, NC> {
   static int dim(int c, int i) { return NC % 2 == 1 && c == NC - 1 ? c * L + i : (c / 2) * 2 * L + 2 * i + c % 2; }
 };
 
-// Prefetches the `bytes` at p (whole 64-byte lines).
+// Prefetches the `bytes` at p (whole 64-byte lines) into L2 (prefetcht1): the demand loads a block
+// later hit L2 at little cost, and the lines in flight are not limited to the L1's fill buffers
+// (into L1 the decode attention measured 7-12 % slower at 40-64 sequences, fp32).
 template <typename T>
 inline void prefetch_row(const T* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + o);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + o, 0, 2);
 }
 
 // One decode item's state: per query row (h * G + g) the running max m, the running sum of
