@@ -7,17 +7,13 @@ On a CPU without AMX the kernel's own cases check that nothing attaches the AMX 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import amx_linear as A
 from llmlab.kernels import cpu_isa, cpu_linear
-from llmlab.model.llama import LlamaForCausalLM
-from tiny_llama import TINY
+from packed_paths import check_failed_build, engine_outputs
 
 HAS_AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
 
@@ -97,18 +93,7 @@ def test_bad_inputs_name_the_constraint():
 
 
 def test_bf16_engine_logits_with_the_amx_path_equal_onednn_to_rounding(monkeypatch):
-    cfg = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, vocab_size=128)
-    prompts = [[(7 * i + j) % 128 for j in range(5 + 3 * i)] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    out = []
-    for amx in (False, True):
-        with monkeypatch.context() as m:
-            if not amx:
-                m.setattr(A, "available", lambda: False)  # oneDNN alone
-            llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=torch.bfloat16, packed_linear=True)
-        layer = llm.engine.runner.model.model.layers[0]
-        assert hasattr(layer.mlp.fused_gate_up[0], "_amx") == (amx and HAS_AMX)
-        out.append(llm.generate(prompts, params))
+    out = engine_outputs(monkeypatch, A, torch.bfloat16, "_amx", HAS_AMX)
     for a, b in zip(*out):
         assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 8
         # bf16: the two summation orders may flip a near-tie; the first token's logprobs agree
@@ -118,24 +103,4 @@ def test_bf16_engine_logits_with_the_amx_path_equal_onednn_to_rounding(monkeypat
 
 
 def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch):
-    from llmlab.kernels import cpu_build
-
-    flags = cpu_isa.effective_flags() | {"amx_bf16", "amx_tile", "avx512_bf16"}
-    monkeypatch.setattr(cpu_isa, "effective_flags", lambda: flags)  # an AMX CPU, anywhere
-    monkeypatch.setattr(cpu_build, "available", lambda: True)
-    builds = []
-
-    def broken():
-        builds.append(1)
-        raise RuntimeError("Error building extension: bad register name `%tmm0'")
-
-    monkeypatch.setattr(A, "_module", broken)
-    A._built.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="did not build .*bad register name.*stay on oneDNN"):
-            assert A.available() is False
-        w = torch.randn(64, 64).bfloat16()
-        cpu_linear.pack(w)  # no second build, no tiles
-        assert builds == [1] and not hasattr(w, "_amx")
-    finally:
-        A._built.cache_clear()
+    check_failed_build(monkeypatch, A, {"amx_bf16", "amx_tile", "avx512_bf16"}, torch.bfloat16, "_amx")

@@ -8,17 +8,13 @@ panels."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmlab.inference import LLM, SamplingParams
 from llmlab.kernels import cpu_isa, cpu_linear
 from llmlab.kernels import panel_linear as P
-from llmlab.model.llama import LlamaForCausalLM
-from tiny_llama import TINY
+from packed_paths import check_failed_build, engine_outputs
 
 HAS_AVX512 = "avx512f" in cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
 
@@ -105,18 +101,7 @@ def test_bad_inputs_name_the_constraint():
 
 
 def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
-    cfg = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, vocab_size=128)
-    prompts = [[(7 * i + j) % 128 for j in range(5 + 3 * i)] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    out = []
-    for panels in (False, True):
-        with monkeypatch.context() as m:
-            if not panels:
-                m.setattr(P, "available", lambda: False)  # oneDNN alone
-            llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=torch.float32, packed_linear=True)
-        layer = llm.engine.runner.model.model.layers[0]
-        assert hasattr(layer.mlp.fused_gate_up[0], "_panels") == (panels and HAS_AVX512)
-        out.append(llm.generate(prompts, params))
+    out = engine_outputs(monkeypatch, P, torch.float32, "_panels", HAS_AVX512)
     for a, b in zip(*out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -125,24 +110,4 @@ def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
 
 
 def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch):
-    from llmlab.kernels import cpu_build
-
-    flags = cpu_isa.effective_flags() | {"avx512f"}
-    monkeypatch.setattr(cpu_isa, "effective_flags", lambda: flags)  # an AVX-512 CPU, anywhere
-    monkeypatch.setattr(cpu_build, "available", lambda: True)
-    builds = []
-
-    def broken():
-        builds.append(1)
-        raise RuntimeError("Error building extension: unknown option -mavx512f")
-
-    monkeypatch.setattr(P, "_module", broken)
-    P._built.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="did not build .*unknown option.*stay on oneDNN"):
-            assert P.available() is False
-        w = torch.randn(64, 64)
-        cpu_linear.pack(w)  # no second build, no panels
-        assert builds == [1] and not hasattr(w, "_panels")
-    finally:
-        P._built.cache_clear()
+    check_failed_build(monkeypatch, P, {"avx512f"}, torch.float32, "_panels")
