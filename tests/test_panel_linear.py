@@ -86,16 +86,20 @@ def test_a_lowered_level_takes_onednn_even_for_a_weight_packed_before(monkeypatc
 
 @pytest.mark.skipif(not HAS_AVX512, reason="the kernel's own errors: no AVX-512 at this level")
 def test_bad_inputs_name_the_constraint():
-    with pytest.raises(RuntimeError, match="non-empty fp32 CPU tensor"):
+    with pytest.raises(RuntimeError, match=r"non-empty fp32 CPU tensor \[out, in\], got BFloat16 \[40, 64\]"):
         P.pack(torch.zeros(40, 64, dtype=torch.bfloat16))
     p = P.pack(torch.zeros(40, 64))
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
         P.linear(torch.zeros(2, 32), p, 40)
     with pytest.raises(RuntimeError, match="65 outputs do not match 2 panels"):
         P.linear(torch.zeros(2, 64), p, 65)
-    with pytest.raises(RuntimeError, match=r"bias must be fp32 \[40\]"):
+    with pytest.raises(RuntimeError, match=r"bias must be fp32 \[40\], got Float \[41\]"):
         P.linear(torch.zeros(2, 64), p, 40, torch.zeros(41))
-    with pytest.raises(RuntimeError, match="x must be an fp32"):
+    with pytest.raises(RuntimeError, match=r"bias must be fp32 \[40\], got Float \[1, 40\]"):
+        P.linear(torch.zeros(2, 64), p, 40, torch.zeros(1, 40))
+    with pytest.raises(
+        RuntimeError, match=r"x must be an fp32 CPU tensor \[rows, in\], got Double \[2, 64\]"
+    ):
         P.linear(torch.zeros(2, 64, dtype=torch.float64), p, 40)
     assert not P.fits(torch.zeros(32, 64).bfloat16()) and not P.fits(torch.zeros(0, 64))
 

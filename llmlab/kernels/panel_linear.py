@@ -4,15 +4,16 @@ A decode step multiplies a few dozen rows (one per running sequence) by every we
 model, and in fp32 those weights (four bytes each) do not stay in cache from one step to the
 next: each product streams its weight from memory while it computes. oneDNN's prepacked product
 (:mod:`~llmlab.kernels.cpu_linear`) waits on that stream: on this repository's machine it reaches
-about 115-120 GFLOP/s at 40 rows from cold weights against about 165 with the weight in cache.
+about 105-130 GFLOP/s at 40 rows from cold weights against about 165 with the weight in cache.
 ``csrc/panel_linear_cpu.cpp`` packs each weight once in panels of 32 output columns, multiplies a
 panel by all rows in register blocks of up to 12 rows, and prefetches the next panel into L2
 while it does, spread over the row blocks, so the weight arrives while the FMA units work
 (docs/kernels.md has the measurements). Accumulation is fp32, over the inputs in order, so
 results differ from oneDNN's by the rounding of a different summation order only.
 
-Which products: fp32, 1 to :data:`MAX_ROWS` rows (larger batches stay on oneDNN), any shape,
-bias or not, on a CPU whose effective flags (:func:`~llmlab.kernels.cpu_isa.effective_flags`,
+Which products: the packed linear sends fp32 products of 1 to :data:`MAX_ROWS` rows here (decode
+steps, small prefills; larger batches stay on oneDNN; :func:`linear` itself takes any number of
+rows), any shape, bias or not, on a CPU whose effective flags (:func:`~llmlab.kernels.cpu_isa.effective_flags`,
 lowered by ``LLMLAB_CPU_ISA``) have ``avx512f``; :func:`~llmlab.kernels.cpu_linear.pack` then
 keeps this packed copy beside oneDNN's (the weight is held three times). Built on first use like
 the other C++ kernels (:mod:`~llmlab.kernels.cpu_build`).
@@ -89,7 +90,10 @@ def linear(
     """``x [..., in]`` (fp32) times the :func:`pack` ed weight (+ ``bias [out]``) ->
     ``[..., out_features]`` fp32; ``None`` where the build for the current level has no AVX-512
     (``LLMLAB_CPU_ISA`` lowered after packing: the caller takes its other path).
-    ``RuntimeError`` for another dtype or mismatched shapes."""
+    ``out_features`` must be the packed weight's ``out`` (the panels keep it only to within their
+    32-column padding: a larger count within it returns the padding's zero columns).
+    ``RuntimeError`` for another dtype, ``in`` or bias than the weight's, or ``out_features``
+    outside its panels."""
     m = _module()
     if not m.has_avx512():
         return None

@@ -114,7 +114,8 @@ void chunk(const float* x, int64_t M, int64_t K, const float* W, int64_t N, cons
 // (zero beyond N).
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kFloat && w.numel() > 0,
-              "panel_linear: the weight must be a non-empty fp32 CPU tensor [out, in]");
+              "panel_linear: the weight must be a non-empty fp32 CPU tensor [out, in], got ", w.scalar_type(), " ",
+              w.sizes(), " on ", w.device());
   const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
   auto padded = torch::zeros({P * kCols, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -124,7 +125,8 @@ torch::Tensor pack(torch::Tensor w) {
 // x [M, K] fp32, panels [P, K, 32] from pack(), N (<= P*32) outputs, bias [N] or None -> y [M, N].
 torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "panel_linear: x must be an fp32 CPU tensor [rows, in]");
+              "panel_linear: x must be an fp32 CPU tensor [rows, in], got ", x.scalar_type(), " ", x.sizes(), " on ",
+              x.device());
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kCols && panels.is_contiguous() &&
                   panels.scalar_type() == at::kFloat,
               "panel_linear: the weight must come from pack()");
@@ -135,7 +137,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "panel_linear: bias must be fp32 [", N, "]");
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.numel() == N, "panel_linear: bias must be fp32 [",
+                N, "], got ", b.scalar_type(), " ", b.sizes());
     B = b.data_ptr<float>();
   }
 #ifdef LLMLAB_PANEL
