@@ -274,10 +274,11 @@ def kernel_paths(job: dict) -> str:
         if job["packed_linear"]:
             from llmlab.kernels import amx_linear, panel_linear
             amx, panels = amx_linear.available(), panel_linear.available()
+            bf16_small = (" (AMX tiles at <= 48 rows)" if amx else " (panels at <= 64 rows)"
+                          if panel_linear.available(torch.bfloat16) else "")
             out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}"
                        f"{' (panels at <= 64 rows)' if panels else ''}, "
-                       f"bf16 {cpu_linear.path(torch.bfloat16)}"
-                       f"{' (AMX tiles at <= 48 rows)' if amx else ''}")
+                       f"bf16 {cpu_linear.path(torch.bfloat16)}{bf16_small}")
     return "; ".join(out)
 
 

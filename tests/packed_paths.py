@@ -28,7 +28,7 @@ def engine_outputs(monkeypatch: Any, kernel: ModuleType, dtype: torch.dtype, att
     for on in (False, True):
         with monkeypatch.context() as m:
             if not on:
-                m.setattr(kernel, "available", lambda: False)  # oneDNN alone
+                m.setattr(kernel, "available", lambda *dtype: False)  # oneDNN alone
             llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=dtype, packed_linear=True)
         layer = llm.engine.runner.model.model.layers[0]
         assert hasattr(layer.mlp.fused_gate_up[0], attr) == (on and runs)
@@ -37,10 +37,16 @@ def engine_outputs(monkeypatch: Any, kernel: ModuleType, dtype: torch.dtype, att
 
 
 def check_failed_build(
-    monkeypatch: Any, kernel: ModuleType, flags: set[str], dtype: torch.dtype, attr: str
+    monkeypatch: Any,
+    kernel: ModuleType,
+    flags: set[str],
+    dtype: torch.dtype,
+    attr: str,
+    by_dtype: bool = False,
 ) -> None:
     """On a CPU faked to have ``flags``, a build of ``kernel`` that fails warns once (naming the
-    compiler's error and oneDNN), and packing a ``dtype`` weight then attaches no ``attr``."""
+    compiler's error and oneDNN), and packing a ``dtype`` weight then attaches no ``attr``.
+    ``by_dtype``: the kernel's ``available`` takes the dtype."""
     from llmlab.kernels import cpu_build
 
     have = cpu_isa.effective_flags() | flags
@@ -56,7 +62,7 @@ def check_failed_build(
     kernel._built.cache_clear()
     try:
         with pytest.warns(UserWarning, match="did not build .*the compiler's own message.*stay on oneDNN"):
-            assert kernel.available() is False
+            assert (kernel.available(dtype) if by_dtype else kernel.available()) is False
         w = torch.randn(64, 64).to(dtype)
         cpu_linear.pack(w)  # no second build, no copy
         assert builds == [1] and not hasattr(w, attr)

@@ -1,10 +1,11 @@
-"""The fp32 panel linear for decode-sized batches (llmlab.kernels.panel_linear) equals F.linear to
-fp32 rounding: 1-64 rows (and more, in row chunks), the shapes of a real model, shapes that are
-not multiples of the panel or of two inputs, with and without a bias; cpu_linear takes it for 1-64
-rows only and falls back to oneDNN where it cannot run: with LLMLAB_CPU_ISA lowered to AVX2 (whose
-build has no AVX-512 code), even for a weight packed before the level was lowered, and where the
-build fails. On a CPU without AVX-512 the kernel's own cases check that nothing attaches the
-panels."""
+"""The panel linear for decode-sized batches (llmlab.kernels.panel_linear) equals F.linear to
+rounding: fp32 to fp32 rounding, bf16 to fp32 sums rounded once to bf16; 1-64 rows (and more, in
+row chunks), the shapes of a real model, shapes that are not multiples of the panel or of two
+inputs, with and without a bias. cpu_linear takes it for 1-64 rows only (bf16: where the AMX tiles
+do not) and falls back to oneDNN where it cannot run: with LLMLAB_CPU_ISA lowered (AVX2: no
+AVX-512 code; AVX-512 without BF16: no bf16 code), even for a weight packed before the level was
+lowered, and where the build fails. On a CPU without AVX-512 (or AVX512-BF16) the kernel's own
+cases check that nothing attaches the panels."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from llmlab.kernels import panel_linear as P
 from packed_paths import check_failed_build, engine_outputs
 
 HAS_AVX512 = "avx512f" in cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
+HAS_BF16 = "avx512_bf16" in cpu_isa.effective_flags()
+HAS_AMX = {"amx_bf16", "amx_tile"} <= cpu_isa.effective_flags()  # bf16 weights it fits: AMX tiles
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -48,6 +51,35 @@ def test_kernel_equals_f_linear_to_fp32_rounding(rows, out_in):
     assert torch.equal(y3[0], P.linear(x, p, out_in[0]))
 
 
+def _within_bf16(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    want = x.double() @ w.double().T + (0 if b is None else b.double())  # exact products and sums
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # one bf16 rounding of the result, plus the fp32 sums' order
+    scale = (x.double().abs() @ w.double().abs().T).max()
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 64, 97])
+@pytest.mark.parametrize("out_in", [(3072, 576), (576, 1536), (960, 576), (33, 17), (5, 3), (70, 1)])
+def test_bf16_kernel_equals_fp32_sums_rounded_once(rows, out_in):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(*out_in, generator=g).bfloat16()
+    x = torch.randn(rows, out_in[1], generator=g).bfloat16()
+    b = torch.randn(out_in[0], generator=g).bfloat16()
+    assert P.available(torch.bfloat16) == HAS_BF16
+    if not HAS_BF16:  # no AVX512-BF16 here: the packing never attaches bf16 panels
+        cpu_linear.pack(w)
+        assert not hasattr(w, "_panels")
+        return
+    p = P.pack(w)
+    assert p.shape == ((out_in[0] + 31) // 32, out_in[1], 32) and p.dtype == torch.bfloat16
+    _within_bf16(P.linear(x, p, out_in[0]), x, w, None)
+    _within_bf16(P.linear(x, p, out_in[0], b), x, w, b)
+    y3 = P.linear(x[None], p, out_in[0])
+    assert y3 is not None and y3.shape == (1, rows, out_in[0])
+    assert torch.equal(y3[0], P.linear(x, p, out_in[0]))
+
+
 @pytest.mark.skipif(
     not HAS_AVX512, reason="the panel dispatch: no AVX-512 at this level (the case above checks the fallback)"
 )
@@ -66,7 +98,28 @@ def test_cpu_linear_takes_it_for_up_to_64_rows(monkeypatch):
     assert calls == [(1, 1, 80), (1, 64, 80)]  # 65 and 300 rows: oneDNN
     wb = torch.randn(64, 64).bfloat16()
     cpu_linear.pack(wb)
-    assert not hasattr(wb, "_panels")  # fp32 only
+    # bf16: in panels where the CPU has AVX512-BF16 and no AMX tiles take the weight
+    assert hasattr(wb, "_panels") == (HAS_BF16 and not HAS_AMX) and hasattr(wb, "_amx") == HAS_AMX
+    wh = torch.randn(64, 64).half()
+    cpu_linear.pack(wh)
+    assert not hasattr(wh, "_panels")  # fp16: never
+
+
+@pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="the bf16 panel dispatch: AVX512-BF16 and no AMX")
+def test_cpu_linear_takes_the_bf16_panels_for_up_to_64_rows(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    cpu_linear.pack(w)
+    assert w._panels.shape == (3, 80, 32) and w._panels.dtype == torch.bfloat16
+    calls = []
+    real = P.linear
+    monkeypatch.setattr(P, "linear", lambda x, p, n, bias=None: calls.append(x.shape) or real(x, p, n, bias))
+    for rows in (1, 64, 65, 300):
+        x = torch.randn(1, rows, 80, generator=g).bfloat16()
+        got, want = cpu_linear.linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(got, want, atol=0.05, rtol=2e-2)
+    assert calls == [(1, 1, 80), (1, 64, 80)]  # 65 and 300 rows: oneDNN
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="lowering the level from a CPU with AVX-512")
@@ -84,10 +137,30 @@ def test_a_lowered_level_takes_onednn_even_for_a_weight_packed_before(monkeypatc
     assert hasattr(w2, "_packed") and not hasattr(w2, "_panels")
 
 
+@pytest.mark.skipif(not HAS_BF16, reason="lowering the level from a CPU with AVX512-BF16")
+def test_a_level_without_bf16_takes_onednn_for_bf16_even_for_a_weight_packed_before(monkeypatch):
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(1)).bfloat16()
+    w._panels = P.pack(w)  # (as the packing attaches them where no AMX tiles do)
+    cpu_linear.pack(w)
+    monkeypatch.setenv(cpu_isa.ENV, "avx512")  # x86-64-v4: AVX-512 without AVX512-BF16
+    assert P.isa() == "avx512" and P.available() and not P.available(torch.bfloat16)
+    x = torch.randn(3, 48).bfloat16()
+    assert P.linear(x, w._panels, 64) is None  # the caller's other path
+    torch.testing.assert_close(cpu_linear.linear(x, w).float(), F.linear(x, w).float(), atol=0.05, rtol=2e-2)
+    w2 = torch.randn(64, 48).bfloat16()
+    cpu_linear.pack(w2)
+    assert hasattr(w2, "_packed") and not hasattr(w2, "_panels")
+    w3 = torch.randn(64, 48)  # fp32 keeps its panels at that level
+    cpu_linear.pack(w3)
+    assert hasattr(w3, "_panels")
+
+
 @pytest.mark.skipif(not HAS_AVX512, reason="the kernel's own errors: no AVX-512 at this level")
 def test_bad_inputs_name_the_constraint():
-    with pytest.raises(RuntimeError, match=r"non-empty fp32 CPU tensor \[out, in\], got BFloat16 \[40, 64\]"):
-        P.pack(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(
+        RuntimeError, match=r"non-empty fp32 or bf16 CPU tensor \[out, in\], got Half \[40, 64\]"
+    ):
+        P.pack(torch.zeros(40, 64, dtype=torch.float16))
     p = P.pack(torch.zeros(40, 64))
     with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
         P.linear(torch.zeros(2, 32), p, 40)
@@ -98,10 +171,18 @@ def test_bad_inputs_name_the_constraint():
     with pytest.raises(RuntimeError, match=r"bias must be fp32 \[40\], got Float \[1, 40\]"):
         P.linear(torch.zeros(2, 64), p, 40, torch.zeros(1, 40))
     with pytest.raises(
-        RuntimeError, match=r"x must be an fp32 CPU tensor \[rows, in\], got Double \[2, 64\]"
+        RuntimeError,
+        match=r"x must be a CPU tensor \[rows, in\] in the weight's dtype \(fp32\), got Double \[2, 64\]",
     ):
         P.linear(torch.zeros(2, 64, dtype=torch.float64), p, 40)
-    assert not P.fits(torch.zeros(32, 64).bfloat16()) and not P.fits(torch.zeros(0, 64))
+    with pytest.raises(RuntimeError, match=r"weight's dtype \(fp32\), got BFloat16 \[2, 64\]"):
+        P.linear(torch.zeros(2, 64, dtype=torch.bfloat16), p, 40)
+    if HAS_BF16:
+        pb = P.pack(torch.zeros(40, 64, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match=r"bias must be bf16 \[40\], got Float \[40\]"):
+            P.linear(torch.zeros(2, 64, dtype=torch.bfloat16), pb, 40, torch.zeros(40))
+    assert P.fits(torch.zeros(32, 64).bfloat16()) and not P.fits(torch.zeros(32, 64).half())
+    assert not P.fits(torch.zeros(0, 64))
 
 
 def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
@@ -113,5 +194,20 @@ def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
             assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
+def test_bf16_engine_logits_with_the_panel_path_equal_onednn_to_rounding(monkeypatch):
+    out = engine_outputs(monkeypatch, P, torch.bfloat16, "_panels", HAS_BF16 and not HAS_AMX)
+    for a, b in zip(*out):
+        assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 8
+        # bf16: the two summation orders may flip a near-tie; the first token's logprobs agree
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        common = set(la) & set(lb)
+        assert len(common) >= 3 and all(abs(la[t].logprob - lb[t].logprob) < 0.05 for t in common)
+
+
 def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch):
     check_failed_build(monkeypatch, P, {"avx512f"}, torch.float32, "_panels")
+
+
+def test_a_failed_build_leaves_bf16_products_on_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_linear.amx_linear, "available", lambda: False)  # (as on a CPU without AMX)
+    check_failed_build(monkeypatch, P, {"avx512f", "avx512_bf16"}, torch.bfloat16, "_panels", by_dtype=True)

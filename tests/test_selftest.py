@@ -61,7 +61,11 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
         "fp32": "onednn",
         "bf16": cpu_linear.path(torch.bfloat16),
         "fp16": cpu_linear.path(torch.float16),
-        "bf16 small batches": "amx" if amx_linear.available() else cpu_linear.path(torch.bfloat16),
+        "bf16 small batches": "amx"
+        if amx_linear.available()
+        else "panels"
+        if panel_linear.available(torch.bfloat16)
+        else cpu_linear.path(torch.bfloat16),
         "fp32 small batches": "panels" if panel_linear.available() else "onednn",
     }
     for name in ("cpu_paged_attention", "cpu_fused_ops"):

@@ -20,7 +20,8 @@ On a CPU with AMX, a bf16 weight whose dimensions are multiples of 32 also gets 
 tile layout (:mod:`~llmlab.kernels.amx_linear`), which products of up to 48 rows (decode
 steps) take: there the weight's stream from memory sets the speed, and that kernel streams it
 faster than oneDNN. Such weights are then held three times (the weight, oneDNN's copy and the
-tiles). Likewise, on a CPU with AVX-512, an fp32 weight gets a copy in panels of 32 outputs
+tiles). Likewise, on a CPU with AVX-512, an fp32 weight (and, with AVX512-BF16, a bf16 weight
+the AMX tiles do not take) gets a copy in panels of 32 outputs
 (:mod:`~llmlab.kernels.panel_linear`) for products of up to 64 rows, which it streams from
 memory while it computes instead of waiting on it.
 
@@ -96,7 +97,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
     if amx_linear.fits(weight) and amx_linear.available():  # decode-sized batches: AMX tiles
         setattr(weight, "_amx", amx_linear.pack(weight))
-    if panel_linear.fits(weight) and panel_linear.available():  # fp32 decode-sized batches
+    elif panel_linear.fits(weight) and panel_linear.available(weight.dtype):  # else: panels
         setattr(weight, "_panels", panel_linear.pack(weight))
     return packed
 

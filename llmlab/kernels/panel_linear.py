@@ -1,25 +1,34 @@
-"""An fp32 linear layer for decode steps on AVX-512: the engine's small-batch fp32 GEMM on CPU.
+"""An fp32 or bf16 linear layer for decode steps on AVX-512: the engine's small-batch GEMM on CPU.
 
 A decode step multiplies a few dozen rows (one per running sequence) by every weight of the
 model, and in fp32 those weights (four bytes each) do not stay in cache from one step to the
 next: each product streams its weight from memory while it computes. oneDNN's prepacked product
-(:mod:`~llmlab.kernels.cpu_linear`) waits on that stream: on this repository's machine it reaches
-about 105-130 GFLOP/s at 40 rows from cold weights against about 165 with the weight in cache.
-``csrc/panel_linear_cpu.cpp`` packs each weight once in panels of 32 output columns, multiplies a
-panel by all rows in register blocks of up to 12 rows, and prefetches the next panel into L2
-while it does, spread over the row blocks, so the weight arrives while the FMA units work
-(docs/kernels.md has the measurements). Accumulation is fp32, over the inputs in order, so
-results differ from oneDNN's by the rounding of a different summation order only.
+(:mod:`~llmlab.kernels.cpu_linear`) waits on that stream: on this repository's Intel machine it
+reaches about 105-130 GFLOP/s at 40 rows from cold weights against about 165 with the weight in
+cache. ``csrc/panel_linear_cpu.cpp`` packs each weight once in panels of 32 output columns,
+multiplies a panel by all rows in register blocks of up to 12 rows, and prefetches the next
+panel into L2 while it does, spread over the row blocks, so the weight arrives while the FMA
+units work (docs/kernels.md has the measurements). Accumulation is fp32, over the inputs in
+order, so results differ from oneDNN's by the rounding of a different summation order only.
 
-Which products: the packed linear sends fp32 products of 1 to :data:`MAX_ROWS` rows here (decode
+bf16 weights take the same panels with their inputs interleaved in pairs, multiplied by
+AVX512-BF16's ``vdpbf16ps`` (two products added to each fp32 lane), the result rounded once to
+bf16 as oneDNN's: on a CPU with AVX512-BF16 and no AMX (AMD Zen 4, say), where the AMX kernel
+(:mod:`~llmlab.kernels.amx_linear`) cannot run, 1.3-1.8x oneDNN at 1-24 rows and the same at
+40-64 (docs/kernels.md).
+
+Which products: the packed linear sends products of 1 to :data:`MAX_ROWS` rows here (decode
 steps, small prefills; larger batches stay on oneDNN; :func:`linear` itself takes any number of
-rows), any shape, bias or not, on a CPU whose effective flags (:func:`~llmlab.kernels.cpu_isa.effective_flags`,
-lowered by ``LLMLAB_CPU_ISA``) have ``avx512f``; :func:`~llmlab.kernels.cpu_linear.pack` then
-keeps this packed copy beside oneDNN's (the weight is held three times). Built on first use like
-the other C++ kernels (:mod:`~llmlab.kernels.cpu_build`).
+rows), any shape, bias or not: fp32 on a CPU whose effective flags
+(:func:`~llmlab.kernels.cpu_isa.effective_flags`, lowered by ``LLMLAB_CPU_ISA``) have
+``avx512f``, bf16 where they have ``avx512_bf16`` and the AMX tiles do not take the weight;
+:func:`~llmlab.kernels.cpu_linear.pack` then keeps this packed copy beside oneDNN's (the weight
+is held three times). Built on first use like the other C++ kernels
+(:mod:`~llmlab.kernels.cpu_build`).
 
 Source: Goto and van de Geijn, "Anatomy of High-Performance Matrix Multiplication", ACM TOMS
-34(3), 2008, sec. 4-6 (panels of the streamed operand, register blocks).
+34(3), 2008, sec. 4-6 (panels of the streamed operand, register blocks); Intel, "Intel
+Architecture Instruction Set Extensions Programming Reference" (AVX512_BF16, ``VDPBF16PS``).
 """
 
 from __future__ import annotations
@@ -36,42 +45,44 @@ MAX_ROWS = 64  # decode-sized batches (more: oneDNN, as fast once the weight is 
 
 
 def _module():
-    return load("panel_linear_cpu", "fp32 panel linear kernel (or enable(packed_linear=False))")
+    return load("panel_linear_cpu", "panel linear kernel (or enable(packed_linear=False))")
 
 
 def isa() -> str:
     """The vector code the build for the current level uses (:func:`~llmlab.kernels.cpu_build.compiled_isa`)."""
-    return compiled_isa("panel_linear_cpu", "fp32 panel linear kernel")
+    return compiled_isa("panel_linear_cpu", "panel linear kernel")
 
 
-def available() -> bool:
-    """Whether this CPU, at the current level, runs the kernel: ``avx512f`` in
-    :func:`~llmlab.kernels.cpu_isa.effective_flags` and a build that has it. The packed linear
-    takes this path on its own, so a build that fails here warns once and leaves the products on
-    oneDNN."""
-    if "avx512f" not in cpu_isa.effective_flags():
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this CPU, at the current level, runs the kernel for ``dtype``: fp32 needs
+    ``avx512f`` in :func:`~llmlab.kernels.cpu_isa.effective_flags`, bf16 ``avx512_bf16``, and a
+    build that has it. The packed linear takes this path on its own, so a build that fails here
+    warns once and leaves the products on oneDNN."""
+    need = {torch.float32: "avx512f", torch.bfloat16: "avx512_bf16"}.get(dtype)
+    if need is None or need not in cpu_isa.effective_flags():
         return False
     from llmlab.kernels import cpu_build
 
-    return cpu_build.available() and _built(cpu_isa.cpu_isa())
+    return cpu_build.available() and _built(cpu_isa.cpu_isa(), dtype)
 
 
 @functools.cache
-def _built(level: str) -> bool:
+def _built(level: str, dtype: torch.dtype) -> bool:
     try:
-        return bool(_module().has_avx512())
+        m = _module()
     except RuntimeError as e:  # the compiler's error: reported, not fatal to the packed linear
         warnings.warn(
-            f"the fp32 panel linear kernel did not build ({e}); fp32 products stay on oneDNN",
+            f"the panel linear kernel did not build ({e}); fp32 and bf16 products stay on oneDNN",
             stacklevel=3,
         )
         return False
+    return bool(m.has_avx512() if dtype == torch.float32 else m.has_bf16())
 
 
 def fits(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is one the kernel takes: a non-empty 2-D fp32 CPU tensor."""
+    """Whether ``weight`` is one the kernel takes: a non-empty 2-D fp32 or bf16 CPU tensor."""
     return (
-        weight.dtype == torch.float32
+        weight.dtype in (torch.float32, torch.bfloat16)
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.numel() > 0
@@ -79,23 +90,24 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` (fp32; :func:`fits`) in panels ``[ceil(out/32), in, 32]``, zero
-    beyond ``out`` (``RuntimeError`` naming the constraint otherwise)."""
+    """``weight [out, in]`` (fp32 or bf16; :func:`fits`) in panels ``[ceil(out/32), in, 32]``,
+    zero beyond ``out`` (bf16: the inputs interleaved in pairs, the layout ``vdpbf16ps`` reads);
+    ``RuntimeError`` naming the constraint otherwise."""
     return _module().pack(weight.detach())
 
 
 def linear(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """``x [..., in]`` (fp32) times the :func:`pack` ed weight (+ ``bias [out]``) ->
-    ``[..., out_features]`` fp32; ``None`` where the build for the current level has no AVX-512
-    (``LLMLAB_CPU_ISA`` lowered after packing: the caller takes its other path).
-    ``out_features`` must be the packed weight's ``out`` (the panels keep it only to within their
-    32-column padding: a larger count within it returns the padding's zero columns).
+    """``x [..., in]`` (the packed weight's dtype) times the :func:`pack` ed weight (+ ``bias
+    [out]``) -> ``[..., out_features]`` in that dtype; ``None`` where the build for the current
+    level lacks the kernel for it (``LLMLAB_CPU_ISA`` lowered after packing: the caller takes its
+    other path). ``out_features`` must be the packed weight's ``out`` (the panels keep it only to
+    within their 32-column padding: a larger count within it returns the padding's zero columns).
     ``RuntimeError`` for another dtype, ``in`` or bias than the weight's, or ``out_features``
     outside its panels."""
     m = _module()
-    if not m.has_avx512():
+    if not (m.has_avx512() if panels.dtype == torch.float32 else m.has_bf16()):
         return None
     y = m.linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias)
     return y.view(*x.shape[:-1], out_features)

@@ -57,10 +57,13 @@ def check_cpu_packed_linear(quick: bool) -> dict:
             x = torch.randn(n, 80, generator=g).to(dtype)
             want = F.linear(x.float(), w.float(), b.float())
             _record(errs, f"{_name(dtype)} x{n}", cpu_linear.linear(x, w, b), want, dtype)
-    # bf16 decode-sized batches, no bias: on AMX tiles where the CPU has them (amx_linear)
+    # bf16 decode-sized batches, no bias: on AMX tiles where the CPU has them (amx_linear), else
+    # in panels where it has AVX512-BF16 (panel_linear)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     cpu_linear.pack(w)
-    paths["bf16 small batches"] = "amx" if hasattr(w, "_amx") else paths["bf16"]
+    paths["bf16 small batches"] = (
+        "amx" if hasattr(w, "_amx") else "panels" if hasattr(w, "_panels") else paths["bf16"]
+    )
     for n in rows[:2]:
         x = torch.randn(n, 64, generator=g).bfloat16()
         want = F.linear(x.float(), w.float())

@@ -1,4 +1,5 @@
-// An fp32 linear layer for decode-sized batches: y = x W^T (+ bias), AVX-512.
+// An fp32 or bf16 linear layer for decode-sized batches: y = x W^T (+ bias), AVX-512
+// (bf16: AVX512-BF16's vdpbf16ps).
 //
 // A decode step multiplies a few dozen rows by every weight, and the weights do not stay in cache
 // from one step to the next, so each product streams its weight from memory while it computes.
@@ -9,8 +10,9 @@
 // evenly over the row blocks, so the memory streams the next panel while the FMA units work on
 // this one. Rows beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
 //
-// Accumulation is fp32 with fused multiply-adds, over k in order (0, 1, ..., K-1), so results
-// differ from oneDNN's (another summation order) by rounding only. Any N and K; bias optional.
+// Accumulation is fp32 with fused multiply-adds, over k in order (0, 1, ..., K-1; bf16: in pairs
+// of inputs, the result rounded once to bf16), so results differ from oneDNN's (another
+// summation order) by rounding only. Any N and K; bias optional.
 //
 // Goto and van de Geijn, "Anatomy of High-Performance Matrix Multiplication" (ACM TOMS 2008),
 // sec. 4-6 (panels, register blocks, streaming the larger operand); llmlab.kernels.panel_linear
@@ -82,15 +84,82 @@ using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, con
 constexpr Block kBlocks[kRowsMax + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                          block<7>,  block<8>, block<9>, block<10>, block<11>, block<12>};
 
-// Rows [0, M) of one chunk, panels [p0, p1) of the weight; the next panel of the range is
-// prefetched while each one is multiplied.
-void chunk(const float* x, int64_t M, int64_t K, const float* W, int64_t N, const float* bias, float* y,
-           int64_t p0, int64_t p1) {
-  const int64_t panel_bytes = K * kCols * 4, nb = (M + kRowsMax - 1) / kRowsMax;
+#endif
+
+#if defined(LLMLAB_PANEL) && defined(__AVX512BF16__)
+#define LLMLAB_PANEL_BF16 1
+// bf16: a panel holds the inputs in pairs ([K/2][32][2], then for odd K the last input's 32
+// weights alone), so one vdpbf16ps multiplies a row's input pair (broadcast as one 32-bit word)
+// by 16 columns' weight pairs and adds both products to 16 fp32 accumulators; the sums are fp32
+// and the result is rounded once to bf16.
+inline __m512 dot2(__m512 acc, __m512i x, __m512i w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+}
+
+inline __m512 to_fp32(__m256i h) {  // 16 bf16 -> 16 fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512i widen(const uint16_t* h) {  // 16 bf16 -> 16 pairs (bf16, 0)
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+template <int R>
+void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* __restrict panel,
+                uint16_t* __restrict y, int64_t ldy, const uint16_t* __restrict bias, __mmask16 m0,
+                __mmask16 m1, const char* pf, const char* pf_end) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
+  const int64_t K2 = K / 2, steps = std::max<int64_t>(1, K2), lines = (pf_end - pf) / 64;
+  int64_t due = 0;  // lines owed, in units of 1/steps
+  for (int64_t j = 0; j < K2; ++j) {
+    for (due += lines; due >= steps; due -= steps) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }
+    const __m512i w0 = _mm512_loadu_si512(panel + j * 2 * kCols);
+    const __m512i w1 = _mm512_loadu_si512(panel + j * 2 * kCols + kCols);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * j));
+      a0[r] = dot2(a0[r], b, w0);
+      a1[r] = dot2(a1[r], b, w1);
+    }
+  }
+  if (K % 2) {  // odd K: the last input and its weights, each paired with a zero
+    const __m512i w0 = widen(panel + (K - 1) * kCols), w1 = widen(panel + (K - 1) * kCols + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(static_cast<int32_t>(x[r * K + K - 1]));
+      a0[r] = dot2(a0[r], b, w0);
+      a1[r] = dot2(a1[r], b, w1);
+    }
+  }
+  if (bias) {  // bf16 -> fp32: the 16 bits on top of a zero mantissa tail
+    const __m512 b0 = to_fp32(_mm256_maskz_loadu_epi16(m0, bias));
+    const __m512 b1 = to_fp32(_mm256_maskz_loadu_epi16(m1, bias + 16));
+    for (int r = 0; r < R; ++r) { a0[r] = _mm512_add_ps(a0[r], b0); a1[r] = _mm512_add_ps(a1[r], b1); }
+  }
+  for (int r = 0; r < R; ++r) {  // round to nearest even, as oneDNN's bf16 product
+    _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(a0[r]));
+    _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(a1[r]));
+  }
+}
+
+using BlockBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, const uint16_t*,
+                           __mmask16, __mmask16, const char*, const char*);
+constexpr BlockBf16 kBlocksBf16[kRowsMax + 1] = {
+    nullptr,       block_bf16<1>, block_bf16<2>, block_bf16<3>,  block_bf16<4>,  block_bf16<5>, block_bf16<6>,
+    block_bf16<7>, block_bf16<8>, block_bf16<9>, block_bf16<10>, block_bf16<11>, block_bf16<12>};
+#endif
+
+#ifdef LLMLAB_PANEL
+// Rows [0, M) of one chunk, panels [p0, p1) of the weight (``panel`` elements each); the next
+// panel of the range is prefetched while each one is multiplied. T: float or bf16 bits.
+template <typename T, typename Block>
+void chunk(const Block* blocks, const T* x, int64_t M, int64_t K, const T* W, int64_t panel, int64_t N,
+           const T* bias, T* y, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = panel * static_cast<int64_t>(sizeof(T)), nb = (M + kRowsMax - 1) / kRowsMax;
   const int64_t lines_per_block = (panel_bytes / 64 + nb - 1) / nb;
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = W + p * K * kCols;
-    const char* next = reinterpret_cast<const char*>(panel + K * kCols);
+    const T* w = W + p * panel;
+    const char* next = reinterpret_cast<const char*>(w + panel);
     const char* next_end = p + 1 < p1 ? next + panel_bytes : next;
     const int64_t cols = std::min(kCols, N - p * kCols);
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -100,61 +169,88 @@ void chunk(const float* x, int64_t M, int64_t K, const float* W, int64_t N, cons
       const int64_t rows = (M - m + (nb - b) - 1) / (nb - b);  // blocks of even size
       const char* s = std::min(next_end, next + b * lines_per_block * 64);
       const char* e = std::min(next_end, s + lines_per_block * 64);
-      kBlocks[rows](x + m * K, K, panel, y + m * N + p * kCols, N, bias ? bias + p * kCols : nullptr, m0, m1, s,
-                    e);
+      blocks[rows](x + m * K, K, w, y + m * N + p * kCols, N, bias ? bias + p * kCols : nullptr, m0, m1, s, e);
       m += rows;
     }
   }
 }
+
 #endif
+
+const char* name(at::ScalarType t) { return t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : "other"; }
 
 }  // namespace
 
-// weight [N, K] fp32 -> panels [ceil(N/32), K, 32]: panel p row k holds W[p*32 + c, k] at c
-// (zero beyond N).
+// weight [N, K] -> panels [ceil(N/32), K, 32], zero beyond N. fp32: panel p row k holds
+// W[p*32 + c, k] at c. bf16: rows 2j and 2j+1 hold the pairs (W[p*32 + c, 2j], W[p*32 + c, 2j+1])
+// at 2c and 2c+1; for odd K, row K-1 holds W[p*32 + c, K-1] at c.
 torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kFloat && w.numel() > 0,
-              "panel_linear: the weight must be a non-empty fp32 CPU tensor [out, in], got ", w.scalar_type(), " ",
-              w.sizes(), " on ", w.device());
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.numel() > 0 &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "panel_linear: the weight must be a non-empty fp32 or bf16 CPU tensor [out, in], got ",
+              w.scalar_type(), " ", w.sizes(), " on ", w.device());
   const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols;
   auto padded = torch::zeros({P * kCols, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({P, kCols, K}).transpose(1, 2).contiguous();
+  auto by_col = padded.view({P, kCols, K});
+  if (w.scalar_type() == at::kFloat) return by_col.transpose(1, 2).contiguous();
+  const int64_t Ke = K - K % 2;
+  auto pairs = by_col.narrow(2, 0, Ke).reshape({P, kCols, Ke / 2, 2}).permute({0, 2, 1, 3}).reshape({P, Ke, kCols});
+  if (K % 2 == 0) return pairs.contiguous();
+  return torch::cat({pairs, by_col.narrow(2, Ke, 1).transpose(1, 2)}, 1).contiguous();
 }
 
-// x [M, K] fp32, panels [P, K, 32] from pack(), N (<= P*32) outputs, bias [N] or None -> y [M, N].
+// x [M, K] (the weight's dtype), panels [P, K, 32] from pack(), N (<= P*32) outputs, bias [N] or
+// None -> y [M, N] in x's dtype.
 torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
-              "panel_linear: x must be an fp32 CPU tensor [rows, in], got ", x.scalar_type(), " ", x.sizes(), " on ",
-              x.device());
+  const auto dt = panels.scalar_type();
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kCols && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat,
+                  (dt == at::kFloat || dt == at::kBFloat16),
               "panel_linear: the weight must come from pack()");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == dt,
+              "panel_linear: x must be a CPU tensor [rows, in] in the weight's dtype (", name(dt), "), got ",
+              x.scalar_type(), " ", x.sizes(), " on ", x.device());
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(K == panels.size(1), "panel_linear: x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols, "panel_linear: ", N, " outputs do not match ", P, " panels");
-  const float* B = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.numel() == N, "panel_linear: bias must be fp32 [",
+    TORCH_CHECK(b.scalar_type() == dt && b.dim() == 1 && b.numel() == N, "panel_linear: bias must be ", name(dt), " [",
                 N, "], got ", b.scalar_type(), " ", b.sizes());
-    B = b.data_ptr<float>();
   }
-#ifdef LLMLAB_PANEL
   auto xc = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
+  if (dt == at::kFloat) {
+#ifdef LLMLAB_PANEL
+    if (M == 0) return y;
+    const float* X = xc.data_ptr<float>();
+    const float* W = panels.data_ptr<float>();
+    const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
+    float* Y = y.data_ptr<float>();
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t m = 0; m < M; m += kChunk)
+        chunk(kBlocks, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
+    });
+    return y;
+#else
+    TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
+#endif
+  }
+#ifdef LLMLAB_PANEL_BF16
   if (M == 0) return y;
-  const float* X = xc.data_ptr<float>();
-  const float* W = panels.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
+  auto bits = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const uint16_t* X = bits(xc);
+  const uint16_t* W = bits(panels);
+  const uint16_t* B = b.defined() ? bits(b) : nullptr;
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m = 0; m < M; m += kChunk)
-      chunk(X + m * K, std::min(kChunk, M - m), K, W, N, B, Y + m * N, p0, p1);
+      chunk(kBlocksBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
   });
   return y;
 #else
-  TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
+  TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (built for ", llmlab_cpu::compiled_isa(), ")");
   return torch::Tensor();
 #endif
 }
@@ -167,10 +263,19 @@ bool has_avx512() {
 #endif
 }
 
+bool has_bf16() {
+#ifdef LLMLAB_PANEL_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "an fp32 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
-  m.def("linear", &linear, "x [rows, in] times a packed fp32 weight, + bias (panel_linear_cpu.cpp)");
-  m.def("has_avx512", &has_avx512, "whether this build has the AVX-512 kernel (panel_linear_cpu.cpp)");
+  m.def("pack", &pack, "an fp32 or bf16 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
+  m.def("linear", &linear, "x [rows, in] times a packed weight of its dtype, + bias (panel_linear_cpu.cpp)");
+  m.def("has_avx512", &has_avx512, "whether this build has the fp32 AVX-512 kernel (panel_linear_cpu.cpp)");
+  m.def("has_bf16", &has_bf16, "whether this build has the bf16 AVX512-BF16 kernel (panel_linear_cpu.cpp)");
   m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
         "the vector code this build uses (cpu_math.h)");
 }
