@@ -106,7 +106,7 @@ def test_cpu_linear_takes_it_for_up_to_64_rows(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="the bf16 panel dispatch: AVX512-BF16 and no AMX")
-def test_cpu_linear_takes_the_bf16_panels_for_up_to_64_rows(monkeypatch):
+def test_cpu_linear_takes_the_bf16_panels_for_every_row_count(monkeypatch):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 80, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
@@ -119,7 +119,7 @@ def test_cpu_linear_takes_the_bf16_panels_for_up_to_64_rows(monkeypatch):
         x = torch.randn(1, rows, 80, generator=g).bfloat16()
         got, want = cpu_linear.linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(got, want, atol=0.05, rtol=2e-2)
-    assert calls == [(1, 1, 80), (1, 64, 80)]  # 65 and 300 rows: oneDNN
+    assert calls == [(1, 1, 80), (1, 64, 80), (1, 65, 80), (1, 300, 80)]  # prefill sizes too
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="lowering the level from a CPU with AVX-512")

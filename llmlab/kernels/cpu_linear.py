@@ -20,10 +20,10 @@ On a CPU with AMX, a bf16 weight whose dimensions are multiples of 32 also gets 
 tile layout (:mod:`~llmlab.kernels.amx_linear`), which products of up to 48 rows (decode
 steps) take: there the weight's stream from memory sets the speed, and that kernel streams it
 faster than oneDNN. Such weights are then held three times (the weight, oneDNN's copy and the
-tiles). Likewise, on a CPU with AVX-512, an fp32 weight (and, with AVX512-BF16, a bf16 weight
-the AMX tiles do not take) gets a copy in panels of 32 outputs
+tiles). Likewise, on a CPU with AVX-512, an fp32 weight gets a copy in panels of 32 outputs
 (:mod:`~llmlab.kernels.panel_linear`) for products of up to 64 rows, which it streams from
-memory while it computes instead of waiting on it.
+memory while it computes instead of waiting on it; with AVX512-BF16, a bf16 weight the AMX
+tiles do not take gets one too, which products of any size take.
 
 Which CPUs: PyTorch's oneDNN ops pack fp32 weights on any x86-64, bf16 ones only with AVX-512
 BW/VL/DQ or AVX-NE-CONVERT and fp16 ones only with AVX512-FP16 or AVX-NE-CONVERT (elsewhere
@@ -117,7 +117,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if y is not None:
             return y
     panels = getattr(weight, "_panels", None)
-    if panels is not None and 0 < x.numel() <= panel_linear.MAX_ROWS * x.shape[-1]:
+    if panels is not None and 0 < x.numel() <= panel_linear.max_rows(panels.dtype) * x.shape[-1]:
         y = panel_linear.linear(x, panels, weight.shape[0], bias)
         if y is not None:
             return y

@@ -1,4 +1,4 @@
-"""An fp32 or bf16 linear layer for decode steps on AVX-512: the engine's small-batch GEMM on CPU.
+"""An fp32 or bf16 linear layer in panels of 32 outputs on AVX-512: the engine's decode GEMM on CPU.
 
 A decode step multiplies a few dozen rows (one per running sequence) by every weight of the
 model, and in fp32 those weights (four bytes each) do not stay in cache from one step to the
@@ -13,13 +13,14 @@ order, so results differ from oneDNN's by the rounding of a different summation 
 
 bf16 weights take the same panels with their inputs interleaved in pairs, multiplied by
 AVX512-BF16's ``vdpbf16ps`` (two products added to each fp32 lane), the result rounded once to
-bf16 as oneDNN's: on a CPU with AVX512-BF16 and no AMX (AMD Zen 4, say), where the AMX kernel
-(:mod:`~llmlab.kernels.amx_linear`) cannot run, 1.3-1.8x oneDNN at 1-24 rows and the same at
-40-64 (docs/kernels.md).
+bf16 as oneDNN's, in register blocks of up to 8 rows: on a CPU with AVX512-BF16 and no AMX (AMD
+Zen 4, say), where the AMX kernel (:mod:`~llmlab.kernels.amx_linear`) cannot run, 1.1-1.7x
+oneDNN at 1-64 rows and 1.0-1.1x at prefill sizes (docs/kernels.md).
 
-Which products: the packed linear sends products of 1 to :data:`MAX_ROWS` rows here (decode
-steps, small prefills; larger batches stay on oneDNN; :func:`linear` itself takes any number of
-rows), any shape, bias or not: fp32 on a CPU whose effective flags
+Which products: the packed linear sends fp32 products of 1 to :data:`MAX_ROWS` rows here
+(decode steps, small prefills; larger batches stay on oneDNN) and bf16 products of any size
+(:func:`max_rows`); :func:`linear` itself takes any number of rows, any shape, bias or not:
+fp32 on a CPU whose effective flags
 (:func:`~llmlab.kernels.cpu_isa.effective_flags`, lowered by ``LLMLAB_CPU_ISA``) have
 ``avx512f``, bf16 where they have ``avx512_bf16`` and the AMX tiles do not take the weight;
 :func:`~llmlab.kernels.cpu_linear.pack` then keeps this packed copy beside oneDNN's (the weight
@@ -41,7 +42,14 @@ import torch
 from llmlab.kernels import cpu_isa
 from llmlab.kernels.cpu_build import compiled_isa, load
 
-MAX_ROWS = 64  # decode-sized batches (more: oneDNN, as fast once the weight is reused enough)
+MAX_ROWS = 64  # fp32: decode-sized batches (more: oneDNN, as fast once the weight is reused enough)
+
+
+def max_rows(dtype: torch.dtype) -> float:
+    """The most rows of a ``dtype`` product the packed linear sends here: :data:`MAX_ROWS` for
+    fp32; any number for bf16 (on the CPUs it runs on, as fast as oneDNN's prepacked product or
+    faster at every size measured: docs/kernels.md)."""
+    return MAX_ROWS if dtype == torch.float32 else float("inf")
 
 
 def _module():

@@ -32,6 +32,7 @@ namespace {
 
 constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vectors
 constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
+constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster than 12; docs/kernels.md)
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
 
 #ifdef LLMLAB_PANEL
@@ -150,12 +151,13 @@ constexpr BlockBf16 kBlocksBf16[kRowsMax + 1] = {
 #endif
 
 #ifdef LLMLAB_PANEL
-// Rows [0, M) of one chunk, panels [p0, p1) of the weight (``panel`` elements each); the next
-// panel of the range is prefetched while each one is multiplied. T: float or bf16 bits.
+// Rows [0, M) of one chunk in register blocks of at most rows_max, panels [p0, p1) of the weight
+// (``panel`` elements each); the next panel of the range is prefetched while each one is
+// multiplied. T: float or bf16 bits.
 template <typename T, typename Block>
-void chunk(const Block* blocks, const T* x, int64_t M, int64_t K, const T* W, int64_t panel, int64_t N,
-           const T* bias, T* y, int64_t p0, int64_t p1) {
-  const int64_t panel_bytes = panel * static_cast<int64_t>(sizeof(T)), nb = (M + kRowsMax - 1) / kRowsMax;
+void chunk(const Block* blocks, int rows_max, const T* x, int64_t M, int64_t K, const T* W, int64_t panel,
+           int64_t N, const T* bias, T* y, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = panel * static_cast<int64_t>(sizeof(T)), nb = (M + rows_max - 1) / rows_max;
   const int64_t lines_per_block = (panel_bytes / 64 + nb - 1) / nb;
   for (int64_t p = p0; p < p1; ++p) {
     const T* w = W + p * panel;
@@ -230,7 +232,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     float* Y = y.data_ptr<float>();
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t m = 0; m < M; m += kChunk)
-        chunk(kBlocks, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
+        chunk(kBlocks, kRowsMax, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
     });
     return y;
 #else
@@ -246,7 +248,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m = 0; m < M; m += kChunk)
-      chunk(kBlocksBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
+      chunk(kBlocksBf16, kRowsBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
   });
   return y;
 #else
