@@ -23,6 +23,8 @@ import platform
 import shutil
 from pathlib import Path
 
+from llmlab.kernels import cpu_isa
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 # Reassociating float sums (and only that: no finite-math or reciprocal shortcuts) lets the dot
 # products and the softmax sum reduce as a tree of vector adds instead of one lane at a time.
@@ -47,8 +49,6 @@ def flags(isa: str | None = None, native: bool | None = None, x86: bool | None =
     """The compiler flags for level ``isa`` (default: :func:`~llmlab.kernels.cpu_isa.cpu_isa`).
     ``native``: the level is this CPU's own (default: not lowered), so ``-march=native``; else the
     level's :data:`MARCH`. No ``-march`` off x86-64 (``x86``; default: this machine)."""
-    from llmlab.kernels import cpu_isa
-
     isa = cpu_isa.cpu_isa() if isa is None else isa
     native = (isa == cpu_isa.detected()) if native is None else native
     x86 = platform.machine() in ("x86_64", "AMD64") if x86 is None else x86
@@ -79,9 +79,8 @@ def _cpu_id() -> bytes:
 def load(stem: str, what: str):
     """The compiled module of ``csrc/<stem>.cpp`` for the current level (built now, or loaded from
     the cache). ``what`` names the kernel in the error raised where :func:`available` is False
-    (``RuntimeError``); a failing build raises the compiler's error."""
-    from llmlab.kernels import cpu_isa
-
+    (``RuntimeError``); a failing build raises the compiler's error. (Called on every kernel
+    call: one environment read and one cache lookup.)"""
     return _load(stem, what, cpu_isa.cpu_isa())
 
 

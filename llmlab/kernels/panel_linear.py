@@ -114,8 +114,16 @@ def linear(
     within their 32-column padding: a larger count within it returns the padding's zero columns).
     ``RuntimeError`` for another dtype, ``in`` or bias than the weight's, or ``out_features``
     outside its panels."""
-    m = _module()
-    if not (m.has_avx512() if panels.dtype == torch.float32 else m.has_bf16()):
+    fn = _kernel(cpu_isa.cpu_isa(), panels.dtype)
+    if fn is None:
         return None
-    y = m.linear(x.reshape(-1, x.shape[-1]), panels, out_features, bias)
+    y = fn(x.reshape(-1, x.shape[-1]), panels, out_features, bias)
     return y.view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def _kernel(level: str, dtype: torch.dtype):
+    """The build's ``linear`` where it has the kernel for ``dtype`` at ``level``, else ``None``
+    (looked up once: :func:`linear` runs for every product of a decode step)."""
+    m = _module()
+    return m.linear if (m.has_avx512() if dtype == torch.float32 else m.has_bf16()) else None
