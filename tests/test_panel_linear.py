@@ -211,3 +211,61 @@ def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch
 def test_a_failed_build_leaves_bf16_products_on_onednn(monkeypatch):
     monkeypatch.setattr(cpu_linear.amx_linear, "available", lambda: False)  # (as on a CPU without AMX)
     check_failed_build(monkeypatch, P, {"avx512f", "avx512_bf16"}, torch.bfloat16, "_panels", by_dtype=True)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="the SwiGLU epilogue: bf16 panels need AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 40, 100, 300])
+@pytest.mark.parametrize("inter_in", [(1536, 576), (40, 33), (7, 5), (16, 64)])
+def test_swiglu_epilogue_equals_the_product_then_silu_mul(rows, inter_in):
+    from llmlab.kernels import cpu_fused
+
+    inter, k = inter_in
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    fused = P.swiglu(x[None], P.pack_swiglu(w, inter), inter)
+    h = P.linear(x, P.pack(w), 2 * inter)
+    # the same panels' sums, rounded at the same steps: equal bit for bit
+    assert fused is not None and fused.shape == (1, rows, inter)
+    assert torch.equal(fused[0], cpu_fused.silu_mul(h[:, :inter], h[:, inter:]))
+    with pytest.raises(ValueError, match=r"must be \[2 \* 41, in\], got \[80, 33\]|must be \[2 \* 41, in\]"):
+        P.pack_swiglu(torch.zeros(80, k).bfloat16(), 41)
+
+
+@pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="the SwiGLU epilogue: bf16 panels, no AMX")
+def test_bf16_engine_with_the_swiglu_epilogue_equals_it_apart(monkeypatch):
+    import dataclasses
+
+    from llmlab.inference import LLM, SamplingParams
+    from llmlab.kernels import cpu_fused
+    from llmlab.model.llama import LlamaForCausalLM
+    from tiny_llama import TINY
+
+    cfg = dataclasses.replace(TINY, hidden_size=64, intermediate_size=96, vocab_size=128)
+    prompts = [[(7 * i + j) % 128 for j in range(5 + 3 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    out, calls = [], []
+    real = cpu_fused.silu_mul
+    monkeypatch.setattr(cpu_fused, "silu_mul", lambda g, u: calls.append(g.shape) or real(g, u))
+    for on in (True, False):
+        with monkeypatch.context() as m:
+            if not on:
+                m.setattr(cpu_linear.panel_linear, "pack_swiglu", lambda w, i: None)
+            llm = LLM(
+                LlamaForCausalLM(cfg, seed=0),
+                block_size=4,
+                dtype=torch.bfloat16,
+                packed_linear=True,
+                cpu_fused=True,
+            )
+        w = llm.engine.runner.model.model.layers[0].mlp.fused_gate_up[0]
+        assert (getattr(w, "_swiglu", None) is not None) == on
+        calls.clear()
+        out.append(llm.generate(prompts, params))
+        assert bool(calls) == (not on)  # apart: the product, then silu_mul
+    for a, b in zip(*out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+    x = torch.randn(3, 64)
+    assert cpu_linear.gate_up_swiglu(x, torch.randn(192, 64), None) is None  # fp32, no SwiGLU panels

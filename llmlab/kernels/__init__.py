@@ -65,7 +65,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from llmlab.kernels.cpu_linear import linear  # noqa: F401  (F.linear, or the packed weight's)
+from llmlab.kernels.cpu_linear import gate_up_swiglu, linear  # noqa: F401  (F.linear, or the packed weight's)
 from llmlab.kernels.online_softmax import (
     merge_softmax_partials,
     online_softmax,

@@ -124,6 +124,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of the fused gate/up product ``x [..., in]`` -> ``[..., I]`` in one
+    pass where :func:`pack_linears` gave ``weight`` SwiGLU panels (bf16 on a CPU with
+    AVX512-BF16 and no AMX: :func:`~llmlab.kernels.panel_linear.swiglu`); ``None`` otherwise
+    (the caller multiplies, then applies SwiGLU)."""
+    panels = getattr(weight, "_swiglu", None)
+    if panels is None or bias is not None or x.dtype != torch.bfloat16:
+        return None
+    return panel_linear.swiglu(x, panels, weight.shape[0] // 2)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward is :func:`linear` on its packed weight: ``[..., in] ->
     [..., out]``. Holds the same ``weight`` and ``bias`` parameters (so ``state_dict`` keys and
@@ -159,6 +170,9 @@ def pack_linears(model: nn.Module) -> int:
             if fused is not None:
                 n += pack(fused[0]) is not None
                 skip.update(views)
+                if attr == "fused_gate_up" and fused[1] is None and hasattr(fused[0], "_panels"):
+                    if fused[0].dtype == torch.bfloat16:  # SwiGLU as the product's epilogue
+                        setattr(fused[0], "_swiglu", panel_linear.pack_swiglu(fused[0], fused[2][0]))
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in skip:
                 setattr(parent, name, PackedLinear(child))

@@ -127,3 +127,30 @@ def _kernel(level: str, dtype: torch.dtype):
     (looked up once: :func:`linear` runs for every product of a decode step)."""
     m = _module()
     return m.linear if (m.has_avx512() if dtype == torch.float32 else m.has_bf16()) else None
+
+
+def pack_swiglu(weight: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """A fused gate/up weight ``[2 * intermediate, in]`` (bf16: gate rows, then up rows) in
+    panels of 16 gate outputs beside the same 16 up outputs, ``[ceil(intermediate/16), in, 32]``
+    (zero past ``intermediate``), for :func:`swiglu`. ``ValueError`` for another shape."""
+    if weight.dim() != 2 or weight.shape[0] != 2 * intermediate or intermediate < 1:
+        raise ValueError(
+            f"pack_swiglu: the gate/up weight must be [2 * {intermediate}, in], got {list(weight.shape)}"
+        )
+    k, groups = weight.shape[1], -(-intermediate // 16)
+    halves = torch.zeros(2, groups * 16, k, dtype=weight.dtype)
+    halves[:, :intermediate] = weight.detach().view(2, intermediate, k)
+    return pack(halves.view(2, groups, 16, k).transpose(0, 1).reshape(groups * 32, k))
+
+
+def swiglu(x: torch.Tensor, panels: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+    """``silu(x gate^T) * (x up^T)`` -> ``[..., intermediate]`` bf16 from :func:`pack_swiglu`'s
+    panels, in one pass: SwiGLU is the product's epilogue, rounded step by step to bf16 as the
+    product and :func:`~llmlab.kernels.cpu_fused.silu_mul` round it when apart (so the two
+    agree to bf16 rounding of the fp32 sums' order), and the ``[rows, 2 * intermediate]``
+    product is never written. ``None`` where the build for the current level lacks the bf16
+    kernel. ``RuntimeError`` for another dtype or ``in``."""
+    if _kernel(cpu_isa.cpu_isa(), torch.bfloat16) is None:
+        return None
+    y = _module().linear_swiglu(x.reshape(-1, x.shape[-1]), panels, intermediate)
+    return y.view(*x.shape[:-1], intermediate)

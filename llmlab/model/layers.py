@@ -72,12 +72,16 @@ class MLP(nn.Module):
         self.fused_gate_up = concat_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cpu = engine_cpu_fused()
         if self.fused_gate_up is not None:
             w, b, split = self.fused_gate_up
+            if kernels.use_fused("swiglu", x, cpu):  # the product with SwiGLU as its epilogue
+                h = kernels.gate_up_swiglu(x, w, b)
+                if h is not None:
+                    return self.down_proj(h)
             gate, up = kernels.linear(x, w, b).split_with_sizes(split, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        cpu = engine_cpu_fused()
         if kernels.use_fused("swiglu", gate, cpu):  # opt-in fused kernels (llmlab.kernels)
             return self.down_proj(kernels.swiglu(gate, up, cpu))
         return self.down_proj(F.silu(gate) * up)

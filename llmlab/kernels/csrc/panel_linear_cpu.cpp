@@ -105,7 +105,24 @@ inline __m512i widen(const uint16_t* h) {  // 16 bf16 -> 16 pairs (bf16, 0)
   return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
-template <int R>
+inline __m512 round_bf16(__m512 v) { return to_fp32((__m256i)_mm512_cvtneps_pbh(v)); }  // v as bf16 holds it
+
+// SwiGLU's epilogue (panel = 16 gate columns, then the same 16 up columns): silu(gate) * up, each
+// step rounded to bf16 as the unfused path rounds it (the product's outputs, then silu, then the
+// product: fused_ops_cpu.cpp's silu_mul), 16 outputs.
+inline __m512 swiglu16(__m512 gate, __m512 up) {
+  alignas(64) float g[16], s[16];
+  _mm512_store_ps(g, round_bf16(gate));
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) {
+    const float x = g[i];                           // sigmoid from exp(-|x|) <= 1
+    const float e = llmlab_cpu::exp_f(x < 0.f ? x : -x);
+    s[i] = x * ((x < 0.f ? e : 1.f) / (1.f + e));
+  }
+  return _mm512_mul_ps(round_bf16(_mm512_load_ps(s)), round_bf16(up));
+}
+
+template <int R, bool SWIGLU = false>
 void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* __restrict panel,
                 uint16_t* __restrict y, int64_t ldy, const uint16_t* __restrict bias, __mmask16 m0,
                 __mmask16 m1, const char* pf, const char* pf_end) {
@@ -137,6 +154,11 @@ void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* __restr
     const __m512 b1 = to_fp32(_mm256_maskz_loadu_epi16(m1, bias + 16));
     for (int r = 0; r < R; ++r) { a0[r] = _mm512_add_ps(a0[r], b0); a1[r] = _mm512_add_ps(a1[r], b1); }
   }
+  if constexpr (SWIGLU) {
+    for (int r = 0; r < R; ++r)
+      _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(swiglu16(a0[r], a1[r])));
+    return;
+  }
   for (int r = 0; r < R; ++r) {  // round to nearest even, as oneDNN's bf16 product
     _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(a0[r]));
     _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(a1[r]));
@@ -148,6 +170,20 @@ using BlockBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, uint16_t*,
 constexpr BlockBf16 kBlocksBf16[kRowsMax + 1] = {
     nullptr,       block_bf16<1>, block_bf16<2>, block_bf16<3>,  block_bf16<4>,  block_bf16<5>, block_bf16<6>,
     block_bf16<7>, block_bf16<8>, block_bf16<9>, block_bf16<10>, block_bf16<11>, block_bf16<12>};
+constexpr BlockBf16 kBlocksSwiglu[kRowsMax + 1] = {
+    nullptr,
+    block_bf16<1, true>,
+    block_bf16<2, true>,
+    block_bf16<3, true>,
+    block_bf16<4, true>,
+    block_bf16<5, true>,
+    block_bf16<6, true>,
+    block_bf16<7, true>,
+    block_bf16<8, true>,
+    nullptr,
+    nullptr,
+    nullptr,
+    nullptr};
 #endif
 
 #ifdef LLMLAB_PANEL
@@ -156,14 +192,14 @@ constexpr BlockBf16 kBlocksBf16[kRowsMax + 1] = {
 // multiplied. T: float or bf16 bits.
 template <typename T, typename Block>
 void chunk(const Block* blocks, int rows_max, const T* x, int64_t M, int64_t K, const T* W, int64_t panel,
-           int64_t N, const T* bias, T* y, int64_t p0, int64_t p1) {
+           int64_t N, const T* bias, T* y, int64_t p0, int64_t p1, int64_t out_cols = kCols) {
   const int64_t panel_bytes = panel * static_cast<int64_t>(sizeof(T)), nb = (M + rows_max - 1) / rows_max;
   const int64_t lines_per_block = (panel_bytes / 64 + nb - 1) / nb;
   for (int64_t p = p0; p < p1; ++p) {
     const T* w = W + p * panel;
     const char* next = reinterpret_cast<const char*>(w + panel);
     const char* next_end = p + 1 < p1 ? next + panel_bytes : next;
-    const int64_t cols = std::min(kCols, N - p * kCols);
+    const int64_t cols = std::min(out_cols, N - p * out_cols);  // (out_cols 16: SwiGLU's outputs)
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
     const __mmask16 m1 = cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1));
     int64_t m = 0;
@@ -171,7 +207,7 @@ void chunk(const Block* blocks, int rows_max, const T* x, int64_t M, int64_t K, 
       const int64_t rows = (M - m + (nb - b) - 1) / (nb - b);  // blocks of even size
       const char* s = std::min(next_end, next + b * lines_per_block * 64);
       const char* e = std::min(next_end, s + lines_per_block * 64);
-      blocks[rows](x + m * K, K, w, y + m * N + p * kCols, N, bias ? bias + p * kCols : nullptr, m0, m1, s, e);
+      blocks[rows](x + m * K, K, w, y + m * N + p * out_cols, N, bias ? bias + p * kCols : nullptr, m0, m1, s, e);
       m += rows;
     }
   }
@@ -257,6 +293,37 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
 #endif
 }
 
+// SwiGLU after a gate/up product: x [M, K] bf16, panels [ceil(I/16), K, 32] from pack() of the
+// gate/up weight interleaved in groups of 16 rows (16 gate rows, the same 16 up rows, ...) ->
+// silu(x gate^T) * (x up^T) [M, I] bf16, rounded as the unfused product and silu_mul round it.
+torch::Tensor linear_swiglu(torch::Tensor x, torch::Tensor panels, int64_t I) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kCols && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16,
+              "panel_linear: the SwiGLU weight must come from pack() of the interleaved bf16 gate/up weight");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "panel_linear: x must be a bf16 CPU tensor [rows, in], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(K == panels.size(1), "panel_linear: x has ", K, " features, the weight ", panels.size(1));
+  TORCH_CHECK(I > (P - 1) * 16 && I <= P * 16, "panel_linear: ", I, " SwiGLU outputs do not match ", P, " panels");
+  auto xc = x.contiguous();
+  auto y = torch::empty({M, I}, x.options());
+#ifdef LLMLAB_PANEL_BF16
+  if (M == 0) return y;
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint16_t* W = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m = 0; m < M; m += kChunk)
+      chunk(kBlocksSwiglu, kRowsBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, I,
+            static_cast<const uint16_t*>(nullptr), Y + m * I, p0, p1, 16);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (built for ", llmlab_cpu::compiled_isa(), ")");
+  return torch::Tensor();
+#endif
+}
+
 bool has_avx512() {
 #ifdef LLMLAB_PANEL
   return true;
@@ -277,6 +344,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "an fp32 or bf16 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
   m.def("linear", &linear, "x [rows, in] times a packed weight of its dtype, + bias (panel_linear_cpu.cpp)");
   m.def("has_avx512", &has_avx512, "whether this build has the fp32 AVX-512 kernel (panel_linear_cpu.cpp)");
+  m.def("linear_swiglu", &linear_swiglu,
+        "silu(x gate^T) * (x up^T) from the interleaved bf16 gate/up panels (panel_linear_cpu.cpp)");
   m.def("has_bf16", &has_bf16, "whether this build has the bf16 AVX512-BF16 kernel (panel_linear_cpu.cpp)");
   m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
         "the vector code this build uses (cpu_math.h)");
