@@ -21,7 +21,7 @@ llmlab runs its CPU fast paths, each an option tested against the PyTorch refere
 PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py), weights
 prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py; with AMX,
 bf16 decode batches take llmlab/kernels/amx_linear.py, with AVX-512 fp32 ones
-llmlab/kernels/panel_linear.py) and the
+llmlab/kernels/panel_linear.py, as do bf16 products of every size with AVX512-BF16 and no AMX) and the
 fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py), and its
 worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
@@ -274,7 +274,7 @@ def kernel_paths(job: dict) -> str:
         if job["packed_linear"]:
             from llmlab.kernels import amx_linear, panel_linear
             amx, panels = amx_linear.available(), panel_linear.available()
-            bf16_small = (" (AMX tiles at <= 48 rows)" if amx else " (panels at <= 64 rows)"
+            bf16_small = (" (AMX tiles at <= 48 rows)" if amx else " (panels at every size)"
                           if panel_linear.available(torch.bfloat16) else "")
             out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}"
                        f"{' (panels at <= 64 rows)' if panels else ''}, "

@@ -158,7 +158,9 @@ FUSED = {"fused_qkv": ("q_proj", "k_proj", "v_proj"), "fused_gate_up": ("gate_pr
 def pack_linears(model: nn.Module) -> int:
     """Pack ``model`` in place: every plain ``nn.Linear`` the forward calls becomes a
     :class:`PackedLinear`, and the fused projection weights (``fused_qkv``, ``fused_gate_up``)
-    get their packed copies (the layers whose weights are views of them stay as they are, unused);
+    get their packed copies (the layers whose weights are views of them stay as they are, unused;
+    a bf16 fused gate/up weight with panels and no bias also gets SwiGLU panels, for
+    :func:`gate_up_swiglu`);
     returns the number of weights packed (0 where :func:`path` is ``"aten"``: the layers then
     run ``F.linear``). Layers of other types (int8, tensor-parallel) are left
     as they are."""

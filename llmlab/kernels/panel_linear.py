@@ -17,6 +17,11 @@ bf16 as oneDNN's, in register blocks of up to 8 rows: on a CPU with AVX512-BF16 
 Zen 4, say), where the AMX kernel (:mod:`~llmlab.kernels.amx_linear`) cannot run, 1.1-1.7x
 oneDNN at 1-64 rows and 1.0-1.1x at prefill sizes (docs/kernels.md).
 
+The bf16 gate/up product of a SwiGLU MLP can end in SwiGLU itself (:func:`pack_swiglu`,
+:func:`swiglu`): its panels put 16 gate outputs beside the same 16 up outputs, and
+``silu(gate) * up`` is taken from the register block, rounded at the steps the product and
+:func:`~llmlab.kernels.cpu_fused.silu_mul` round it apart (equal bit for bit).
+
 Which products: the packed linear sends fp32 products of 1 to :data:`MAX_ROWS` rows here
 (decode steps, small prefills; larger batches stay on oneDNN) and bf16 products of any size
 (:func:`max_rows`); :func:`linear` itself takes any number of rows, any shape, bias or not:
