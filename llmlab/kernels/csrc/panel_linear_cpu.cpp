@@ -213,6 +213,19 @@ void chunk(const Block* blocks, int rows_max, const T* x, int64_t M, int64_t K, 
   }
 }
 
+// y [M, N] = the product of x [M, K] and the panels [P, K, 32] (blocks: the register blocks'
+// kernels, rows_max rows at most; out_cols outputs a panel), panels split among the threads and
+// rows taken kChunk at a time.
+template <typename T, typename Block>
+void run(const Block* blocks, int rows_max, const T* X, int64_t M, int64_t K, const T* W, int64_t P, int64_t N,
+         const T* B, T* Y, int64_t out_cols = kCols) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m = 0; m < M; m += kChunk)
+      chunk(blocks, rows_max, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1,
+            out_cols);
+  });
+}
+
 #endif
 
 const char* name(at::ScalarType t) { return t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : "other"; }
@@ -266,10 +279,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     const float* W = panels.data_ptr<float>();
     const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
     float* Y = y.data_ptr<float>();
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t m = 0; m < M; m += kChunk)
-        chunk(kBlocks, kRowsMax, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
-    });
+    run(kBlocks, kRowsMax, X, M, K, W, P, N, B, Y);
     return y;
 #else
     TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
@@ -282,10 +292,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   const uint16_t* W = bits(panels);
   const uint16_t* B = b.defined() ? bits(b) : nullptr;
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m = 0; m < M; m += kChunk)
-      chunk(kBlocksBf16, kRowsBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, N, B, Y + m * N, p0, p1);
-  });
+  run(kBlocksBf16, kRowsBf16, X, M, K, W, P, N, B, Y);
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (built for ", llmlab_cpu::compiled_isa(), ")");
@@ -312,11 +319,7 @@ torch::Tensor linear_swiglu(torch::Tensor x, torch::Tensor panels, int64_t I) {
   const uint16_t* X = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const uint16_t* W = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m = 0; m < M; m += kChunk)
-      chunk(kBlocksSwiglu, kRowsBf16, X + m * K, std::min(kChunk, M - m), K, W, K * kCols, I,
-            static_cast<const uint16_t*>(nullptr), Y + m * I, p0, p1, 16);
-  });
+  run(kBlocksSwiglu, kRowsBf16, X, M, K, W, P, I, static_cast<const uint16_t*>(nullptr), Y, 16);
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (built for ", llmlab_cpu::compiled_isa(), ")");
