@@ -172,9 +172,14 @@ def pack_linears(model: nn.Module) -> int:
             if fused is not None:
                 n += pack(fused[0]) is not None
                 skip.update(views)
-                if attr == "fused_gate_up" and fused[1] is None and hasattr(fused[0], "_panels"):
-                    if fused[0].dtype == torch.bfloat16:  # SwiGLU as the product's epilogue
-                        setattr(fused[0], "_swiglu", panel_linear.pack_swiglu(fused[0], fused[2][0]))
+                w, b, split = fused
+                if (
+                    attr == "fused_gate_up"
+                    and b is None
+                    and w.dtype == torch.bfloat16
+                    and hasattr(w, "_panels")
+                ):
+                    setattr(w, "_swiglu", panel_linear.pack_swiglu(w, split[0]))  # SwiGLU as its epilogue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in skip:
                 setattr(parent, name, PackedLinear(child))
