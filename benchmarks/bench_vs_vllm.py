@@ -279,6 +279,10 @@ def kernel_paths(job: dict) -> str:
             out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}"
                        f"{' (panels at <= 64 rows)' if panels else ''}, "
                        f"bf16 {cpu_linear.path(torch.bfloat16)}{bf16_small}")
+            if job["cpu_fused"]:
+                from llmlab.inference.greedy_screen import GreedyScreen
+                screen = GreedyScreen.applies(torch.ones(1, 1))
+                out.append(f"fp32 greedy lm_head {'screened in bf16 panels' if screen else 'full product'}")
     return "; ".join(out)
 
 

@@ -67,6 +67,7 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
         if panel_linear.available(torch.bfloat16)
         else cpu_linear.path(torch.bfloat16),
         "fp32 small batches": "panels" if panel_linear.available() else "onednn",
+        "fp32 greedy lm_head": "bf16 screen" if panel_linear.available(torch.bfloat16) else "full product",
     }
     for name in ("cpu_paged_attention", "cpu_fused_ops"):
         assert c[name]["build_isa"] == c[name]["cpu_isa"] == cpu_isa.cpu_isa(), name

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from llmlab.inference import loader
-from llmlab.inference.batched_greedy import greedy_tokens
+from llmlab.inference.batched_greedy import greedy_tokens, is_plain_greedy
 from llmlab.inference.block_manager import BlockManager
 from llmlab.inference.engine_config import SWAP_SPACE_BYTES, EngineConfig, resolve
 from llmlab.inference.errors import EngineDeadError
@@ -590,14 +590,18 @@ class LLMEngine:
         try:
             self._block_ops(out)
             wanted = self._prompt_logit_seqs(out)
-            if wanted:
+            seqs = [s for s, _ in out.scheduled]
+            screened: dict[int, int] = {}
+            if isinstance(self.runner, ModelRunner) and self.runner.greedy_screen is not None:
+                greedy = frozenset(s.seq_id for s in seqs if is_plain_greedy(s))  # fp32: screened
+                logits, prompt_logits, screened = self.runner.execute_greedy(out, wanted, greedy)
+                self._add_prompt_logprobs(out, prompt_logits)
+            elif wanted:
                 logits, prompt_logits = self.runner.execute_with_prompt_logits(out, wanted)
                 self._add_prompt_logprobs(out, prompt_logits)
             else:
                 logits = self.runner.execute(out)
-            fast = greedy_tokens(
-                logits, [s for s, _ in out.scheduled], self.config.cpu_fused
-            )  # one argmax for plain greedy
+            fast = greedy_tokens(logits, seqs, self.config.cpu_fused) | screened  # plain greedy
         except EngineDeadError:
             raise
         except Exception as e:  # noqa: BLE001  (the step's requests fail, not the engine)
@@ -704,7 +708,9 @@ class LLMEngine:
                 changed[req.request_id] = req
                 group = self._fork(req, seq)
                 try:
-                    sample_s += self._sample_group(req, group, logits[seq.seq_id], now, fast.get(seq.seq_id))
+                    sample_s += self._sample_group(
+                        req, group, logits.get(seq.seq_id), now, fast.get(seq.seq_id)
+                    )
                 except Exception as e:  # noqa: BLE001  (this request fails alone)
                     req.error = f"sampling failed: {type(e).__name__}: {e}"
                     for s in group:
@@ -750,17 +756,21 @@ class LLMEngine:
         self,
         req: _Request,
         group: list[Sequence],
-        row: torch.Tensor,
+        row: torch.Tensor | None,
         now: float,
         greedy_token: int | None = None,
     ) -> float:
         """Sample the next token of each sequence of ``group`` from ``row [V]`` and check their
         stops; returns the seconds spent sampling. Non-finite logits fail the request.
         ``greedy_token``: the first sequence's token already taken by the step's batched argmax
-        (:mod:`llmlab.inference.batched_greedy`; its row was checked finite there)."""
+        (:mod:`llmlab.inference.batched_greedy`; its row was checked finite there) or by the
+        runner's greedy screen (:mod:`llmlab.inference.greedy_screen`: then ``row`` is None)."""
+        if row is None and (greedy_token is None or len(group) > 1 or group[0].params.logprobs is not None):
+            raise RuntimeError("the runner returned no logits for a sequence that samples from them")
         # one reduction as the fast check (a NaN or inf makes the sum non-finite), exact after
         if (
-            greedy_token is None
+            row is not None
+            and greedy_token is None
             and not math.isfinite(float(row.sum()))
             and not bool(torch.isfinite(row).all())
         ):
@@ -780,9 +790,11 @@ class LLMEngine:
             if s is group[0] and greedy_token is not None:
                 tok = greedy_token
             else:
+                assert row is not None  # (checked above)
                 x = process_logits(row, p, s.prompt_token_ids, s.output_token_ids, stop_ids)
                 tok = sample_token(x, p, s.generator)
             if p.logprobs is not None:  # once per new token, never rebuilt
+                assert row is not None  # (checked above)
                 lp = self._logprob_entry(top_logprobs(row, tok, p.logprobs))
                 s.logprobs.append(lp)
                 s.cumulative_logprob += lp[tok].logprob

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from llmlab.inference.attention_context import AttentionBatch, PagedAttentionContext
+from llmlab.inference.greedy_screen import GreedyScreen
 from llmlab.inference.padding_buckets import buckets
 from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
@@ -76,6 +77,9 @@ class ModelRunner:
             from llmlab.kernels.cpu_linear import pack_linears
 
             pack_linears(self.model)  # oneDNN-blocked weights, once (llmlab.kernels.cpu_linear)
+            head = getattr(self.model, "lm_head", None)
+            if cpu_fused and head is not None and GreedyScreen.applies(head.weight):
+                self.greedy_screen = GreedyScreen(head.weight)  # fp32 greedy rows: bf16-screened
         self.config = model.config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.padding_buckets = padding_buckets
@@ -185,27 +189,63 @@ class ModelRunner:
         computes that predicts a prompt token, for the sequences in ``seq_ids`` (vLLM's
         ``prompt_logprobs``, gathered in the batched step): ``{seq_id: (first position,
         logits [m, vocab] fp32 CPU)}``, row ``j`` predicting prompt token ``first + j + 1``."""
+        logits, prompt, _ = self.execute_greedy(out, seq_ids, frozenset())
+        return logits, prompt
+
+    # The fp32 lm_head's greedy screen (llmlab.inference.greedy_screen), where it applies.
+    greedy_screen: GreedyScreen | None = None
+
+    @torch.no_grad()
+    def execute_greedy(
+        self, out: SchedulerOutput, seq_ids: frozenset[int], greedy: frozenset[int]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, torch.Tensor]], dict[int, int]]:
+        """:meth:`execute_with_prompt_logits`, and ``{seq_id: token}`` for the sequences of
+        ``greedy`` (plain greedy: :func:`~llmlab.inference.batched_greedy.is_plain_greedy`) whose
+        token the :attr:`greedy_screen` found; those have no logits row. Without a screen, or
+        for a row it could not settle (not finite), the logits as :meth:`execute`'s."""
         batches, sample_rows, sample_seqs = self.prepare(out)
         prompt_rows = self.prompt_rows(out, seq_ids)
         extra = [r for _, _, rows in prompt_rows for r in rows]
         order, mm_inputs = self._multimodal_inputs(out)
+        screen = self.greedy_screen if any(s in greedy for s in sample_seqs) else None
         kinds = sorted({"prefill" if b.is_prefill else "decode" for b in batches})
         with phase("+".join(kinds), tokens=sum(b.num_tokens for b in batches)):
-            logits = self.forward(batches, sample_rows + extra, **mm_inputs)  # always: it writes the K/V
+            # always: it writes the K/V
+            if screen is None:
+                logits = self.forward(batches, sample_rows + extra, **mm_inputs)
+            else:
+                logits = self._forward(batches, sample_rows + extra, True, **mm_inputs)
         if mm_inputs:
             from llmlab.inference import multimodal
 
             multimodal.release_done(order)
         if not sample_rows and not extra:
-            return {}, {}
+            return {}, {}, {}
+        tokens: dict[int, int] = {}
+        if screen is not None:
+            logits, tokens = self._screen(screen, logits, sample_seqs, greedy)
         logits = logits.float().cpu()
-        sampled = dict(zip(sample_seqs, logits[: len(sample_rows)]))
+        kept = [s for s in sample_seqs if s not in tokens]  # (the screened rows have no logits)
+        sampled = dict(zip(kept, logits[: len(kept)]))
         prompt: dict[int, tuple[int, torch.Tensor]] = {}
-        at = len(sample_rows)
+        at = len(kept)
         for sid, first, rows in prompt_rows:
             prompt[sid] = (first, logits[at : at + len(rows)])
             at += len(rows)
-        return sampled, prompt
+        return sampled, prompt, tokens
+
+    def _screen(
+        self, screen: GreedyScreen, hidden: torch.Tensor, sample_seqs: list[int], greedy: frozenset[int]
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        """The screened tokens of the plain-greedy sample rows of ``hidden [rows, h]`` (the final
+        norm's output; sample rows first) and the logits of the other rows, in order."""
+        pick = [i for i, s in enumerate(sample_seqs) if s in greedy]
+        found = screen.argmax(hidden[pick])
+        tokens: dict[int, int] = {}
+        if found is not None:
+            tokens = {sample_seqs[i]: t for i, t, ok in zip(pick, *found) if ok}
+        rest = [i for i in range(hidden.shape[0]) if i >= len(sample_seqs) or sample_seqs[i] not in tokens]
+        return self.model.lm_head(hidden[rest]), tokens
 
     def _multimodal_inputs(
         self, out: SchedulerOutput
@@ -277,6 +317,17 @@ class ModelRunner:
         context set; returns the logits of ``sample_rows`` ``[len(sample_rows), vocab]``.
         ``extra``: a multimodal model's ``positions [3, N]`` (replacing the batches'),
         ``image_embeds`` and ``image_mask`` (:func:`llmlab.inference.multimodal.step_inputs`)."""
+        return self._forward(batches, sample_rows, False, **extra)
+
+    def _forward(
+        self,
+        batches: list[AttentionBatch],
+        sample_rows: list[int],
+        return_hidden: bool,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward`; with ``return_hidden`` the rows' final hidden states ``[len(sample_rows),
+        hidden]`` (after the final norm) instead of their logits."""
         if len(batches) == 1:
             ids, positions = batches[0].input_ids, batches[0].positions
         else:
@@ -287,5 +338,7 @@ class ModelRunner:
         with forward_context(
             PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
         ):
-            logits: torch.Tensor = self.model(ids[None], positions=positions, logits_indices=rows, **extra)
+            logits: torch.Tensor = self.model(
+                ids[None], positions=positions, logits_indices=rows, return_hidden=return_hidden, **extra
+            )
         return logits

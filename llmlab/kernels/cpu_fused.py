@@ -1,6 +1,6 @@
 """Fused elementwise operators for CPU tensors, in C++: the inference engine's RMSNorm (with the
 residual add before it), SiLU-and-multiply and rotary embedding on CPU, the step's greedy
-argmax (:func:`argmax_rows`), the paged KV cache write (:func:`write_kv`), and W8A8's per-token activation quantisation
+argmax (:func:`argmax_rows`) and its bf16-screened form for fp32 logits (:func:`screened_argmax`), the paged KV cache write (:func:`write_kv`), and W8A8's per-token activation quantisation
 (:func:`quantize_per_token`, which :mod:`~llmlab.kernels.int8_linear` calls on its int8 paths
 whether or not ``cpu_fused`` is on).
 
@@ -83,6 +83,21 @@ def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each row (``torch.argmax``'s choice) where the row is finite (no nan, no inf), 0 where not."""
     idx, finite = _module().argmax_rows(x)
     return idx, finite
+
+
+def screened_argmax(
+    h: torch.Tensor, approx: torch.Tensor, w: torch.Tensor, wnorm: torch.Tensor, c: float, u: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first maximum of each row of the fp32 logits ``h @ w.T`` from bf16 approximations
+    (:mod:`llmlab.inference.greedy_screen`): ``h [rows, K]`` fp32, ``approx [rows, V]`` bf16,
+    ``w [V, K]`` fp32, ``wnorm [V]`` (each at least ``|w_v|``), ``approx`` within ``c |h| wnorm_v
+    + u |approx_v|`` of the fp32 logits (plus a denormal term). Only the tokens whose interval
+    reaches the highest lower end are recomputed in fp32. -> ``(index int64 [rows], ok bool
+    [rows])``; ``ok`` false (index 0) where ``h``, ``approx`` or a recomputed logit is not finite
+    or ``|h| max(wnorm)`` could overflow. ``RuntimeError`` naming the constraint for other shapes
+    or dtypes."""
+    idx, ok = _module().screened_argmax(h, approx, w, wnorm, c, u)
+    return idx, ok
 
 
 def write_kv(

@@ -315,10 +315,14 @@ class LlamaForCausalLM(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         logits_indices: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ):
         """``positions [T]`` (optional) are the tokens' RoPE positions; ``logits_indices [K]``
-        (optional) picks the flattened ``B*T`` rows whose logits are wanted (``[K, vocab]``)."""
-        return self.forward_embeds(self.embed(input_ids), labels, positions, logits_indices)
+        (optional) picks the flattened ``B*T`` rows whose logits are wanted (``[K, vocab]``);
+        ``return_hidden``: those rows' final hidden states (after the final norm, ``[..., hidden]``)
+        instead of logits, for a serving engine that applies ``lm_head`` itself (vLLM's
+        ``compute_logits``)."""
+        return self.forward_embeds(self.embed(input_ids), labels, positions, logits_indices, return_hidden)
 
     def forward_embeds(
         self,
@@ -326,12 +330,16 @@ class LlamaForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logits_indices: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """:meth:`forward` from the input embeddings ``h [B, T, hidden]`` on (a multimodal model
-        writes its image tokens into them first): logits, or the loss with ``labels``."""
+        writes its image tokens into them first): logits, or the loss with ``labels``, or with
+        ``return_hidden`` the final norm's output."""
         h = self.run_layers(h) if positions is None else self.run_layers(h, positions=positions)
         if logits_indices is not None:
             h = h.flatten(0, -2)[logits_indices]
+        if return_hidden:
+            return self.model.norm(h)
         logits = self.head(h)
         if labels is None:
             return logits

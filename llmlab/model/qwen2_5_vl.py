@@ -46,7 +46,7 @@ class MultimodalConfig:
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     """The vision-language model. ``forward(input_ids [1, N], *, positions [3, N] | [N],
-    logits_indices, image_embeds [K, h], image_mask [N] bool)``: the ``K`` rows where
+    logits_indices, image_embeds [K, h], image_mask [N] bool, return_hidden)``: the ``K`` rows where
     ``image_mask`` is set take ``image_embeds`` (from :meth:`encode_images`) instead of the token
     embedding. ``positions`` of shape ``[N]`` (text only) means the same id on all three axes."""
 
@@ -91,6 +91,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         logits_indices: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         h = self.embed(input_ids)
         if image_embeds is not None and image_embeds.shape[0]:
@@ -99,7 +100,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             flat[image_mask.view(-1)] = image_embeds.to(h.dtype)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
-        return self.forward_embeds(h, labels, positions, logits_indices)
+        return self.forward_embeds(h, labels, positions, logits_indices, return_hidden)
 
 
 def small_qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:

@@ -6,7 +6,9 @@ lowering it):
   ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn`` or the ``aten``
   fallback where the CPU cannot pack that dtype), and decode-sized batches in bf16 (``amx`` where
   the CPU has AMX tiles: :mod:`llmlab.kernels.amx_linear`) and in fp32 (``panels`` where it has
-  AVX-512: :mod:`llmlab.kernels.panel_linear`);
+  AVX-512: :mod:`llmlab.kernels.panel_linear`), and the fp32 lm_head's greedy tokens screened in
+  bf16 where it has AVX512-BF16 (``bf16 screen``: :mod:`llmlab.inference.greedy_screen`) against
+  the full product's argmax;
 * ``cpu_paged_attention``: the C++ PagedAttention against the reference, prefill and decode rows
   in one call, fp32 and bf16, with the vector code the build uses (``avx512_bf16``: bf16 pair dot
   products; ``avx512``, ``avx2``, ``generic``: fp32-widening);
@@ -68,6 +70,7 @@ def check_cpu_packed_linear(quick: bool) -> dict:
         x = torch.randn(n, 64, generator=g).bfloat16()
         want = F.linear(x.float(), w.float())
         _record(errs, f"bf16 x{n} no bias", cpu_linear.linear(x, w), want, torch.bfloat16)
+    _greedy_screen(errs, paths, g)
     out = _verdict(errs, None, paths=paths, **_level())
     out["detail"] = (
         f"{_level()['cpu_isa']}: "
@@ -75,6 +78,23 @@ def check_cpu_packed_linear(quick: bool) -> dict:
         + f"; max err {max(v['err'] for v in errs.values()):.1e}"
     )
     return out
+
+
+def _greedy_screen(errs: dict, paths: dict, g: torch.Generator) -> None:
+    """The fp32 lm_head's greedy tokens screened in bf16 (llmlab.inference.greedy_screen, where
+    the CPU has AVX512-BF16) against the full product's argmax: any token off is a FAIL."""
+    from llmlab.inference.greedy_screen import GreedyScreen
+
+    w = torch.randn(1000, 64, generator=g)
+    if not GreedyScreen.applies(w):
+        paths["fp32 greedy lm_head"] = "full product"
+        return
+    paths["fp32 greedy lm_head"] = "bf16 screen"
+    h = torch.randn(9, 64, generator=g) * 4
+    found = GreedyScreen(w).argmax(h)
+    want = (h @ w.T).argmax(1).tolist()
+    off = len(want) if found is None else sum(t != x or not ok for t, ok, x in zip(*found, want))
+    errs["fp32 greedy screen tokens off"] = {"err": float(off), "tol": 0.0, "ok": off == 0}
 
 
 def _need_cxx() -> None:

@@ -1,5 +1,6 @@
 // Fused elementwise operators for CPU tensors: RMSNorm (optionally after the residual add),
-// SiLU-and-multiply, rotary embedding in place, and W8A8's per-token int8 quantisation. Each is
+// SiLU-and-multiply, rotary embedding in place, and W8A8's per-token int8 quantisation (and, beside
+// them, the greedy argmax of a step's logits and its bf16-screened form). Each is
 // one pass over its rows instead of the several PyTorch operators (each a full read and write of
 // the tensor) of the reference: llmlab.model.layers.RMSNorm, MLP, llmlab.model.llama.Attention._serve
 // and llmlab.kernels.int8_linear.quantize_per_token.
@@ -14,6 +15,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -253,6 +256,85 @@ std::vector<torch::Tensor> argmax_rows(torch::Tensor x) {
   return {idx, finite};
 }
 
+// The greedy token of fp32 logits h . w_v without all of them (llmlab.inference.greedy_screen):
+// h [rows, K] fp32, approx [rows, V] bf16 the logits of bf16 copies of h and w, w [V, K] fp32,
+// wnorm [V] (>= |w_v|). approx_v is within bound_v = c |h| wnorm_v + u |approx_v| + tiny of any
+// fp32 dot product h . w_v (the caller's c and u; tiny covers flushed denormals), so only the v
+// with approx_v + bound_v >= max_t(approx_t - bound_t) can hold the maximum: each of those is
+// recomputed as an fp32 dot product and the first maximum is the token. ok[r] is false (token 0)
+// where h, an approx or a recomputed logit is not finite, or |h| max(wnorm) could overflow a sum:
+// the caller then computes that row in full.
+std::vector<torch::Tensor> screened_argmax(torch::Tensor h, torch::Tensor approx, torch::Tensor w,
+                                           torch::Tensor wnorm, double c, double u) {
+  TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
+              "screened_argmax: h must be a contiguous fp32 CPU tensor [rows, K]");
+  const int64_t rows = h.size(0), K = h.size(1), V = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && w.scalar_type() == at::kFloat,
+              "screened_argmax: w must be a contiguous fp32 tensor [V, ", K, "]");
+  TORCH_CHECK(approx.dim() == 2 && approx.size(0) == rows && approx.size(1) == V && approx.stride(1) == 1 &&
+                  approx.scalar_type() == at::kBFloat16,
+              "screened_argmax: approx must be bf16 [", rows, ", ", V, "] with rows contiguous");
+  TORCH_CHECK(wnorm.dim() == 1 && wnorm.size(0) == V && wnorm.is_contiguous() && wnorm.scalar_type() == at::kFloat,
+              "screened_argmax: wnorm must be a contiguous fp32 tensor [", V, "]");
+  auto idx = torch::zeros({rows}, h.options().dtype(at::kLong));
+  auto ok = torch::zeros({rows}, h.options().dtype(at::kBool));
+  const float* hp = h.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* np_ = wnorm.data_ptr<float>();
+  const c10::BFloat16* ap = approx.data_ptr<c10::BFloat16>();
+  const int64_t as = approx.stride(0);
+  float wmax = 0.f;
+  for (int64_t v = 0; v < V; ++v) wmax = std::max(wmax, np_[v]);
+  const float uf = static_cast<float>(u);
+  auto dot = [K](const float* a, const float* b) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
+    return s;
+  };
+  each_row(rows, 1, [&](int64_t i) {
+    const float* hr = hp + i * K;
+    double ss = 0;
+    for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(hr[k]) * hr[k];
+    const double hn = std::sqrt(ss);
+    if (!std::isfinite(hn) || hn * wmax > 1e37) return;
+    const float ch = static_cast<float>(c * hn);
+    const float tiny = static_cast<float>(std::ldexp(hn + wmax + static_cast<double>(K), -120));
+    const c10::BFloat16* ar = ap + i * as;
+    std::vector<float> hi(V);                      // approx + bound
+    float lo = -std::numeric_limits<float>::infinity();
+    uint32_t bad = 0;
+#pragma omp simd reduction(max : lo) reduction(| : bad)
+    for (int64_t v = 0; v < V; ++v) {
+      union { float f; uint32_t bits; } a{to_f(ar[v])};
+      bad |= (a.bits & 0x7F800000u) == 0x7F800000u;  // inf or nan
+      const float b = ch * np_[v] + uf * std::fabs(a.f) + tiny;
+      hi[v] = a.f + b;
+      lo = std::max(lo, a.f - b);
+    }
+    if (bad) return;
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t at = -1;
+    for (int64_t v0 = 0; v0 < V; v0 += 64) {
+      const int64_t n = std::min<int64_t>(64, V - v0);
+      int any = 0;
+#pragma omp simd reduction(| : any)
+      for (int64_t j = 0; j < n; ++j) any |= hi[v0 + j] >= lo;
+      if (!any) continue;
+      for (int64_t v = v0; v < v0 + n; ++v) {
+        if (!(hi[v] >= lo)) continue;
+        const float d = dot(hr, wp + v * K);
+        if (!std::isfinite(d)) return;
+        if (d > best) best = d, at = v;
+      }
+    }
+    if (at < 0) return;
+    idx.data_ptr<int64_t>()[i] = at;
+    ok.data_ptr<bool>()[i] = true;
+  });
+  return {idx, ok};
+}
+
 // The paged KV cache write (llmlab.inference.paged_attention.write_kv, two index_copy_ calls
 // there): k, v [N, Hkv, D] (rows may be strided, each row's Hkv x D contiguous) stored at flat
 // slots [N] (int64) of k_cache, v_cache [num_blocks, block_size, Hkv, D] (contiguous, k's
@@ -298,6 +380,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 per row from its absolute maximum -> (qx, sx) (fused_ops_cpu.cpp)");
   m.def("argmax_rows", &argmax_rows,
         "first maximum and finite check of each row of x [rows, V] (fused_ops_cpu.cpp)");
+  m.def("screened_argmax", &screened_argmax,
+        "greedy tokens of fp32 h . w from bf16 approximate logits, candidates checked in fp32 (fused_ops_cpu.cpp)");
   m.def("write_kv", &write_kv, "the paged KV cache write of k, v at slots (fused_ops_cpu.cpp)");
   m.def("isa", [] { return std::string(llmlab_cpu::compiled_isa()); },
         "the vector code this build uses (cpu_math.h)");
