@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_cpu_paged_attention.py                   # bf16 and fp32, 40 and 64 seqs
     PYTHONPATH=$PWD python benchmarks/bench_cpu_paged_attention.py --against HEAD~3  # and an older build, side by side
+    PYTHONPATH=$PWD python benchmarks/bench_cpu_paged_attention.py --prefill --seqs 26 --ctx 36,250  # prompts instead
 
 The engine's cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` filling
 ``--kv-bytes`` (1 GiB, as benchmarks/bench_vs_vllm.py gives both engines), and a decode step calls
@@ -15,6 +16,9 @@ at random from the pool, as a block manager hands them out after a while), and t
 * ``hot``: layer 0's call repeated, its K/V in the caches (ms per call);
 
 as the minimum over ``--rounds`` rounds (the machine is shared: the minimum is the least disturbed).
+With ``--prefill`` the step is a prompt step instead: each sequence's whole context is its prompt
+(query_len = context_len, the kernel's prompt items; bound by arithmetic rather than memory, so
+``hot`` is the figure to read).
 With ``--against REF`` the kernel's source at git ref ``REF`` is built too (its own extension name)
 and each round times both in turn, after checking their outputs agree. Prints the CPU flags, the
 build's instruction-set level, the thread count and the load average.
@@ -83,7 +87,8 @@ def build_at(ref: str) -> Callable[..., torch.Tensor]:
 
 
 def decode_step(args: argparse.Namespace, dtype: torch.dtype, seqs: int) -> dict[str, Any]:
-    """The cache, block tables, contexts and each layer's queries of one decode step."""
+    """The cache, block tables, contexts and each layer's queries of one decode step (of one
+    prompt step with ``--prefill``: a query per cached token)."""
     L, H, Hkv, D, bs = args.layers, 9, 3, 64, 32
     num_blocks = args.kv_bytes // (L * 2 * bs * Hkv * D * dtype.itemsize)
     rng = random.Random(0)
@@ -99,10 +104,9 @@ def decode_step(args: argparse.Namespace, dtype: torch.dtype, seqs: int) -> dict
         pool = pool[n:]
     cache = torch.empty(L, 2, num_blocks, bs, Hkv, D, dtype=dtype)
     cache.normal_(generator=torch.Generator().manual_seed(0))
-    q = torch.randn(L, seqs, H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    return dict(
-        cache=cache, q=q, tables=tables, ctx=torch.tensor(ctx), qlens=torch.ones(seqs, dtype=torch.long)
-    )
+    qlens = torch.tensor(ctx) if args.prefill else torch.ones(seqs, dtype=torch.long)
+    q = torch.randn(L, int(qlens.sum()), H, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return dict(cache=cache, q=q, tables=tables, ctx=torch.tensor(ctx), qlens=qlens)
 
 
 def time_one(
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--against", metavar="REF", help="also time the kernel at this git ref")
+    p.add_argument("--prefill", action="store_true", help="a prompt step: each context is a whole prompt")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from llmlab.kernels.cpu_paged_attention import paged_attention_cpu

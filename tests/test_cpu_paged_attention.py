@@ -94,6 +94,24 @@ def test_bf16_paths_within_its_rounding(H, Hkv, D, window, level):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 2, 16), (2, 2, 256), (10, 2, 80)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_prompt_row_tiles_within_rounding_of_the_reference(H, Hkv, D, dtype, tol, window, level):
+    # prompt items take their (position, head) rows in tiles across positions (AVX-512: 24 / (D / 16)
+    # rows, up to 12; fewer on AVX2), each row with its own last key and window start: G = 3, 4, 1,
+    # 5 heads per kv head (tiles of two positions, three, one head, and tiles that split a
+    # position), score steps of 16 to 64 keys with a narrowed last one, K transposed 16 keys at a
+    # time (contexts of several steps, not multiples of 16), and a short chunk read in place
+    args = _case(H, Hkv, D, ctx=[100, 77, 50], qlens=[100, 30, 3], dtype=dtype, num_blocks=60)
+    got = C.paged_attention_cpu(*args, sliding_window=window)
+    want = paged_attention_reference(
+        *(a.float() if a.is_floating_point() else a for a in args), sliding_window=window
+    )
+    assert got.dtype == dtype and got.shape == (133, H, D)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (8, 1, 48), (4, 4, 128), (14, 2, 32)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("window", [None, 7])

@@ -2,21 +2,22 @@
 // anonymous namespace before the bf16 passes (paged_attention_bf16.h) and the decode items
 // (paged_attention_decode.h), which use them; not compiled on its own. The 16-lane vector type and
 // its loads, the lane reductions, the walk over a sequence's blocks (for_each_key, with the next
-// block prefetched), a work item's view of the cache (Item), the two passes of a prompt item
-// (scores read in place or from K transposed; softmax with the weighted sum of V), and how many
-// query rows one tile takes (max_rows).
+// block prefetched), a work item's view of the cache (Item), the scores read in place (short
+// items), a row's softmax weights and the weighted sum of V (softmax_v, also the prompt items'),
+// and how many query rows a short item's tile takes (max_rows).
 #pragma once
 
 using llmlab_cpu::exp_f;
 
 constexpr int L = 16;                                            // lanes of one vector
 typedef float vf __attribute__((vector_size(64)));               // 16 x fp32
-typedef float vf_u __attribute__((vector_size(64), aligned(4)));     // (unaligned access)
+typedef float vf_u __attribute__((vector_size(64), aligned(4), may_alias));  // (unaligned access)
 typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));  // 16 x 16-bit storage
 typedef uint32_t vu __attribute__((vector_size(64)));
 
 // 16 stored values -> fp32. bf16 is the top half of an fp32: widen and shift.
 inline vf load16(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store16(float* p, vf x) { *reinterpret_cast<vf_u*>(p) = x; }
 #if defined(__AVX512F__)
 inline vf load16(const c10::BFloat16* p) {        // (one widening load; the generic code splits it)
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -41,33 +42,17 @@ inline float sum16(vf x) {
   return s;
 }
 
-// max(x[0 .. n)), n >= 1, in whole vectors of 16 lanes (x must have room up to the next
-// multiple of 16; the lanes past n are masked). A scalar loop would not vectorise (fp max is not
-// associative for the compiler), and a scalar tail would cost as much as the vectors.
-inline float max_of(const float* x, int64_t n) {
-  vf m = vf{} + x[0];
-  for (int64_t i = 0; i < n; i += L) {
-    vf y = load16(x + i);
-    for (int j = 0; j < L; ++j) y[j] = i + j < n ? y[j] : x[0];
-    m = m > y ? m : y;
-  }
-  float r = m[0];
-  for (int j = 1; j < L; ++j) r = std::max(r, m[j]);
-  return r;
+inline float max16(vf x) {
+  float m = x[0];
+  for (int i = 1; i < L; ++i) m = std::max(m, x[i]);
+  return m;
 }
-
-// s[t] = exp(s[t] - mx) for t in [lo, hi], and 0 past hi up to the next multiple of 16 keys
-// (whole vectors, no scalar tail; s must have room); returns the sum over [lo, hi].
-inline float exp_sum(float* s, int64_t lo, int64_t hi, float mx) {
-  const int64_t end = lo + (hi - lo + L) / L * L;
-  float l = 0.f;
-#pragma omp simd reduction(+ : l)
-  for (int64_t t = lo; t < end; ++t) {
-    const float p = t <= hi ? exp_f(s[t] - mx) : 0.f;
-    s[t] = p;
-    l += p;
-  }
-  return l;
+// exp_f of 16 lanes (one vector of each of its steps).
+inline vf exp16(vf x) {
+  float y[L];
+#pragma omp simd
+  for (int i = 0; i < L; ++i) y[i] = exp_f(x[i]);
+  return load16(y);
 }
 
 // p[i]'s lane sum in lane i, for 16 vectors: four levels of "add the two halves", each pairing
@@ -158,47 +143,40 @@ void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t
   });
 }
 
-// Scores of keys [t0, t0 + TK * 16) from kt [D, ld], the item's K transposed to fp32: keys
-// in lanes, TK vectors of them per row.
-template <int NC, int RT, int TK>
-inline void score_tile(const float* kt, int64_t ld, const vf (&q)[RT][NC], int64_t t0, vf (&acc)[RT][TK]) {
-  for (int r = 0; r < RT; ++r)
-    for (int i = 0; i < TK; ++i) acc[r][i] = vf{};
-  for (int d = 0; d < NC * L; ++d) {
-    const float* kr = kt + d * ld + t0;
-    vf kx[TK];
-    for (int i = 0; i < TK; ++i) kx[i] = load16(kr + i * L);
-    for (int r = 0; r < RT; ++r) {
-      const float qd = q[r][d / L][d % L];
-      for (int i = 0; i < TK; ++i) acc[r][i] += qd * kx[i];
-    }
+// Row r of a tile of rows whose keys are [a, b]: its softmax weights over its own keys [lo, hi],
+// s[t] = exp(s[t] - max) there and 0 on the rest of [a, b] (a later position's keys, or keys
+// before an earlier one's window); returns 1 / their sum. Whole vectors from a (s must have room
+// up to b's next multiple of 16 past a): a scalar tail would cost as much as the vectors.
+inline float weights(float* s, int64_t a, int64_t b, int64_t lo, int64_t hi) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const auto in = [&](int64_t t) { return (lane >= static_cast<int32_t>(lo - t)) & (lane <= static_cast<int32_t>(hi - t)); };
+  const vf ninf = vf{} - std::numeric_limits<float>::infinity();
+  vf m = ninf;
+  for (int64_t t = a; t <= b; t += L) {
+    const vf x = load16(s + t);
+    m = in(t) && x > m ? x : m;
   }
+  const float mx = max16(m);
+  vf l = {};
+  for (int64_t t = a; t <= b; t += L) {
+    const vf p = in(t) ? exp16(load16(s + t) - mx) : vf{};
+    store16(s + t, p);
+    l += p;
+  }
+  return 1.f / sum16(l);
 }
 
-// Pass 1 from kt: tiles of 64 keys, the last one past hi too (kt is padded past the end; a
-// narrower tail tile would leave the multiply-adds waiting on each other).
-template <int NC, int RT>
-void scores_tiled(const float* kt, int64_t ld, const vf (&q)[RT][NC], int64_t lo, int64_t hi,
-                  float* const* sc) {
-  for (int64_t t0 = lo; t0 <= hi; t0 += 4 * L) {
-    vf acc[RT][4];
-    score_tile<NC, RT, 4>(kt, ld, q, t0, acc);
-    const int64_t n = std::min<int64_t>(4 * L, hi + 1 - t0);
-    for (int r = 0; r < RT; ++r) std::memcpy(sc[r] + t0, acc[r], n * sizeof(float));
-  }
-}
-
-// Pass 2 for RT rows: softmax of sc[r][lo..hi] and the weighted sum of V (rows read in place),
-// written to out[r].
+// Pass 2 for RT rows, row r seeing keys [lo[r], hi[r]] (rows in position order: the keys of all
+// are [lo[0], hi[RT - 1]]): each row's softmax, and the weighted sum of V (rows read in place) for
+// all rows at once, written to out[r]. A row's zero weights for the others' keys add nothing.
 template <typename T, int NC, int RT>
-void softmax_v(const Item<T>& it, int64_t lo, int64_t hi, float* const* sc, T* const* out) {
+void softmax_v(const Item<T>& it, const int64_t* lo, const int64_t* hi, float* const* sc, T* const* out) {
+  const int64_t a = lo[0], b = hi[RT - 1];
   float inv[RT];
-  for (int r = 0; r < RT; ++r) {
-    float* s = sc[r];
-    inv[r] = 1.f / exp_sum(s, lo, hi, max_of(s + lo, hi + 1 - lo));
-  }
+  for (int r = 0; r < RT; ++r) inv[r] = weights(sc[r], a, b, lo[r], hi[r]);
   vf acc[RT][NC] = {};
-  for_each_key(it.v, it.c_blk, it.c_tok, it.table, it.bs, lo, hi, [&](int64_t t, const T* row) {
+  for_each_key(it.v, it.c_blk, it.c_tok, it.table, it.bs, a, b, [&](int64_t t, const T* row) {
     vf vx[NC];
     for (int c = 0; c < NC; ++c) vx[c] = load16(row + c * L);
     for (int r = 0; r < RT; ++r) {
@@ -211,6 +189,7 @@ void softmax_v(const Item<T>& it, int64_t lo, int64_t hi, float* const* sc, T* c
       for (int i = 0; i < L; ++i) out[r][c * L + i] = static_cast<T>(acc[r][c][i] * inv[r]);
 }
 
-// Most rows one tile takes: RT * NC accumulators must fit the registers (32 vectors on AVX-512).
+// Most rows a short item's tile (and a decode item's) takes: RT * NC accumulators must fit the
+// registers (32 vectors on AVX-512).
 template <int NC>
 constexpr int max_rows() { return std::max(1, std::min(4, 16 / NC)); }

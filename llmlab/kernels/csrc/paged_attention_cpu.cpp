@@ -18,20 +18,28 @@
 // bf16 0.90 -> 0.74 ms a layer, fp32 1.20 -> 1.18 ms (memory-bound at ~9.4 GB/s).
 //
 // Other work items: one (sequence, kv head). Its G = H / Hkv query heads are "rows" that read the
-// same K and V: up to RT rows of one query position go together, so each K or V row read (and
-// converted to fp32) serves all of them. Two passes per row tile (Kwon et al., SOSP 2023, §4.1;
-// the in-place walk over the block table is their kernel's, the loop order is ours):
-//   1. scores q.k and their max. Short items (few rows) read K rows in place and reduce 16 keys'
-//      partial dot products at once (a shuffle tree instead of one horizontal sum per key);
-//      prompt items (many rows) first copy the sequence's K, transposed, into an fp32 buffer
-//      [D, context] once, and then 64 keys' scores are 64 lanes of plain multiply-adds.
-//   2. exp(s - max), its sum, and the weighted sum of V rows read in place.
+// same K and V, so rows go together in tiles: each K or V row read (and converted to fp32) serves
+// all of a tile's rows. Two passes per row tile (Kwon et al., SOSP 2023, §4.1; the in-place walk
+// over the block table is their kernel's, the loop order is ours):
+//   1. scores q.k. Short items (fewer than 16 rows: up to RT rows of one query position) read K
+//      rows in place and reduce 16 keys' partial dot products at once (a shuffle tree instead of
+//      one horizontal sum per key). Prompt items (paged_attention_prompt.h) first copy the
+//      sequence's K, transposed 16 keys at a time, into an fp32 buffer [D, context] once; their
+//      tiles take rows of consecutive query positions (SmolLM2: two positions' three heads), and
+//      up to 64 keys' scores are lanes of plain multiply-adds, the last step cut to the 16-key
+//      vectors left before the tile's causal edge.
+//   2. each row's max, exp(s - max) and its sum (whole vectors, masked to the row's own keys), and
+//      the weighted sum of V rows read in place, for all the tile's rows at once.
 // bf16 on a build with AVX512-BF16 (and head dims a multiple of 32) multiplies bf16 pairs
 // directly (vdpbf16ps, fp32 sums): prompt items then copy K and V once into pairs, and round
 // their softmax weights to bf16 for the weighted sum of V, as flash attention kernels do (decode
 // items keep fp32 weights). The next block's rows are prefetched before a block is read (blocks
 // lie anywhere in the cache, where the hardware prefetcher, which follows strides within a page,
-// cannot see them coming).
+// cannot see them coming). Prompt items, measured on this repository's machine (AMD EPYC Zen 4,
+// one thread, SmolLM2-135M's shapes, 26 prompts of 36-250 tokens, `benchmarks/
+// bench_cpu_paged_attention.py --prefill --seqs 26 --ctx 36,250`, hot): fp32 21.0 -> 12.9 ms a
+// layer, bf16 15.6 -> 8.0 ms (before: rows of one position at a time, 64-key score steps, a
+// scalar softmax tail, K copied one value at a time).
 // Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them to AVX-512, AVX2
 // or SSE, whatever the build targets.
 #include <torch/extension.h>
@@ -64,71 +72,55 @@ struct Buffers {
 template <typename T, int NC>
 constexpr bool dp_bf16() { return kDpBf16 && std::is_same_v<T, c10::BFloat16> && NC % 2 == 0; }
 
-// Rows g0 .. g0+RT-1 of query n (position pos): the G heads of one kv head, RT at a time.
-// tiled: the item's K (and, bf16 path, V) were copied into buf first.
+// Rows g0 .. g0+RT-1 of query n (position pos): the G heads of one kv head, RT at a time, K and V
+// read in place (a short item's rows).
 template <typename T, int NC, int RT>
-void attend_rows(const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
-                 bool tiled, int64_t ld, Buffers& buf, float* const* sc, T* const* out) {
+void attend_rows(const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos, float* const* sc,
+                 T* const* out) {
+  int64_t los[RT], his[RT];
+  std::fill(los, los + RT, lo);
+  std::fill(his, his + RT, pos);
 #if defined(__AVX512BF16__)
   if constexpr (dp_bf16<T, NC>()) {
-    if (tiled) {
-      scores_tiled_bf16<NC, RT>(buf.kt2.data(), ld, qr, scale, lo, pos, sc);
-      softmax_v_bf16<NC, RT>(buf.vt2.data(), lo, pos, sc, buf.pb.data(), ld, out);
-    } else {
-      scores_direct_bf16<NC, RT>(it, qr, scale, lo, pos, sc);
-      softmax_v<T, NC, RT>(it, lo, pos, sc, out);
-    }
+    scores_direct_bf16<NC, RT>(it, qr, scale, lo, pos, sc);
+    softmax_v<T, NC, RT>(it, los, his, sc, out);
     return;
   }
 #endif
   vf q[RT][NC];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < NC; ++c) q[r][c] = load16(qr[r] + c * L) * scale;
-  if (tiled) scores_tiled<NC, RT>(buf.kt.data(), ld, q, lo, pos, sc);
-  else scores_direct<T, NC, RT>(it, q, lo, pos, sc);
-  softmax_v<T, NC, RT>(it, lo, pos, sc, out);
+  scores_direct<T, NC, RT>(it, q, lo, pos, sc);
+  softmax_v<T, NC, RT>(it, los, his, sc, out);
 }
+
+#include "paged_attention_prompt.h"   // (the prompt items: attend_prompt)
 
 #include "paged_attention_decode.h"   // (the decode items: attend_decode)
 
 template <typename T, int NC, int RT = max_rows<NC>()>
 void dispatch_rows(int rt, const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
-                   bool tiled, int64_t ld, Buffers& buf, float* const* sc, T* const* out) {
+                   float* const* sc, T* const* out) {
   if constexpr (RT > 1) {
-    if (rt < RT) return dispatch_rows<T, NC, RT - 1>(rt, it, qr, scale, lo, pos, tiled, ld, buf, sc, out);
+    if (rt < RT) return dispatch_rows<T, NC, RT - 1>(rt, it, qr, scale, lo, pos, sc, out);
   }
-  attend_rows<T, NC, RT>(it, qr, scale, lo, pos, tiled, ld, buf, sc, out);
+  attend_rows<T, NC, RT>(it, qr, scale, lo, pos, sc, out);
 }
 
-// Work item (sequence s, kv head hkv): its qlen queries x G heads.
+// Work item (sequence s, kv head hkv): its qlen queries x G heads. Prompt items (qlen * G >= 16
+// rows: copying K pays for itself) go to attend_prompt.
 template <typename T, int NC>
 void attend_item(const Item<T>& it, const T* q, int64_t q_s0, int64_t q_s1, int64_t ctx, int64_t qlen,
                  int64_t q0, int64_t hkv, int64_t G, float scale, int64_t window, T* out,
                  int64_t o_s0, int64_t o_s1, Buffers& buf) {
-  constexpr int D = NC * L, R = max_rows<NC>();
+  constexpr int R = max_rows<NC>(), RS = std::max(R, tile_rows<NC>());
   const int64_t ld = (ctx + L - 1) / L * L + 4 * L;          // (room for a tile's overrun)
-  const bool tiled = qlen * G >= 16;                          // copying K pays for itself
-  buf.sc.resize(R * ld);
-  float* sc[R];
-  for (int r = 0; r < R; ++r) sc[r] = buf.sc.data() + r * ld;
-  if (tiled) {
-#if defined(__AVX512BF16__)
-    if constexpr (dp_bf16<T, NC>()) {
-      pack_bf16<NC>(it, ctx, ld, buf.kt2, buf.vt2);
-      buf.pb.resize(R * ld + L);
-    } else
-#endif
-    {
-      buf.kt.assign(D * ld, 0.f);
-      float* k = buf.kt.data();
-      for_each_key(it.k, it.c_blk, it.c_tok, it.table, it.bs, 0, ctx - 1, [&](int64_t t, const T* row) {
-        for (int c = 0; c < NC; ++c) {
-          const vf x = load16(row + c * L);
-          for (int i = 0; i < L; ++i) k[(c * L + i) * ld + t] = x[i];
-        }
-      });
-    }
-  }
+  buf.sc.resize(RS * ld);
+  float* sc[RS];
+  for (int r = 0; r < RS; ++r) sc[r] = buf.sc.data() + r * ld;
+  if (qlen * G >= 16)
+    return attend_prompt<T, NC>(it, q, q_s0, q_s1, ctx, qlen, q0, hkv, G, scale, window, out, o_s0, o_s1, ld,
+                                buf, sc);
   for (int64_t j = 0; j < qlen; ++j) {
     const int64_t n = q0 + j, pos = ctx - qlen + j;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
@@ -140,7 +132,7 @@ void attend_item(const Item<T>& it, const T* q, int64_t q_s0, int64_t q_s1, int6
         qr[r] = q + n * q_s0 + (hkv * G + g0 + r) * q_s1;
         orow[r] = out + n * o_s0 + (hkv * G + g0 + r) * o_s1;
       }
-      dispatch_rows<T, NC>(rt, it, qr, scale, lo, pos, tiled, ld, buf, sc, orow);
+      dispatch_rows<T, NC>(rt, it, qr, scale, lo, pos, sc, orow);
     }
   }
 }
