@@ -18,7 +18,7 @@
 
 // Accumulator vectors a tile keeps (AVX-512: 24 of its 32 registers). AVX2 builds keep 16-lane
 // vectors on the stack more than in registers whatever the count (the benchmark's prompts run
-// ~20x slower than on AVX-512): 12 measured a little faster there than 6 or 24.
+// 20-35x slower than on AVX-512, before this file too): 12 measured a little faster than 6 or 24.
 #if defined(__AVX512F__)
 constexpr int kAcc = 24;
 #else
