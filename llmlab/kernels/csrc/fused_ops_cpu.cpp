@@ -292,7 +292,7 @@ std::vector<torch::Tensor> screened_argmax(torch::Tensor h, torch::Tensor approx
     for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
     return s;
   };
-  each_row(rows, 1, [&](int64_t i) {
+  auto row = [&](int64_t i, float* hi) {            // hi [V]: approx + bound
     const float* hr = hp + i * K;
     double ss = 0;
     for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(hr[k]) * hr[k];
@@ -301,7 +301,6 @@ std::vector<torch::Tensor> screened_argmax(torch::Tensor h, torch::Tensor approx
     const float ch = static_cast<float>(c * hn);
     const float tiny = static_cast<float>(std::ldexp(hn + wmax + static_cast<double>(K), -120));
     const c10::BFloat16* ar = ap + i * as;
-    std::vector<float> hi(V);                      // approx + bound
     float lo = -std::numeric_limits<float>::infinity();
     uint32_t bad = 0;
 #pragma omp simd reduction(max : lo) reduction(| : bad)
@@ -331,6 +330,10 @@ std::vector<torch::Tensor> screened_argmax(torch::Tensor h, torch::Tensor approx
     if (at < 0) return;
     idx.data_ptr<int64_t>()[i] = at;
     ok.data_ptr<bool>()[i] = true;
+  };
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> hi(V);                      // one buffer a thread, not one a row
+    for (int64_t i = r0; i < r1; ++i) row(i, hi.data());
   });
   return {idx, ok};
 }
