@@ -34,11 +34,15 @@ constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vect
 constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
 constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster than 12; docs/kernels.md)
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
+// fp32 chunks of at least this many rows prefetch the next panel into L1 as well (T0): there
+// each panel's product is long enough to hide it, and it cut a 64-row step's products by 6-8 %
+// on AMD Zen 4 (docs/kernels.md); fewer rows keep the L2 hint (T0 was 5-10 % slower at 1-8).
+constexpr int64_t kRowsL1Prefetch = 16;
 
 #ifdef LLMLAB_PANEL
 // One register block: y[R, cols] = x[R, K] . panel[K, 32] (+ bias); while it runs, the cache
 // lines [pf, pf_end) are prefetched into L2, spread evenly over its K/2 steps.
-template <int R>
+template <int R, int Hint = _MM_HINT_T1>
 void block(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
            int64_t ldy, const float* __restrict bias, __mmask16 m0, __mmask16 m1, const char* pf,
            const char* pf_end) {
@@ -48,7 +52,7 @@ void block(const float* __restrict x, int64_t K, const float* __restrict panel, 
   int64_t due = 0;  // lines owed, in units of 1/steps
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
-    for (due += lines; due >= steps; due -= steps) { _mm_prefetch(pf, _MM_HINT_T1); pf += 64; }
+    for (due += lines; due >= steps; due -= steps) { _mm_prefetch(pf, static_cast<_mm_hint>(Hint)); pf += 64; }
     const float* w = panel + k * kCols;
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
@@ -84,6 +88,10 @@ using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, con
                        __mmask16, const char*, const char*);
 constexpr Block kBlocks[kRowsMax + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                          block<7>,  block<8>, block<9>, block<10>, block<11>, block<12>};
+constexpr int T0 = _MM_HINT_T0;
+constexpr Block kBlocksL1[kRowsMax + 1] = {
+    nullptr,          block<1, T0>, block<2, T0>, block<3, T0>,  block<4, T0>,  block<5, T0>, block<6, T0>,
+    block<7, T0>,     block<8, T0>, block<9, T0>, block<10, T0>, block<11, T0>, block<12, T0>};
 
 #endif
 
@@ -279,7 +287,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     const float* W = panels.data_ptr<float>();
     const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
     float* Y = y.data_ptr<float>();
-    run(kBlocks, kRowsMax, X, M, K, W, P, N, B, Y);
+    run(M >= kRowsL1Prefetch ? kBlocksL1 : kBlocks, kRowsMax, X, M, K, W, P, N, B, Y);
     return y;
 #else
     TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
