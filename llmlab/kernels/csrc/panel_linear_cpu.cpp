@@ -6,9 +6,9 @@
 // oneDNN's prepacked product leaves that stream to the hardware prefetcher and waits on it; here
 // the weight is packed once in panels of 32 output columns ([N/32][K][32], zero-padded), each
 // panel is multiplied by all rows (row blocks of up to 12 rows x 32 columns in 24 vector
-// accumulators), and while one panel is multiplied the next one is prefetched into L2, spread
-// evenly over the row blocks, so the memory streams the next panel while the FMA units work on
-// this one. Rows beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
+// accumulators), and while one panel is multiplied the next one is prefetched (into L2; fp32
+// chunks of 16+ rows into L1 too), spread evenly over the row blocks, so the memory streams the
+// next panel while the FMA units work on this one. Rows beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
 //
 // Accumulation is fp32 with fused multiply-adds, over k in order (0, 1, ..., K-1; bf16: in pairs
 // of inputs, the result rounded once to bf16), so results differ from oneDNN's (another
@@ -41,7 +41,7 @@ constexpr int64_t kRowsL1Prefetch = 16;
 
 #ifdef LLMLAB_PANEL
 // One register block: y[R, cols] = x[R, K] . panel[K, 32] (+ bias); while it runs, the cache
-// lines [pf, pf_end) are prefetched into L2, spread evenly over its K/2 steps.
+// lines [pf, pf_end) are prefetched (Hint: into L2, or L1 too), spread evenly over its K/2 steps.
 template <int R, int Hint = _MM_HINT_T1>
 void block(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
            int64_t ldy, const float* __restrict bias, __mmask16 m0, __mmask16 m1, const char* pf,
