@@ -36,7 +36,7 @@ constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster th
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
 // fp32 chunks of at least this many rows prefetch the next panel into L1 as well (T0): there
 // each panel's product is long enough to hide it, and it cut a 64-row step's products by 6-8 %
-// on AMD Zen 4 (docs/kernels.md); fewer rows keep the L2 hint (T0 was 5-10 % slower at 1-8).
+// on AMD Zen 4 (docs/kernels.md); fewer rows keep the L2 hint (T0 was 7-17 % slower at 1-8).
 constexpr int64_t kRowsL1Prefetch = 16;
 
 #ifdef LLMLAB_PANEL
