@@ -4,7 +4,8 @@
 // its loads, the lane reductions, the walk over a sequence's blocks (for_each_key, with the next
 // block prefetched), a work item's view of the cache (Item), the scores read in place (short
 // items), a row's softmax weights and the weighted sum of V (softmax_v, also the prompt items'),
-// and how many query rows a short item's tile takes (max_rows).
+// how many query rows a short item's tile takes (max_rows), and the call of a tile's kernel
+// instantiated for its row count (with_rows).
 #pragma once
 
 using llmlab_cpu::exp_f;
@@ -42,10 +43,17 @@ inline float sum16(vf x) {
   return s;
 }
 
+// The largest of x's lanes (four halvings, in vector registers).
 inline float max16(vf x) {
-  float m = x[0];
-  for (int i = 1; i < L; ++i) m = std::max(m, x[i]);
-  return m;
+  vf y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x = x > y ? x : y;
+  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x = x > y ? x : y;
+  return x[0];
 }
 // exp_f of 16 lanes (one vector of each of its steps).
 inline vf exp16(vf x) {
@@ -187,6 +195,16 @@ void softmax_v(const Item<T>& it, const int64_t* lo, const int64_t* hi, float* c
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < NC; ++c)
       for (int i = 0; i < L; ++i) out[r][c * L + i] = static_cast<T>(acc[r][c][i] * inv[r]);
+}
+
+// f(std::integral_constant<int, rt>{}) for a tile's row count rt in [1, RT]: each count its own
+// instantiation, so a tile's accumulators are fixed-size arrays the compiler keeps in registers.
+template <int RT, typename F>
+inline void with_rows(int rt, F&& f) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return with_rows<RT - 1>(rt, f);
+  }
+  f(std::integral_constant<int, RT>{});
 }
 
 // Most rows a short item's tile (and a decode item's) takes: RT * NC accumulators must fit the

@@ -98,15 +98,6 @@ void attend_rows(const Item<T>& it, const T* const* qr, float scale, int64_t lo,
 
 #include "paged_attention_decode.h"   // (the decode items: attend_decode)
 
-template <typename T, int NC, int RT = max_rows<NC>()>
-void dispatch_rows(int rt, const Item<T>& it, const T* const* qr, float scale, int64_t lo, int64_t pos,
-                   float* const* sc, T* const* out) {
-  if constexpr (RT > 1) {
-    if (rt < RT) return dispatch_rows<T, NC, RT - 1>(rt, it, qr, scale, lo, pos, sc, out);
-  }
-  attend_rows<T, NC, RT>(it, qr, scale, lo, pos, sc, out);
-}
-
 // Work item (sequence s, kv head hkv): its qlen queries x G heads. Prompt items (qlen * G >= 16
 // rows: copying K pays for itself) go to attend_prompt.
 template <typename T, int NC>
@@ -132,7 +123,7 @@ void attend_item(const Item<T>& it, const T* q, int64_t q_s0, int64_t q_s1, int6
         qr[r] = q + n * q_s0 + (hkv * G + g0 + r) * q_s1;
         orow[r] = out + n * o_s0 + (hkv * G + g0 + r) * o_s1;
       }
-      dispatch_rows<T, NC>(rt, it, qr, scale, lo, pos, sc, orow);
+      with_rows<R>(rt, [&](auto rows) { attend_rows<T, NC, decltype(rows)::value>(it, qr, scale, lo, pos, sc, orow); });
     }
   }
 }

@@ -1,6 +1,6 @@
 // PagedAttention's decode path: part of paged_attention_cpu.cpp, included inside its anonymous
-// namespace after paged_attention_common.h (vf, load16, reduce16, exp_f, Item, max_rows) and the
-// bf16 passes (kDpBf16, dp, ld512), not compiled on its own.
+// namespace after paged_attention_common.h (vf, load16, reduce16, max16, exp_f, Item, max_rows,
+// with_rows) and the bf16 passes (kDpBf16, dp, ld512), not compiled on its own.
 //
 // A decode item is a whole sequence with one new token (query_len 1): all its kv heads and all H
 // query rows. Its blocks are walked once, in order, and each block is finished before the next:
@@ -87,19 +87,6 @@ inline void chunk_scores(const T* k, int64_t c_tok, int n, float scale, Dots&& d
   }
 }
 
-// The largest of x's lanes (four halvings, in vector registers).
-inline float hmax(vf x) {
-  vf y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x = x > y ? x : y;
-  y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  x = x > y ? x : y;
-  return x[0];
-}
-
 // Online-softmax update of RT rows for one block's scores s[r][0 .. np) (-inf past the keys):
 // where the block raises a row's max m, the row's sums so far are rescaled by exp(m_old - m_new);
 // s becomes exp(s - m) (0 past the keys) and is added to the row's 16 lanes of sums l.
@@ -112,7 +99,7 @@ inline void online_update(float* s, int64_t ls, int np, float* m, vf* l, vf (&ac
       const vf y = load16(x + j);
       mx = mx > y ? mx : y;
     }
-    const float mb = hmax(mx);
+    const float mb = max16(mx);
     if (mb > m[r]) {
       const float corr = exp_f(m[r] - mb);      // (m = -inf at first: exp_f clamps; l, acc are 0)
       l[r] *= corr;
@@ -193,15 +180,6 @@ void decode_rows(const T* k, const T* v, int64_t c_tok, int n, float scale, int6
   decode_block<T, NC, RT>(k, v, c_tok, n, 1.f, dots, s, ls, &st.m[g0], &st.l[g0], acc, ahead);
 }
 
-template <typename T, int NC, int RT = max_rows<NC>()>
-void decode_rows_n(int rt, const T* k, const T* v, int64_t c_tok, int n, float scale, int64_t g0,
-                   DecodeState& st, int64_t ls, const Ahead<T>& ahead) {
-  if constexpr (RT > 1) {
-    if (rt < RT) return decode_rows_n<T, NC, RT - 1>(rt, k, v, c_tok, n, scale, g0, st, ls, ahead);
-  }
-  decode_rows<T, NC, RT>(k, v, c_tok, n, scale, g0, st, ls, ahead);
-}
-
 // Loads the item's H query rows into st.q (fp32 scaled in Lanes order, or raw bf16 pairs) and
 // clears its state.
 template <typename T, int NC>
@@ -255,9 +233,10 @@ void attend_decode(const BlockRef<T>* walk, int64_t n, const BlockRef<T>* walk_e
           ahead = {reinterpret_cast<const T*>(reinterpret_cast<const char*>(nb->k) + slice),
                    reinterpret_cast<const T*>(reinterpret_cast<const char*>(nb->v) + slice),
                    static_cast<int>(nb->rows), end - slice};
-        decode_rows_n<T, NC>(static_cast<int>(std::min<int64_t>(R, G - g0)), walk[b].k + h * c_head,
-                             walk[b].v + h * c_head, c_tok, static_cast<int>(walk[b].rows), scale, h * G + g0, st, ls,
-                             ahead);
+        with_rows<R>(static_cast<int>(std::min<int64_t>(R, G - g0)), [&](auto rows) {
+          decode_rows<T, NC, decltype(rows)::value>(walk[b].k + h * c_head, walk[b].v + h * c_head, c_tok,
+                                                  static_cast<int>(walk[b].rows), scale, h * G + g0, st, ls, ahead);
+        });
       }
     }
   }

@@ -230,15 +230,6 @@ void prompt_tile(const Item<T>& it, const Tile<T, R>& tl, float scale, int64_t l
   softmax_v<T, NC, RT>(it, tl.lo, tl.hi, sc, tl.out);
 }
 
-template <typename T, int NC, int R, int RT = R>
-void prompt_tile_n(int rt, const Item<T>& it, const Tile<T, R>& tl, float scale, int64_t ld, Buffers& buf,
-                   float* const* sc) {
-  if constexpr (RT > 1) {
-    if (rt < RT) return prompt_tile_n<T, NC, R, RT - 1>(rt, it, tl, scale, ld, buf, sc);
-  }
-  prompt_tile<T, NC, RT>(it, tl, scale, ld, buf, sc);
-}
-
 // A prompt item (sequence s, kv head hkv): its qlen queries x G heads, in tiles of tile_rows<NC>()
 // rows, with sc rows of ld floats (ld: the context rounded up to 16 keys, and 64 more).
 template <typename T, int NC>
@@ -263,6 +254,6 @@ void attend_prompt(const Item<T>& it, const T* q, int64_t q_s0, int64_t q_s1, in
       tl.lo[r] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       tl.hi[r] = pos;
     }
-    prompt_tile_n<T, NC, R>(rt, it, tl, scale, ld, buf, sc);
+    with_rows<R>(rt, [&](auto rows) { prompt_tile<T, NC, decltype(rows)::value>(it, tl, scale, ld, buf, sc); });
   }
 }

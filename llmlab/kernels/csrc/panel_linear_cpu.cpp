@@ -34,7 +34,7 @@ constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vect
 constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
 constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster than 12; docs/kernels.md)
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
-// fp32 chunks of at least this many rows prefetch the next panel into L1 as well (T0): there
+// fp32 products of at least this many rows prefetch the next panel into L1 as well (T0): there
 // each panel's product is long enough to hide it, and it cut a 64-row step's products by 6-8 %
 // on AMD Zen 4 (docs/kernels.md); fewer rows keep the L2 hint (T0 was 7-17 % slower at 1-8).
 constexpr int64_t kRowsL1Prefetch = 16;
