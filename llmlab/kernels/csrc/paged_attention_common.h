@@ -11,10 +11,54 @@
 using llmlab_cpu::exp_f;
 
 constexpr int L = 16;                                            // lanes of one vector
+typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));  // 16 x 16-bit storage
+#if defined(__AVX__) && !defined(__AVX512F__)
+// AVX2 (and AVX) builds: a 16-float vector is two 8-float halves. GCC keeps a 64-byte vector
+// extension type out of registers where the target has none that wide: every value went through
+// the stack (prompt attention 20-35x slower than AVX-512, decode 4-6x, session 15); a pair of
+// 32-byte halves stays in registers. The operators are those the kernels use.
+#define LLMLAB_VF_PAIR 1
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8_u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+struct vf {
+  v8 a, b;                                                       // lanes 0-7, 8-15
+  float operator[](int i) const { return i < 8 ? a[i] : b[i - 8]; }
+  vf& operator+=(vf y) { a += y.a; b += y.b; return *this; }
+  vf& operator*=(float s) { a *= s; b *= s; return *this; }
+};
+inline vf operator+(vf x, vf y) { return {x.a + y.a, x.b + y.b}; }
+inline vf operator-(vf x, vf y) { return {x.a - y.a, x.b - y.b}; }
+inline vf operator*(vf x, vf y) { return {x.a * y.a, x.b * y.b}; }
+inline vf operator*(vf x, float s) { return {x.a * s, x.b * s}; }
+inline vf operator*(float s, vf x) { return {s * x.a, s * x.b}; }
+inline vf vmax(vf x, vf y) { return {x.a > y.a ? x.a : y.a, x.b > y.b ? x.b : y.b}; }
+inline vf load16(const float* p) { return {*reinterpret_cast<const v8_u*>(p), *reinterpret_cast<const v8_u*>(p + 8)}; }
+inline void store16(float* p, vf x) {
+  *reinterpret_cast<v8_u*>(p) = x.a;
+  *reinterpret_cast<v8_u*>(p + 8) = x.b;
+}
+inline v8 widen_bf16(const c10::BFloat16* p) {                  // 8 bf16 -> fp32: widen and shift
+  return (v8)(__builtin_convertvector(*reinterpret_cast<const v8h_u*>(p), v8u) << 16);
+}
+inline vf load16(const c10::BFloat16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+inline vf load16(const c10::Half* p) {
+  float x[L];
+  for (int i = 0; i < L; ++i) x[i] = static_cast<float>(p[i]);
+  return load16(x);
+}
+// Memory-to-memory loops (the softmax weights) step by the widest vector the build keeps in a
+// register: LN lanes of vn.
+typedef v8 vn;
+constexpr int LN = 8;
+inline vn loadn(const float* p) { return *reinterpret_cast<const v8_u*>(p); }
+inline void storen(float* p, vn x) { *reinterpret_cast<v8_u*>(p) = x; }
+#else
 typedef float vf __attribute__((vector_size(64)));               // 16 x fp32
 typedef float vf_u __attribute__((vector_size(64), aligned(4), may_alias));  // (unaligned access)
-typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));  // 16 x 16-bit storage
 typedef uint32_t vu __attribute__((vector_size(64)));
+inline vf vmax(vf x, vf y) { return x > y ? x : y; }
 
 // 16 stored values -> fp32. bf16 is the top half of an fp32: widen and shift.
 inline vf load16(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
@@ -37,6 +81,11 @@ inline vf load16(const c10::Half* p) {
   return x;
 }
 #endif
+typedef vf vn;
+constexpr int LN = L;
+inline vn loadn(const float* p) { return load16(p); }
+inline void storen(float* p, vn x) { store16(p, x); }
+#endif
 inline float sum16(vf x) {
   float s = 0.f;
   for (int i = 0; i < L; ++i) s += x[i];
@@ -44,6 +93,17 @@ inline float sum16(vf x) {
 }
 
 // The largest of x's lanes (four halvings, in vector registers).
+#if defined(LLMLAB_VF_PAIR)
+inline float max16(vf x) {
+  v8 m = x.a > x.b ? x.a : x.b, y = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3);
+  m = m > y ? m : y;
+  y = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5);
+  m = m > y ? m : y;
+  y = __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6);
+  m = m > y ? m : y;
+  return m[0];
+}
+#else
 inline float max16(vf x) {
   vf y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   x = x > y ? x : y;
@@ -55,16 +115,36 @@ inline float max16(vf x) {
   x = x > y ? x : y;
   return x[0];
 }
-// exp_f of 16 lanes (one vector of each of its steps).
-inline vf exp16(vf x) {
-  float y[L];
+#endif
+// exp_f of a vector's lanes (one vector of each of its steps).
+inline vn expn(vn x) {
+  float y[LN];
 #pragma omp simd
-  for (int i = 0; i < L; ++i) y[i] = exp_f(x[i]);
-  return load16(y);
+  for (int i = 0; i < LN; ++i) y[i] = exp_f(x[i]);
+  return loadn(y);
 }
 
 // p[i]'s lane sum in lane i, for 16 vectors: four levels of "add the two halves", each pairing
 // two inputs into one output (15 adds in all, instead of 16 separate horizontal sums).
+#if defined(LLMLAB_VF_PAIR)
+// (two halves: each vector's halves added, then the same levels on 8 lanes for each 8 vectors)
+inline v8 reduce8(const v8* q) {
+  v8 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = __builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(q[2 * i], q[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+inline vf reduce16(vf p[L]) {
+  v8 q[L];
+  for (int i = 0; i < L; ++i) q[i] = p[i].a + p[i].b;
+  return {reduce8(q), reduce8(q + 8)};
+}
+#else
 inline vf reduce16(vf p[L]) {
   vf a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
@@ -79,6 +159,7 @@ inline vf reduce16(vf p[L]) {
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 // Calls f(t, row) for the keys t in [lo, hi] of one sequence, block by block: row is key t's
 // vector of one kv head in the cache (block table[t / bs], slot t % bs). Before a block's rows,
@@ -156,23 +237,27 @@ void scores_direct(const Item<T>& it, const vf (&q)[RT][NC], int64_t lo, int64_t
 // before an earlier one's window); returns 1 / their sum. Whole vectors from a (s must have room
 // up to b's next multiple of 16 past a): a scalar tail would cost as much as the vectors.
 inline float weights(float* s, int64_t a, int64_t b, int64_t lo, int64_t hi) {
-  typedef int32_t vi __attribute__((vector_size(64)));
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  typedef int32_t vi __attribute__((vector_size(LN * 4)));
+  vi lane;
+  for (int i = 0; i < LN; ++i) lane[i] = i;
   const auto in = [&](int64_t t) { return (lane >= static_cast<int32_t>(lo - t)) & (lane <= static_cast<int32_t>(hi - t)); };
-  const vf ninf = vf{} - std::numeric_limits<float>::infinity();
-  vf m = ninf;
-  for (int64_t t = a; t <= b; t += L) {
-    const vf x = load16(s + t);
+  const vn ninf = vn{} - std::numeric_limits<float>::infinity();
+  vn m = ninf;
+  for (int64_t t = a; t <= b; t += LN) {
+    const vn x = loadn(s + t);
     m = in(t) && x > m ? x : m;
   }
-  const float mx = max16(m);
-  vf l = {};
-  for (int64_t t = a; t <= b; t += L) {
-    const vf p = in(t) ? exp16(load16(s + t) - mx) : vf{};
-    store16(s + t, p);
+  float mx = m[0];
+  for (int i = 1; i < LN; ++i) mx = std::max(mx, m[i]);
+  vn l = {};
+  for (int64_t t = a; t <= b; t += LN) {
+    const vn p = in(t) ? expn(loadn(s + t) - mx) : vn{};
+    storen(s + t, p);
     l += p;
   }
-  return 1.f / sum16(l);
+  float sum = 0.f;
+  for (int i = 0; i < LN; ++i) sum += l[i];
+  return 1.f / sum;
 }
 
 // Pass 2 for RT rows, row r seeing keys [lo[r], hi[r]] (rows in position order: the keys of all

@@ -14,8 +14,6 @@
 // burst of a whole block's prefetches stalls the core once its fill buffers are all taken.
 #pragma once
 
-typedef uint32_t vu_u __attribute__((vector_size(64), aligned(2)));
-
 // A row of K, V or q as NC vectors of fp32 in a fixed lane order: the stored order for fp32 and
 // fp16; for bf16, each 32 values split into the even and the odd ones (the 32-bit pairs shifted
 // and masked: two cheap instructions, no cross-lane shuffle), a last 16 in order. The dot product
@@ -27,6 +25,8 @@ struct Lanes {
   }
   static int dim(int c, int i) { return c * L + i; }
 };
+#if !defined(LLMLAB_VF_PAIR)
+typedef uint32_t vu_u __attribute__((vector_size(64), aligned(2)));
 template <int NC>
 struct Lanes<c10::BFloat16, NC> {
   static void load(const c10::BFloat16* p, vf (&x)[NC]) {
@@ -39,6 +39,7 @@ struct Lanes<c10::BFloat16, NC> {
   }
   static int dim(int c, int i) { return NC % 2 == 1 && c == NC - 1 ? c * L + i : (c / 2) * 2 * L + 2 * i + c % 2; }
 };
+#endif
 
 // Prefetches the `bytes` at p (whole 64-byte lines) into L2 (prefetcht1): the demand loads a block
 // later hit L2 at little cost, and the lines in flight are not limited to the L1's fill buffers
@@ -81,9 +82,8 @@ inline void chunk_scores(const T* k, int64_t c_tok, int n, float scale, Dots&& d
   }
   for (int r = 0; r < RT; ++r) {
     for (int j = n; j < L; ++j) part[r][j] = vf{};
-    vf x = reduce16(part[r]) * scale;
-    for (int j = n; j < L; ++j) x[j] = -std::numeric_limits<float>::infinity();
-    std::memcpy(s + r * ls, &x, sizeof(x));
+    store16(s + r * ls, reduce16(part[r]) * scale);
+    for (int j = n; j < L; ++j) s[r * ls + j] = -std::numeric_limits<float>::infinity();
   }
 }
 
@@ -96,8 +96,7 @@ inline void online_update(float* s, int64_t ls, int np, float* m, vf* l, vf (&ac
     float* x = s + r * ls;
     vf mx = load16(x);
     for (int j = L; j < np; j += L) {
-      const vf y = load16(x + j);
-      mx = mx > y ? mx : y;
+      mx = vmax(mx, load16(x + j));
     }
     const float mb = max16(mx);
     if (mb > m[r]) {

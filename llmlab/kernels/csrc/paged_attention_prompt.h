@@ -78,6 +78,17 @@ void scores_tiled(const float* kt, int64_t ld, const float (*q)[NC * L], int64_t
 
 // Swaps the off-diagonal W x W blocks in each 2W x 2W block of x, 16 rows of 16 lanes (W = 8, 4, 2
 // and 1 in turn transpose it: 64 two-vector shuffles for 256 values).
+#if defined(LLMLAB_VF_PAIR)
+inline void transpose16(vf (&x)[L]) {                   // (through memory: 8-lane shuffles TODO)
+  alignas(32) float t[L][L];
+  for (int i = 0; i < L; ++i) store16(t[i], x[i]);
+  for (int i = 0; i < L; ++i) {
+    alignas(32) float col[L];
+    for (int j = 0; j < L; ++j) col[j] = t[j][i];
+    x[i] = load16(col);
+  }
+}
+#else
 template <int W, size_t... I>
 inline void swap_blocks(vf (&x)[L], std::index_sequence<I...>) {
   for (int i = 0; i < L; ++i)
@@ -94,6 +105,7 @@ inline void transpose16(vf (&x)[L]) {
   swap_blocks<2>(x, lanes);
   swap_blocks<1>(x, lanes);
 }
+#endif
 
 // The item's keys [0, ctx) 16 at a time, transposed into kt [NV * 16, ld] (keys in lanes, zero past
 // the context): row(key, c) gives vector c (of NV) of a key's row in the cache.
