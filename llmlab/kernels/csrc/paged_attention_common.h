@@ -260,26 +260,47 @@ inline float weights(float* s, int64_t a, int64_t b, int64_t lo, int64_t hi) {
   return 1.f / sum;
 }
 
+// Accumulator vectors a pass keeps in registers: 24 of AVX-512's 32; 6 pairs of halves (12 of
+// AVX2's 16 registers).
+#if defined(LLMLAB_VF_PAIR)
+constexpr int kAccRegs = 6;
+#else
+constexpr int kAccRegs = 24;
+#endif
+
+// The most vectors of a row, a divisor of NC, that RT rows' accumulators can hold at once.
+template <int NC, int RT>
+constexpr int column_group() {
+  for (int cg = NC; cg > 1; --cg)
+    if (NC % cg == 0 && RT * cg <= kAccRegs) return cg;
+  return 1;
+}
+
 // Pass 2 for RT rows, row r seeing keys [lo[r], hi[r]] (rows in position order: the keys of all
 // are [lo[0], hi[RT - 1]]): each row's softmax, and the weighted sum of V (rows read in place) for
 // all rows at once, written to out[r]. A row's zero weights for the others' keys add nothing.
+// Where RT rows' sums do not fit the registers (AVX2), the sum is taken a group of a row's
+// vectors at a time, V's rows read once a group (from cache after the first).
 template <typename T, int NC, int RT>
 void softmax_v(const Item<T>& it, const int64_t* lo, const int64_t* hi, float* const* sc, T* const* out) {
   const int64_t a = lo[0], b = hi[RT - 1];
   float inv[RT];
   for (int r = 0; r < RT; ++r) inv[r] = weights(sc[r], a, b, lo[r], hi[r]);
-  vf acc[RT][NC] = {};
-  for_each_key(it.v, it.c_blk, it.c_tok, it.table, it.bs, a, b, [&](int64_t t, const T* row) {
-    vf vx[NC];
-    for (int c = 0; c < NC; ++c) vx[c] = load16(row + c * L);
-    for (int r = 0; r < RT; ++r) {
-      const float p = sc[r][t];
-      for (int c = 0; c < NC; ++c) acc[r][c] += p * vx[c];
-    }
-  }, NC * L * sizeof(T));
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c)
-      for (int i = 0; i < L; ++i) out[r][c * L + i] = static_cast<T>(acc[r][c][i] * inv[r]);
+  constexpr int CG = column_group<NC, RT>();
+  for (int c0 = 0; c0 < NC; c0 += CG) {
+    vf acc[RT][CG] = {};
+    for_each_key(it.v, it.c_blk, it.c_tok, it.table, it.bs, a, b, [&](int64_t t, const T* row) {
+      vf vx[CG];
+      for (int c = 0; c < CG; ++c) vx[c] = load16(row + (c0 + c) * L);
+      for (int r = 0; r < RT; ++r) {
+        const float p = sc[r][t];
+        for (int c = 0; c < CG; ++c) acc[r][c] += p * vx[c];
+      }
+    }, NC * L * sizeof(T));
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CG; ++c)
+        for (int i = 0; i < L; ++i) out[r][(c0 + c) * L + i] = static_cast<T>(acc[r][c][i] * inv[r]);
+  }
 }
 
 // f(std::integral_constant<int, rt>{}) for a tile's row count rt in [1, RT]: each count its own

@@ -23,6 +23,10 @@ struct Lanes {
   static void load(const T* p, vf (&x)[NC]) {
     for (int c = 0; c < NC; ++c) x[c] = load16(p + c * L);
   }
+  template <int CG>                                   // vectors c0 .. c0 + CG - 1 of the row
+  static void load_part(const T* p, int c0, vf (&x)[CG]) {
+    for (int c = 0; c < CG; ++c) x[c] = load16(p + (c0 + c) * L);
+  }
   static int dim(int c, int i) { return c * L + i; }
 };
 #if !defined(LLMLAB_VF_PAIR)
@@ -36,6 +40,11 @@ struct Lanes<c10::BFloat16, NC> {
       x[c + 1] = (vf)(w & 0xFFFF0000u);
     }
     if constexpr (NC % 2 == 1) x[NC - 1] = load16(p + (NC - 1) * L);
+  }
+  template <int CG>                                   // (whole rows only: CG == NC on AVX-512)
+  static void load_part(const c10::BFloat16* p, int, vf (&x)[CG]) {
+    static_assert(CG == NC);
+    load(p, x);
   }
   static int dim(int c, int i) { return NC % 2 == 1 && c == NC - 1 ? c * L + i : (c / 2) * 2 * L + 2 * i + c % 2; }
 };
@@ -91,24 +100,24 @@ inline void chunk_scores(const T* k, int64_t c_tok, int n, float scale, Dots&& d
 // where the block raises a row's max m, the row's sums so far are rescaled by exp(m_old - m_new);
 // s becomes exp(s - m) (0 past the keys) and is added to the row's 16 lanes of sums l.
 template <int NC, int RT>
-inline void online_update(float* s, int64_t ls, int np, float* m, vf* l, vf (&acc)[RT][NC]) {
+inline void online_update(float* s, int64_t ls, int np, float* m, vf* l, vf* acc) {
   for (int r = 0; r < RT; ++r) {
     float* x = s + r * ls;
     vf mx = load16(x);
-    for (int j = L; j < np; j += L) {
-      mx = vmax(mx, load16(x + j));
-    }
+    for (int j = L; j < np; j += L) mx = vmax(mx, load16(x + j));
     const float mb = max16(mx);
     if (mb > m[r]) {
       const float corr = exp_f(m[r] - mb);      // (m = -inf at first: exp_f clamps; l, acc are 0)
       l[r] *= corr;
-      for (int c = 0; c < NC; ++c) acc[r][c] *= corr;
+      for (int c = 0; c < NC; ++c) acc[r * NC + c] *= corr;
       m[r] = mb;
     }
     const float mn = m[r];
 #pragma omp simd
     for (int j = 0; j < np; ++j) x[j] = x[j] == -std::numeric_limits<float>::infinity() ? 0.f : exp_f(x[j] - mn);
-    for (int j = 0; j < np; j += L) l[r] += load16(x + j);
+    vf lr = l[r];
+    for (int j = 0; j < np; j += L) lr += load16(x + j);
+    l[r] = lr;
   }
 }
 
@@ -119,25 +128,28 @@ void decode_block(const T* k, const T* v, int64_t c_tok, int n, float scale, Dot
                   int64_t ls, float* m, vf* l, vf* acc_state, const Ahead<T>& ahead) {
   for (int j0 = 0; j0 < n; j0 += L)
     chunk_scores<T, RT>(k + j0 * c_tok, c_tok, std::min(L, n - j0), scale, dots, s + j0, ls, ahead, j0);
-  vf acc[RT][NC];
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = acc_state[r * NC + c];
-  online_update<NC, RT>(s, ls, (n + L - 1) / L * L, m, l, acc);
-  for (int j = 0; j < n; ++j) {
-    if (j < ahead.rows) prefetch_row(ahead.v + j * c_tok, ahead.bytes);
-    vf vx[NC];
-    Lanes<T, NC>::load(v + j * c_tok, vx);
-    for (int r = 0; r < RT; ++r) {
-      const float p = s[r * ls + j];
-      for (int c = 0; c < NC; ++c) acc[r][c] += p * vx[c];
+  online_update<NC, RT>(s, ls, (n + L - 1) / L * L, m, l, acc_state);
+  constexpr int CG = column_group<NC, RT>();   // (NC but on AVX2: see softmax_v)
+  for (int c0 = 0; c0 < NC; c0 += CG) {
+    vf acc[RT][CG];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CG; ++c) acc[r][c] = acc_state[r * NC + c0 + c];
+    for (int j = 0; j < n; ++j) {
+      if (c0 == 0 && j < ahead.rows) prefetch_row(ahead.v + j * c_tok, ahead.bytes);
+      vf vx[CG];
+      Lanes<T, NC>::template load_part<CG>(v + j * c_tok, c0, vx);
+      for (int r = 0; r < RT; ++r) {
+        const float p = s[r * ls + j];
+        for (int c = 0; c < CG; ++c) acc[r][c] += p * vx[c];
+      }
     }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CG; ++c) acc_state[r * NC + c0 + c] = acc[r][c];
   }
   for (int j = n; j < ahead.rows; ++j) {
     prefetch_row(ahead.k + j * c_tok, ahead.bytes);
     prefetch_row(ahead.v + j * c_tok, ahead.bytes);
   }
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c) acc_state[r * NC + c] = acc[r][c];
 }
 
 // Rows g0 .. g0 + RT - 1 (of all H) over one block: the dot products as the build and dtype allow

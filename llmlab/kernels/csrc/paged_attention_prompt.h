@@ -16,18 +16,12 @@
 //      had on its own).
 #pragma once
 
-// Accumulator vectors a tile keeps (AVX-512: 24 of its 32 registers). AVX2 builds keep 16-lane
-// vectors on the stack more than in registers whatever the count (the benchmark's prompts run
-// 20-35x slower than on AVX-512, before this file too): 12 measured a little faster than 6 or 24.
-#if defined(__AVX512F__)
-constexpr int kAcc = 24;
-#else
-constexpr int kAcc = 12;
-#endif
-
-// Rows one prompt tile takes: its weighted sum of V holds RT * NC accumulators.
+// Rows one prompt tile takes: RT * NC accumulator vectors, 24 (on AVX-512, 24 of its 32
+// registers: its weighted sum of V in one pass; AVX2 builds take the same rows and sum V a few of
+// a row's vectors at a time, softmax_v's column groups: forced AVX2 on Zen 4, the benchmark's
+// prompts took 14.4 ms a layer with 24, 24.2 with 6, 17.6-18.1 with 36-48).
 template <int NC>
-constexpr int tile_rows() { return std::max(1, std::min(12, kAcc / NC)); }
+constexpr int tile_rows() { return std::max(1, std::min(12, 24 / NC)); }
 
 // A prompt tile's rows (the first RT of R): row r reads q[r], writes out[r] and sees keys
 // [lo[r], hi[r]]; in position order, so lo[0] and hi[RT - 1] bound the tile's keys.
@@ -42,7 +36,7 @@ struct Tile {
 // room for (up to 4), the last step only those left (kt and sc are padded past the context).
 template <int RT, typename F>
 inline void key_steps(int64_t a, int64_t b, F&& f) {
-  constexpr int TK = std::max(1, std::min(4, kAcc / RT));
+  constexpr int TK = std::max(1, std::min(4, kAccRegs / RT));
   int64_t t0 = a;
   for (; t0 + (TK - 1) * L <= b; t0 += TK * L) f(t0, std::integral_constant<int, TK>{});
   const int64_t left = (b + L - t0) / L;   // (vectors, 0 .. TK - 1)
