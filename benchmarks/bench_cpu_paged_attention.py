@@ -97,11 +97,19 @@ def decode_step(args: argparse.Namespace, dtype: torch.dtype, seqs: int) -> dict
     per_seq = [-(-c // bs) for c in ctx]
     if sum(per_seq) > num_blocks:
         raise SystemExit(f"--kv-bytes holds {num_blocks} blocks a layer: too few for {sum(per_seq)}")
-    pool = rng.sample(range(num_blocks), sum(per_seq))
     tables = torch.zeros(seqs, max(per_seq), dtype=torch.int32)
-    for s, n in enumerate(per_seq):
-        tables[s, :n] = torch.tensor(pool[:n])
-        pool = pool[n:]
+    if args.blocks == "runs":  # each sequence's blocks in a row, the sequences in random order
+        start, spare = 0, num_blocks - sum(per_seq)
+        for s in rng.sample(range(seqs), seqs):
+            gap = rng.randint(0, min(3, spare))
+            start, spare = start + gap, spare - gap
+            tables[s, : per_seq[s]] = torch.arange(start, start + per_seq[s])
+            start += per_seq[s]
+    else:
+        pool = rng.sample(range(num_blocks), sum(per_seq))
+        for s, n in enumerate(per_seq):
+            tables[s, :n] = torch.tensor(pool[:n])
+            pool = pool[n:]
     cache = torch.empty(L, 2, num_blocks, bs, Hkv, D, dtype=dtype)
     cache.normal_(generator=torch.Generator().manual_seed(0))
     qlens = torch.tensor(ctx) if args.prefill else torch.ones(seqs, dtype=torch.long)
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-reps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--against", metavar="REF", help="also time the kernel at this git ref")
+    p.add_argument("--blocks", choices=("random", "runs"), default="random",
+                   help="random: blocks drawn from the pool; runs: each sequence's blocks in a row")
     p.add_argument("--prefill", action="store_true", help="a prompt step: each context is a whole prompt")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
