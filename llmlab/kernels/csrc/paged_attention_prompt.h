@@ -73,7 +73,7 @@ void scores_tiled(const float* kt, int64_t ld, const float (*q)[NC * L], int64_t
 // Swaps the off-diagonal W x W blocks in each 2W x 2W block of x, 16 rows of 16 lanes (W = 8, 4, 2
 // and 1 in turn transpose it: 64 two-vector shuffles for 256 values).
 #if defined(LLMLAB_VF_PAIR)
-inline void transpose16(vf (&x)[L]) {                   // (through memory: 8-lane shuffles TODO)
+inline void transpose16(vf (&x)[L]) {   // (AVX2: through memory, once per 16 keys of an item's K)
   alignas(32) float t[L][L];
   for (int i = 0; i < L; ++i) store16(t[i], x[i]);
   for (int i = 0; i < L; ++i) {
