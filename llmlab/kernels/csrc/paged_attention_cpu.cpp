@@ -40,8 +40,9 @@
 // bench_cpu_paged_attention.py --prefill --seqs 26 --ctx 36,250`, hot): fp32 21.0 -> 12.9 ms a
 // layer, bf16 15.6 -> 8.0 ms (before: rows of one position at a time, 64-key score steps, a
 // scalar softmax tail, K copied one value at a time).
-// Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them to AVX-512, AVX2
-// or SSE, whatever the build targets.
+// Vectors are GCC/Clang vector extensions of 16 floats: one AVX-512 register; in AVX2 builds a pair
+// of 8-float halves (paged_attention_common.h), which GCC keeps in registers where it kept the
+// 16-float type on the stack; SSE builds (generic) keep the 16-float type.
 #include <torch/extension.h>
 #include "cpu_math.h"
 #include <ATen/Parallel.h>
