@@ -97,8 +97,9 @@ inline void chunk_scores(const T* k, int64_t c_tok, int n, float scale, Dots&& d
 }
 
 // Online-softmax update of RT rows for one block's scores s[r][0 .. np) (-inf past the keys):
-// where the block raises a row's max m, the row's sums so far are rescaled by exp(m_old - m_new);
-// s becomes exp(s - m) (0 past the keys) and is added to the row's 16 lanes of sums l.
+// where the block raises a row's max m, the row's sums so far (l, and acc: RT rows of NC vectors)
+// are rescaled by exp(m_old - m_new); s becomes exp(s - m) (0 past the keys) and is added to the
+// row's 16 lanes of sums l.
 template <int NC, int RT>
 inline void online_update(float* s, int64_t ls, int np, float* m, vf* l, vf* acc) {
   for (int r = 0; r < RT; ++r) {
