@@ -20,13 +20,11 @@
 // and the weighted sum do not care about the order as long as q, K, V and the output share it.
 template <typename T, int NC>
 struct Lanes {
-  static void load(const T* p, vf (&x)[NC]) {
-    for (int c = 0; c < NC; ++c) x[c] = load16(p + c * L);
-  }
   template <int CG>                                   // vectors c0 .. c0 + CG - 1 of the row
   static void load_part(const T* p, int c0, vf (&x)[CG]) {
     for (int c = 0; c < CG; ++c) x[c] = load16(p + (c0 + c) * L);
   }
+  static void load(const T* p, vf (&x)[NC]) { load_part<NC>(p, 0, x); }
   static int dim(int c, int i) { return c * L + i; }
 };
 #if !defined(LLMLAB_VF_PAIR)
