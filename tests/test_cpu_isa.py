@@ -2,7 +2,8 @@
 the flags, ``LLMLAB_CPU_ISA`` lowering it (never raising it), and each chooser refusing a fast path
 on a flag set that cannot run it: the bf16/fp16 oneDNN packed linear on an AVX2-only CPU (AMD EPYC
 7002/7003: PyTorch raises ``bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl
-and avx512dq`` there), fp16 on an AVX-512 CPU without AVX512-FP16, and the C++ build's ``-march``."""
+and avx512dq`` there; the weight is packed widened to fp32 instead), fp16 on an AVX-512 CPU without
+AVX512-FP16 (likewise), and the C++ build's ``-march``."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def test_levels_of_real_flag_sets():
 @pytest.mark.parametrize(
     "dtype,flags,want",
     [
-        (torch.bfloat16, EPYC_ZEN3, "aten"),
-        (torch.float16, EPYC_ZEN3, "aten"),
+        (torch.bfloat16, EPYC_ZEN3, "onednn-fp32"),
+        (torch.float16, EPYC_ZEN3, "onednn-fp32"),
         (torch.float32, EPYC_ZEN3, "onednn"),
         (torch.bfloat16, SKYLAKE_X, "onednn"),
-        (torch.float16, EPYC_ZEN4, "aten"),
+        (torch.float16, EPYC_ZEN4, "onednn-fp32"),
         (torch.float16, SAPPHIRE, "onednn"),
         (torch.bfloat16, EPYC_ZEN3 | {"avx_ne_convert"}, "onednn"),
     ],
@@ -63,7 +64,7 @@ def test_the_override_lowers_and_never_raises(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
     assert cpu_isa.cpu_isa() == "avx2" and cpu_isa.lowered()
     assert cpu_isa.effective_flags() == EPYC_ZEN3  # AVX-512 and AMX gone
-    assert cpu_linear.path(torch.bfloat16, flags=cpu_isa.effective_flags()) == "aten"
+    assert cpu_linear.path(torch.bfloat16, flags=cpu_isa.effective_flags()) == "onednn-fp32"
     monkeypatch.setenv(cpu_isa.ENV, "avx512")
     assert cpu_isa.effective_flags() == SKYLAKE_X - {"avx512cd"}
     monkeypatch.setenv(cpu_isa.ENV, "generic")
@@ -81,7 +82,7 @@ def test_the_override_lowers_and_never_raises(monkeypatch):
 
 def test_forcing_the_fallback_here_takes_it(monkeypatch):
     """On this machine, LLMLAB_CPU_ISA at the level below the current one: no packed path that
-    level lacks."""
+    level lacks (bf16 and fp16 weights are packed widened to fp32)."""
     low = cpu_isa.fallback()
     if low is None:  # nothing below generic
         assert cpu_isa.cpu_isa() == "generic"
@@ -89,5 +90,5 @@ def test_forcing_the_fallback_here_takes_it(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV, low)
     assert cpu_isa.cpu_isa() == low
     for dtype in (torch.bfloat16, torch.float16):
-        assert cpu_linear.path(dtype) == "aten"
+        assert cpu_linear.path(dtype) == "onednn-fp32"
     assert cpu_linear.path(torch.float32) == "onednn"

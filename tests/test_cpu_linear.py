@@ -1,9 +1,9 @@
 """Linear layers through oneDNN-prepacked weights equal F.linear (to the GEMM's rounding), the
 packing keeps the model's parameters and state_dict, and the engine's greedy tokens with packed
 weights equal those without. Each case runs at this CPU's level and with LLMLAB_CPU_ISA forcing
-the level below it (there bf16 and fp16 take the F.linear fallback: tests/test_cpu_isa.py checks
-the choice on other CPUs' flag sets); under ONEDNN_MAX_CPU_ISA=AVX2, where oneDNN itself refuses
-bf16 as on an AVX2-only CPU, the bf16 engine still serves."""
+the level below it (there bf16 and fp16 weights are packed widened to fp32: tests/test_cpu_isa.py
+checks the choice on other CPUs' flag sets); under ONEDNN_MAX_CPU_ISA=AVX2, where oneDNN itself
+refuses bf16 as on an AVX2-only CPU, the bf16 engine serves through the widened weights."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import nn
 
 import llmlab.kernels as K
 from llmlab.inference import LLM, SamplingParams
-from llmlab.kernels import cpu_isa
+from llmlab.kernels import cpu_isa, cpu_linear
 from llmlab.kernels.cpu_linear import PackedLinear, linear, pack, pack_linears, path
 from llmlab.model.llama import LlamaForCausalLM
 from tiny_llama import TINY
@@ -45,12 +45,25 @@ def test_packed_weight_equals_f_linear(dtype, tol, rows, level):
     want = F.linear(x, w, b)
     assert linear(x, w, b) is not None and not hasattr(w, "_packed")  # unpacked: F.linear
     packed = pack(w)
-    assert (packed is not None) == (path(dtype) == "onednn") == hasattr(w, "_packed")
-    if dtype != torch.float32 and level in ("avx2", "generic"):
-        assert packed is None  # the fallback at a level without AVX-512
+    assert (packed is not None) == (path(dtype) != "aten") == hasattr(w, "_packed")
+    if dtype != torch.float32 and level in ("avx2", "generic"):  # no bf16/fp16 packing without AVX-512
+        assert path(dtype) == "onednn-fp32" and packed is not None and packed.dtype == torch.float32
     got = linear(x, w, b)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if path(dtype) == "onednn-fp32" and rows < cpu_linear.WIDENED_MIN_ROWS:
+        assert torch.equal(got, want)  # a few rows: F.linear's own product (half the bytes to read)
+    if path(dtype) == "onednn-fp32":  # the fp32 product, rounded once: within one ulp of dtype
+        exact = F.linear(x.float(), w.float(), b.float())
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((got.float() - exact).abs() <= ulp).all()
+
+
+def test_widened_path_needs_onednn(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    assert [path(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["aten"] * 3
+    w = torch.randn(8, 4).bfloat16()
+    assert pack(w) is None and not hasattr(w, "_packed")
 
 
 def test_pack_refuses_what_it_cannot_pack():
@@ -104,13 +117,16 @@ try:                       # what an AVX2-only CPU does: oneDNN refuses to pack 
     raise SystemExit("oneDNN packed bf16 under ONEDNN_MAX_CPU_ISA=AVX2")
 except RuntimeError as e:
     assert "bf16 path needs the cpu support" in str(e), e
-assert cpu_linear.path(torch.bfloat16) == "aten" and cpu_linear.path(torch.float32) == "onednn"
+assert cpu_linear.path(torch.bfloat16) == "onednn-fp32" and cpu_linear.path(torch.float32) == "onednn"
 cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 out = []
 for packed in (True, False):
     llm = LLM(LlamaForCausalLM(cfg, seed=0), block_size=4, dtype=torch.bfloat16, packed_linear=packed)
+    o_proj = llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight
+    assert o_proj.dtype == torch.bfloat16  # the weight stays; with packing, its fp32 widening beside it
+    assert getattr(o_proj, "_packed", None) is None if not packed else o_proj._packed.dtype == torch.float32
     out.append([o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params)])
 assert out[0] == out[1] and len(out[0][0]) == 8, out
 print("served", out[0])
@@ -119,8 +135,8 @@ print("served", out[0])
 
 def test_bf16_engine_serves_where_onednn_refuses_bf16():
     """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN on this machine refuse bf16 as it does on an AVX2-only
-    CPU (the subprocess checks it does): with packed_linear the bf16 engine takes the F.linear
-    fallback and serves the same tokens as without it (before the fallback it raised)."""
+    CPU (the subprocess checks it does): with packed_linear the bf16 engine packs its weights
+    widened to fp32 and serves the same tokens as F.linear's bf16 product without packing."""
     env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV} | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     r = subprocess.run(
         [sys.executable, "-c", AVX2_ONEDNN], env=env, capture_output=True, text=True, check=False, timeout=300

@@ -28,8 +28,17 @@ tiles do not take gets one too, which products of any size take.
 Which CPUs: PyTorch's oneDNN ops pack fp32 weights on any x86-64, bf16 ones only with AVX-512
 BW/VL/DQ or AVX-NE-CONVERT and fp16 ones only with AVX512-FP16 or AVX-NE-CONVERT (elsewhere
 they raise). :func:`path` chooses by the CPU's flags (:mod:`~llmlab.kernels.cpu_isa`, lowered by
-``LLMLAB_CPU_ISA``) and by a one-off trial pack of a small weight; where it says ``"aten"``,
-:func:`pack` leaves the weight unpacked and :func:`linear` is ``F.linear``: the same product.
+``LLMLAB_CPU_ISA``) and by a one-off trial pack of a small weight. Where oneDNN packs fp32 but
+not the weight's bf16/fp16 (an AVX2-only CPU), it says ``"onednn-fp32"``: :func:`pack` packs the
+weight widened to fp32 (exactly: every bf16/fp16 value is an fp32 value) and :func:`linear`
+multiplies the widened input by it and rounds the product back, which is what a bf16 GEMM does
+(fp32 accumulation, one rounding of each output) at the fp32 packed product's speed: on an AVX-512
+core limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), 3-4.5x faster than PyTorch's own bf16
+``F.linear`` there from 16 rows up (docs/kernels.md); below :data:`WIDENED_MIN_ROWS` rows
+``F.linear``, which reads half the bytes, is faster and runs instead. The widened copy costs twice
+the bf16 weight's bytes. Where
+it says ``"aten"``, :func:`pack` leaves the weight unpacked and :func:`linear` is ``F.linear``:
+the same product.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ from torch import nn
 from llmlab.kernels import amx_linear, cpu_isa, panel_linear
 
 BATCH_HINT = 64  # rows oneDNN picks its blocking for (decode-sized; any row count works)
+# "onednn-fp32": below this many rows F.linear's own bf16/fp16 product, which reads half the
+# weight's bytes, is the faster one (crossover at 3-4 rows: benchmarks/bench_cpu_linear.py)
+WIDENED_MIN_ROWS = 4
 
 
 def available() -> bool:
@@ -73,26 +85,36 @@ def _trial_pack(dtype: torch.dtype) -> bool:
 def path(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str:
     """Which product :func:`linear` runs for packed ``dtype`` weights: ``"onednn"`` (prepacked)
     where PyTorch has oneDNN, the CPU has the flags :data:`NEEDS` lists for ``dtype`` and a trial
-    pack succeeds; else ``"aten"`` (``F.linear``). ``flags``: judge that flag set instead of this
-    CPU's (:func:`llmlab.kernels.cpu_isa.effective_flags`), without the trial."""
+    pack succeeds; else, for bf16 and fp16, ``"onednn-fp32"`` (the weight widened to fp32 and
+    prepacked) where fp32 is ``"onednn"``; else ``"aten"`` (``F.linear``). ``flags``: judge that
+    flag set instead of this CPU's (:func:`llmlab.kernels.cpu_isa.effective_flags`), without the
+    trial."""
     if not available() or dtype not in NEEDS:
         return "aten"
     have = cpu_isa.effective_flags() if flags is None else frozenset(flags)
-    if not any(need <= have for need in NEEDS[dtype]):
-        return "aten"
-    return "onednn" if flags is not None or _trial_pack(dtype) else "aten"
+    if any(need <= have for need in NEEDS[dtype]) and (flags is not None or _trial_pack(dtype)):
+        return "onednn"
+    if dtype != torch.float32 and path(torch.float32, flags) == "onednn":
+        return "onednn-fp32"
+    return "aten"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """Attach ``weight [out, in]``'s oneDNN-blocked copy to it (``weight._packed``) and return
-    the copy; where :func:`path` is ``"aten"`` for its dtype, leave it unpacked and return
-    ``None``. CPU tensors in fp32, bf16 or fp16 only (``ValueError`` otherwise)."""
+    """Attach ``weight [out, in]``'s oneDNN-blocked copy to it (``weight._packed``; in fp32
+    where :func:`path` is ``"onednn-fp32"``) and return the copy; where :func:`path` is ``"aten"``
+    for its dtype, leave it unpacked and return ``None``. CPU tensors in fp32, bf16 or fp16 only
+    (``ValueError`` otherwise)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(
             f"packed linear weights are CPU fp32/bf16/fp16, got {weight.dtype} on {weight.device}"
         )
-    if path(weight.dtype) != "onednn":
+    how = path(weight.dtype)
+    if how == "aten":
         return None
+    if how == "onednn-fp32":  # oneDNN packs fp32 only here: the exact fp32 widening of the weight
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), BATCH_HINT)
+        setattr(weight, "_packed", packed)
+        return packed
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
     if amx_linear.fits(weight) and amx_linear.available():  # decode-sized batches: AMX tiles
@@ -111,6 +133,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if not isinstance(packed, torch.Tensor):  # a layer standing in for the weight (W8A8, int8)
         return packed(x, bias)
+    if packed.dtype != weight.dtype:  # "onednn-fp32": widen, multiply in fp32, round once
+        if x.numel() < WIDENED_MIN_ROWS * x.shape[-1]:
+            return F.linear(x, weight, bias)
+        b = None if bias is None else bias.float()
+        return torch.ops.mkldnn._linear_pointwise(x.float(), packed, b, "none", [], "").to(weight.dtype)
     amx = getattr(weight, "_amx", None)
     if amx is not None and bias is None and 0 < x.numel() <= amx_linear.MAX_ROWS * x.shape[-1]:
         y = amx_linear.linear(x, amx)

@@ -3,10 +3,11 @@ path ran on this CPU (:mod:`llmlab.kernels.cpu_isa`: the level it chose by, ``LL
 lowering it):
 
 * ``cpu_packed_linear``: the oneDNN-prepacked linear (:mod:`llmlab.kernels.cpu_linear`) against
-  ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn`` or the ``aten``
-  fallback where the CPU cannot pack that dtype), and decode-sized batches in bf16 (``amx`` where
-  the CPU has AMX tiles: :mod:`llmlab.kernels.amx_linear`) and in fp32 (``panels`` where it has
-  AVX-512: :mod:`llmlab.kernels.panel_linear`), and the fp32 lm_head's greedy tokens screened in
+  ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn``; ``onednn-fp32``,
+  the weight widened to fp32, where the CPU cannot pack that dtype; ``aten`` without oneDNN), and
+  decode-sized batches in bf16 (``amx`` where the CPU has AMX tiles:
+  :mod:`llmlab.kernels.amx_linear`) and in fp32 (``panels`` where it has AVX-512:
+  :mod:`llmlab.kernels.panel_linear`), and the fp32 lm_head's greedy tokens screened in
   bf16 where it has AVX512-BF16 (``bf16 screen``: :mod:`llmlab.inference.greedy_screen`) against
   the full product's argmax;
 * ``cpu_paged_attention``: the C++ PagedAttention against the reference, prefill and decode rows
