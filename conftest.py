@@ -37,7 +37,7 @@ def pytest_report_header(config):
     march = next((f for f in cpu_build.flags() if f.startswith("-march")), "no -march")
     low = cpu_isa.fallback()
     amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_isa.effective_flags()  # (amx_linear)
-    panels = "avx512f" in cpu_isa.effective_flags()  # (panel_linear)
+    panels = {"avx2", "fma"} <= cpu_isa.effective_flags()  # (panel_linear's fp32 kernel)
     return (f"llmlab CPU fast paths: level {level} (this CPU: {cpu_isa.detected()}, {cpu_isa.ENV}="
             f"{os.environ.get(cpu_isa.ENV, 'unset')}); packed linear fp32/bf16/fp16: {packed}"
             f"{', fp32 decode batches in panels' if panels else ''}"

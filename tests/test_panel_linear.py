@@ -1,11 +1,14 @@
 """The panel linear for decode-sized batches (llmlab.kernels.panel_linear) equals F.linear to
 rounding: fp32 to fp32 rounding, bf16 to fp32 sums rounded once to bf16; 1-64 rows (and more, in
 row chunks), the shapes of a real model, shapes that are not multiples of the panel or of two
-inputs, with and without a bias. cpu_linear takes it for 1-64 rows only (bf16: where the AMX tiles
-do not) and falls back to oneDNN where it cannot run: with LLMLAB_CPU_ISA lowered (AVX2: no
-AVX-512 code; AVX-512 without BF16: no bf16 code), even for a weight packed before the level was
-lowered, and where the build fails. On a CPU without AVX-512 (or AVX512-BF16) the kernel's own
-cases check that nothing attaches the panels."""
+inputs, with and without a bias. The fp32 kernel has an AVX-512 and an AVX2 build (each panel
+as two halves of 16 columns), equal bit for bit; the fp32 cases run at this CPU's level and
+forced to the level below (on an AVX-512 CPU: the AVX2 build; on an AVX2-only one: no kernel).
+cpu_linear takes it for 1-64 rows only (bf16: where the AMX tiles do not) and falls back to
+oneDNN where it cannot run: with LLMLAB_CPU_ISA lowered (x86-64: no fp32 kernel; AVX-512 without
+BF16: no bf16 code), even for a weight packed before the level was lowered, and where the build
+fails. On a CPU without AVX2 (or AVX512-BF16) the kernel's own cases check that nothing attaches
+the panels."""
 
 from __future__ import annotations
 
@@ -17,7 +20,18 @@ from llmlab.kernels import cpu_isa, cpu_linear
 from llmlab.kernels import panel_linear as P
 from packed_paths import check_failed_build, engine_outputs
 
-HAS_AVX512 = "avx512f" in cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
+FP32_FLAGS = {"avx2", "fma"}  # the fp32 kernel's AVX2 build; AVX-512 where the CPU has it
+HAS_FP32 = FP32_FLAGS <= cpu_isa.effective_flags()  # (LLMLAB_CPU_ISA at import)
+LEVELS = [None] + [lv for lv in [cpu_isa.fallback()] if lv]  # the current level, and the one below
+
+
+@pytest.fixture(params=LEVELS, ids=lambda lv: lv or "native")
+def level(request, monkeypatch):
+    if request.param:
+        monkeypatch.setenv(cpu_isa.ENV, request.param)
+    return cpu_isa.cpu_isa()
+
+
 HAS_BF16 = "avx512_bf16" in cpu_isa.effective_flags()
 HAS_AMX = {"amx_bf16", "amx_tile"} <= cpu_isa.effective_flags()  # bf16 weights it fits: AMX tiles
 
@@ -32,13 +46,14 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, 64, 97, 200])
 @pytest.mark.parametrize("out_in", [(3072, 576), (576, 1536), (960, 576), (33, 17), (5, 3), (70, 1)])
-def test_kernel_equals_f_linear_to_fp32_rounding(rows, out_in):
+def test_kernel_equals_f_linear_to_fp32_rounding(rows, out_in, level):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(*out_in, generator=g)
     x = torch.randn(rows, out_in[1], generator=g)
     b = torch.randn(out_in[0], generator=g)
-    assert P.available() == HAS_AVX512
-    if not HAS_AVX512:  # no AVX-512 here: the packing never attaches the panels
+    has = FP32_FLAGS <= cpu_isa.effective_flags()
+    assert P.available() == has and (not has or P.isa() == level)
+    if not has:  # no AVX2 at this level: the packing never attaches the panels
         cpu_linear.pack(w)
         assert not hasattr(w, "_panels")
         return
@@ -68,8 +83,8 @@ def test_bf16_kernel_equals_fp32_sums_rounded_once(rows, out_in):
     b = torch.randn(out_in[0], generator=g).bfloat16()
     assert P.available(torch.bfloat16) == HAS_BF16
     if not HAS_BF16:  # no AVX512-BF16 here: the packing never attaches bf16 panels
-        cpu_linear.pack(w)
-        assert not hasattr(w, "_panels")
+        cpu_linear.pack(w)  # (a weight widened to fp32 for oneDNN gets fp32 panels where they run)
+        assert getattr(w, "_panels", None) is None or w._panels.dtype == torch.float32
         return
     p = P.pack(w)
     assert p.shape == ((out_in[0] + 31) // 32, out_in[1], 32) and p.dtype == torch.bfloat16
@@ -81,7 +96,24 @@ def test_bf16_kernel_equals_fp32_sums_rounded_once(rows, out_in):
 
 
 @pytest.mark.skipif(
-    not HAS_AVX512, reason="the panel dispatch: no AVX-512 at this level (the case above checks the fallback)"
+    not HAS_FP32 or cpu_isa.fallback() != "avx2",
+    reason="two builds with the fp32 kernel: an AVX-512 CPU (the AVX2 one's own results are checked above)",
+)
+@pytest.mark.parametrize("rows", [1, 7, 13, 64])
+def test_the_avx2_build_equals_the_avx512_build_bit_for_bit(rows, monkeypatch):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(100, 577, generator=g), torch.randn(100, generator=g)  # a half-empty last panel
+    x = torch.randn(rows, 577, generator=g)
+    panels = P.pack(w)
+    native = P.linear(x, panels, 100, b)
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    assert P.isa() == "avx2"
+    avx2 = P.linear(x, panels, 100, b)
+    assert native is not None and avx2 is not None and torch.equal(native, avx2)  # FMAs in one order
+
+
+@pytest.mark.skipif(
+    not HAS_FP32, reason="the panel dispatch: no AVX2 at this level (the case above checks the fallback)"
 )
 def test_cpu_linear_takes_it_for_up_to_64_rows(monkeypatch):
     g = torch.Generator().manual_seed(0)
@@ -98,11 +130,17 @@ def test_cpu_linear_takes_it_for_up_to_64_rows(monkeypatch):
     assert calls == [(1, 1, 80), (1, 64, 80)]  # 65 and 300 rows: oneDNN
     wb = torch.randn(64, 64).bfloat16()
     cpu_linear.pack(wb)
-    # bf16: in panels where the CPU has AVX512-BF16 and no AMX tiles take the weight
-    assert hasattr(wb, "_panels") == (HAS_BF16 and not HAS_AMX) and hasattr(wb, "_amx") == HAS_AMX
+    # bf16: in panels where the CPU has AVX512-BF16 and no AMX tiles take the weight; widened to
+    # fp32 where oneDNN cannot pack bf16 (an AVX2-only CPU), in the fp32 panels
+    widened = cpu_linear.path(torch.bfloat16) == "onednn-fp32"
+    assert hasattr(wb, "_panels") == (HAS_BF16 and not HAS_AMX or widened) and hasattr(wb, "_amx") == HAS_AMX
+    assert wb._panels.dtype == (torch.float32 if widened else torch.bfloat16)
     wh = torch.randn(64, 64).half()
     cpu_linear.pack(wh)
-    assert not hasattr(wh, "_panels")  # fp16: never
+    if cpu_linear.path(torch.float16) == "onednn-fp32":  # fp16 widened: the fp32 panels
+        assert wh._panels.dtype == torch.float32
+    else:  # fp16 itself: never
+        assert not hasattr(wh, "_panels")
 
 
 @pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="the bf16 panel dispatch: AVX512-BF16 and no AMX")
@@ -122,13 +160,13 @@ def test_cpu_linear_takes_the_bf16_panels_for_every_row_count(monkeypatch):
     assert calls == [(1, 1, 80), (1, 64, 80), (1, 65, 80), (1, 300, 80)]  # prefill sizes too
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="lowering the level from a CPU with AVX-512")
+@pytest.mark.skipif(not HAS_FP32, reason="lowering the level from a CPU with AVX2")
 def test_a_lowered_level_takes_onednn_even_for_a_weight_packed_before(monkeypatch):
     w = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
     cpu_linear.pack(w)
     assert hasattr(w, "_panels")
-    monkeypatch.setenv(cpu_isa.ENV, "avx2")  # x86-64-v3: no AVX-512 in that build
-    assert P.isa() == "avx2" and not P.available()
+    monkeypatch.setenv(cpu_isa.ENV, "generic")  # x86-64: no AVX2 in that build
+    assert P.isa() == "generic" and not P.available()
     x = torch.randn(3, 48)
     assert P.linear(x, w._panels, 64) is None  # the caller's other path
     torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -155,7 +193,7 @@ def test_a_level_without_bf16_takes_onednn_for_bf16_even_for_a_weight_packed_bef
     assert hasattr(w3, "_panels")
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="the kernel's own errors: no AVX-512 at this level")
+@pytest.mark.skipif(not HAS_FP32, reason="the kernel's own errors: no AVX2 at this level")
 def test_bad_inputs_name_the_constraint():
     with pytest.raises(
         RuntimeError, match=r"non-empty fp32 or bf16 CPU tensor \[out, in\], got Half \[40, 64\]"
@@ -186,7 +224,7 @@ def test_bad_inputs_name_the_constraint():
 
 
 def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
-    out = engine_outputs(monkeypatch, P, torch.float32, "_panels", HAS_AVX512)
+    out = engine_outputs(monkeypatch, P, torch.float32, "_panels", HAS_FP32)
     for a, b in zip(*out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -195,7 +233,10 @@ def test_fp32_engine_with_the_panel_path_equals_onednn(monkeypatch):
 
 
 def test_bf16_engine_logits_with_the_panel_path_equal_onednn_to_rounding(monkeypatch):
-    out = engine_outputs(monkeypatch, P, torch.bfloat16, "_panels", HAS_BF16 and not HAS_AMX)
+    widened = cpu_linear.path(torch.bfloat16) == "onednn-fp32"  # (then the fp32 panels)
+    out = engine_outputs(
+        monkeypatch, P, torch.bfloat16, "_panels", HAS_BF16 and not HAS_AMX or widened and HAS_FP32
+    )
     for a, b in zip(*out):
         assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 8
         # bf16: the two summation orders may flip a near-tie; the first token's logprobs agree
@@ -205,7 +246,7 @@ def test_bf16_engine_logits_with_the_panel_path_equal_onednn_to_rounding(monkeyp
 
 
 def test_a_failed_build_warns_once_and_leaves_the_products_on_onednn(monkeypatch):
-    check_failed_build(monkeypatch, P, {"avx512f"}, torch.float32, "_panels")
+    check_failed_build(monkeypatch, P, FP32_FLAGS, torch.float32, "_panels")
 
 
 def test_a_failed_build_leaves_bf16_products_on_onednn(monkeypatch):

@@ -1,4 +1,4 @@
-"""An fp32 or bf16 linear layer in panels of 32 outputs on AVX-512: the engine's decode GEMM on CPU.
+"""An fp32 or bf16 linear layer in panels of 32 outputs (AVX2 or AVX-512): the engine's decode GEMM on CPU.
 
 A decode step multiplies a few dozen rows (one per running sequence) by every weight of the
 model, and in fp32 those weights (four bytes each) do not stay in cache from one step to the
@@ -9,7 +9,10 @@ cache. ``csrc/panel_linear_cpu.cpp`` packs each weight once in panels of 32 outp
 multiplies a panel by all rows in register blocks of up to 12 rows, and prefetches the next
 panel into L2 while it does, spread over the row blocks, so the weight arrives while the FMA
 units work (docs/kernels.md has the measurements). Accumulation is fp32, over the inputs in
-order, so results differ from oneDNN's by the rounding of a different summation order only.
+order, so results differ from oneDNN's by the rounding of a different summation order only. The
+AVX2 build (16 vector registers of 8 floats) takes each panel as two halves of 16 columns in
+register blocks of up to 6 rows, with the same sums in the same order: its outputs equal the
+AVX-512 build's bit for bit.
 
 bf16 weights take the same panels with their inputs interleaved in pairs, multiplied by
 AVX512-BF16's ``vdpbf16ps`` (two products added to each fp32 lane), the result rounded once to
@@ -27,7 +30,9 @@ Which products: the packed linear sends fp32 products of 1 to :data:`MAX_ROWS` r
 (:func:`max_rows`); :func:`linear` itself takes any number of rows, any shape, bias or not:
 fp32 on a CPU whose effective flags
 (:func:`~llmlab.kernels.cpu_isa.effective_flags`, lowered by ``LLMLAB_CPU_ISA``) have
-``avx512f``, bf16 where they have ``avx512_bf16`` and the AMX tiles do not take the weight;
+``avx2`` and ``fma`` (also a bf16 or fp16 weight that :mod:`~llmlab.kernels.cpu_linear` widens
+to fp32 where oneDNN cannot pack it), bf16 where they have ``avx512_bf16`` and the AMX tiles do
+not take the weight;
 :func:`~llmlab.kernels.cpu_linear.pack` then keeps this packed copy beside oneDNN's (the weight
 is held three times). Built on first use like the other C++ kernels
 (:mod:`~llmlab.kernels.cpu_build`).
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
 
@@ -67,29 +73,31 @@ def isa() -> str:
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this CPU, at the current level, runs the kernel for ``dtype``: fp32 needs
-    ``avx512f`` in :func:`~llmlab.kernels.cpu_isa.effective_flags`, bf16 ``avx512_bf16``, and a
-    build that has it. The packed linear takes this path on its own, so a build that fails here
-    warns once and leaves the products on oneDNN."""
-    need = {torch.float32: "avx512f", torch.bfloat16: "avx512_bf16"}.get(dtype)
-    if need is None or need not in cpu_isa.effective_flags():
+    """Whether this CPU, at the current level, runs the kernel for ``dtype``: fp32 needs ``avx2``
+    and ``fma`` in :func:`~llmlab.kernels.cpu_isa.effective_flags` (the AVX2 build; the AVX-512
+    one where the level has it), bf16 ``avx512_bf16``, and a build that has it. The packed linear
+    takes this path on its own, so a build that fails here warns once and leaves the products on
+    oneDNN."""
+    need = {torch.float32: {"avx2", "fma"}, torch.bfloat16: {"avx512_bf16"}}.get(dtype)
+    if need is None or not need <= cpu_isa.effective_flags():
         return False
     from llmlab.kernels import cpu_build
 
-    return cpu_build.available() and _built(cpu_isa.cpu_isa(), dtype)
+    m = _built(cpu_isa.cpu_isa()) if cpu_build.available() else None
+    return m is not None and bool(m.has_fp32() if dtype == torch.float32 else m.has_bf16())
 
 
 @functools.cache
-def _built(level: str, dtype: torch.dtype) -> bool:
+def _built(level: str) -> Any:
+    """The build for ``level``, or ``None`` where it failed (one try and one warning a level)."""
     try:
-        m = _module()
+        return _module()
     except RuntimeError as e:  # the compiler's error: reported, not fatal to the packed linear
         warnings.warn(
             f"the panel linear kernel did not build ({e}); fp32 and bf16 products stay on oneDNN",
             stacklevel=3,
         )
-        return False
-    return bool(m.has_avx512() if dtype == torch.float32 else m.has_bf16())
+        return None
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -131,7 +139,7 @@ def _kernel(level: str, dtype: torch.dtype):
     """The build's ``linear`` where it has the kernel for ``dtype`` at ``level``, else ``None``
     (looked up once: :func:`linear` runs for every product of a decode step)."""
     m = _module()
-    return m.linear if (m.has_avx512() if dtype == torch.float32 else m.has_bf16()) else None
+    return m.linear if (m.has_fp32() if dtype == torch.float32 else m.has_bf16()) else None
 
 
 def pack_swiglu(weight: torch.Tensor, intermediate: int) -> torch.Tensor:

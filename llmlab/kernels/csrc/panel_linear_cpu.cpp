@@ -1,5 +1,6 @@
 // An fp32 or bf16 linear layer for decode-sized batches: y = x W^T (+ bias), AVX-512
-// (bf16: AVX512-BF16's vdpbf16ps).
+// (bf16: AVX512-BF16's vdpbf16ps); fp32 also in AVX2 builds (the same panels, half a panel at a
+// time, the same sums).
 //
 // A decode step multiplies a few dozen rows by every weight, and the weights do not stay in cache
 // from one step to the next, so each product streams its weight from memory while it computes.
@@ -25,6 +26,10 @@
 
 #if defined(__AVX512F__)
 #define LLMLAB_PANEL 1
+#define LLMLAB_PANEL_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LLMLAB_PANEL 1  // fp32 only, each panel as two halves of 16 columns (AVX2: 16 registers)
 #include <immintrin.h>
 #endif
 
@@ -32,6 +37,11 @@ namespace {
 
 constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vectors
 constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
+#ifdef LLMLAB_PANEL_AVX512
+constexpr int kRowsFp32 = kRowsMax;
+#else
+constexpr int kRowsFp32 = 6;      // AVX2: 6 rows x 2 accumulators of 8 floats, a 16-column half at a time
+#endif
 constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster than 12; docs/kernels.md)
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
 // fp32 products of at least this many rows prefetch the next panel into L1 as well (T0): there
@@ -39,12 +49,13 @@ constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stay
 // on AMD Zen 4 (docs/kernels.md); fewer rows keep the L2 hint (T0 was 7-17 % slower at 1-8).
 constexpr int64_t kRowsL1Prefetch = 16;
 
-#ifdef LLMLAB_PANEL
+#ifdef LLMLAB_PANEL_AVX512
 // One register block: y[R, cols] = x[R, K] . panel[K, 32] (+ bias); while it runs, the cache
 // lines [pf, pf_end) are prefetched (Hint: into L2, or L1 too), spread evenly over its K/2 steps.
+// m0, m1: which of the 16 + 16 columns exist (bit c: column c).
 template <int R, int Hint = _MM_HINT_T1>
 void block(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
-           int64_t ldy, const float* __restrict bias, __mmask16 m0, __mmask16 m1, const char* pf,
+           int64_t ldy, const float* __restrict bias, uint16_t m0, uint16_t m1, const char* pf,
            const char* pf_end) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
@@ -84,18 +95,74 @@ void block(const float* __restrict x, int64_t K, const float* __restrict panel, 
   }
 }
 
-using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, const float*, __mmask16,
-                       __mmask16, const char*, const char*);
+#elif defined(LLMLAB_PANEL)
+// AVX2: the same register block, its 32 columns taken as two halves of 16 (2R accumulators of 8
+// floats, the two weight vectors and a broadcast fit the 16 registers at R <= 6): each half
+// reads its own 64 bytes of every 128-byte panel row, over k in the same order, so the sums (and
+// the outputs) equal the AVX-512 block's bit for bit. Prefetch spread over both halves' K steps.
+inline __m256i lanes8(unsigned m) {  // bit i of m -> lane i all ones
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m)), bit), bit);
+}
+
+inline void store8(float* y, unsigned m, __m256 v) {
+  if (m == 0xFF) _mm256_storeu_ps(y, v);
+  else if (m) _mm256_maskstore_ps(y, lanes8(m), v);
+}
+
+template <int R, int Hint = _MM_HINT_T1>
+void block(const float* __restrict x, int64_t K, const float* __restrict panel, float* __restrict y,
+           int64_t ldy, const float* __restrict bias, uint16_t m0, uint16_t m1, const char* pf,
+           const char* pf_end) {
+  const int64_t steps = std::max<int64_t>(1, 2 * K), lines = (pf_end - pf) / 64;
+  int64_t due = 0;  // lines owed, in units of 1/steps
+  for (int h = 0; h < 2; ++h) {
+    const unsigned m = h ? m1 : m0;
+    if (m == 0) break;  // (the last panel: no column in this half)
+    const float* w = panel + 16 * h;
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; ++k, w += kCols) {
+      for (due += lines; due >= steps; due -= steps) { _mm_prefetch(pf, static_cast<_mm_hint>(Hint)); pf += 64; }
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(x + r * K + k);
+        a0[r] = _mm256_fmadd_ps(b, w0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(b, w1, a1[r]);
+      }
+    }
+    if (bias) {
+      const __m256 b0 = _mm256_maskload_ps(bias + 16 * h, lanes8(m & 0xFF));
+      const __m256 b1 = _mm256_maskload_ps(bias + 16 * h + 8, lanes8(m >> 8));
+      for (int r = 0; r < R; ++r) { a0[r] = _mm256_add_ps(a0[r], b0); a1[r] = _mm256_add_ps(a1[r], b1); }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(y + r * ldy + 16 * h, m & 0xFF, a0[r]);
+      store8(y + r * ldy + 16 * h + 8, m >> 8, a1[r]);
+    }
+  }
+}
+#endif
+
+#ifdef LLMLAB_PANEL
+using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, const float*, uint16_t,
+                       uint16_t, const char*, const char*);
+constexpr int T0 = _MM_HINT_T0;
+#ifdef LLMLAB_PANEL_AVX512
 constexpr Block kBlocks[kRowsMax + 1] = {nullptr,   block<1>, block<2>, block<3>,  block<4>,  block<5>, block<6>,
                                          block<7>,  block<8>, block<9>, block<10>, block<11>, block<12>};
-constexpr int T0 = _MM_HINT_T0;
 constexpr Block kBlocksL1[kRowsMax + 1] = {
     nullptr,          block<1, T0>, block<2, T0>, block<3, T0>,  block<4, T0>,  block<5, T0>, block<6, T0>,
     block<7, T0>,     block<8, T0>, block<9, T0>, block<10, T0>, block<11, T0>, block<12, T0>};
-
+#else
+constexpr Block kBlocks[kRowsFp32 + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
+constexpr Block kBlocksL1[kRowsFp32 + 1] = {nullptr,      block<1, T0>, block<2, T0>, block<3, T0>,
+                                            block<4, T0>, block<5, T0>, block<6, T0>};
+#endif
 #endif
 
-#if defined(LLMLAB_PANEL) && defined(__AVX512BF16__)
+#if defined(LLMLAB_PANEL_AVX512) && defined(__AVX512BF16__)
 #define LLMLAB_PANEL_BF16 1
 // bf16: a panel holds the inputs in pairs ([K/2][32][2], then for odd K the last input's 32
 // weights alone), so one vdpbf16ps multiplies a row's input pair (broadcast as one 32-bit word)
@@ -208,8 +275,8 @@ void chunk(const Block* blocks, int rows_max, const T* x, int64_t M, int64_t K, 
     const char* next = reinterpret_cast<const char*>(w + panel);
     const char* next_end = p + 1 < p1 ? next + panel_bytes : next;
     const int64_t cols = std::min(out_cols, N - p * out_cols);  // (out_cols 16: SwiGLU's outputs)
-    const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    const __mmask16 m1 = cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1));
+    const uint16_t m0 = cols >= 16 ? 0xFFFF : static_cast<uint16_t>((1u << cols) - 1);
+    const uint16_t m1 = cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : static_cast<uint16_t>((1u << (cols - 16)) - 1));
     int64_t m = 0;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t rows = (M - m + (nb - b) - 1) / (nb - b);  // blocks of even size
@@ -287,10 +354,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     const float* W = panels.data_ptr<float>();
     const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
     float* Y = y.data_ptr<float>();
-    run(M >= kRowsL1Prefetch ? kBlocksL1 : kBlocks, kRowsMax, X, M, K, W, P, N, B, Y);
+    run(M >= kRowsL1Prefetch ? kBlocksL1 : kBlocks, kRowsFp32, X, M, K, W, P, N, B, Y);
     return y;
 #else
-    TORCH_CHECK(false, "panel_linear: this build has no AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
+    TORCH_CHECK(false, "panel_linear: this build has no AVX2 or AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
 #endif
   }
 #ifdef LLMLAB_PANEL_BF16
@@ -335,7 +402,7 @@ torch::Tensor linear_swiglu(torch::Tensor x, torch::Tensor panels, int64_t I) {
 #endif
 }
 
-bool has_avx512() {
+bool has_fp32() {
 #ifdef LLMLAB_PANEL
   return true;
 #else
@@ -354,7 +421,7 @@ bool has_bf16() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "an fp32 or bf16 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
   m.def("linear", &linear, "x [rows, in] times a packed weight of its dtype, + bias (panel_linear_cpu.cpp)");
-  m.def("has_avx512", &has_avx512, "whether this build has the fp32 AVX-512 kernel (panel_linear_cpu.cpp)");
+  m.def("has_fp32", &has_fp32, "whether this build has the fp32 kernel: AVX2 or AVX-512 (panel_linear_cpu.cpp)");
   m.def("linear_swiglu", &linear_swiglu,
         "silu(x gate^T) * (x up^T) from the interleaved bf16 gate/up panels (panel_linear_cpu.cpp)");
   m.def("has_bf16", &has_bf16, "whether this build has the bf16 AVX512-BF16 kernel (panel_linear_cpu.cpp)");
