@@ -10,8 +10,8 @@ rows (the engine multiplies only each sequence's last position by it), the lm_he
 each timed as ``F.linear`` on the row-major weight and as :func:`llmlab.kernels.cpu_linear.linear`
 on the weight :func:`~llmlab.kernels.cpu_linear.pack` prepared (the path it took is printed:
 ``onednn``, ``onednn-fp32`` where oneDNN cannot pack the dtype and the weight is widened to fp32
-(``F.linear`` below ``WIDENED_MIN_ROWS`` rows), or ``aten``; the AMX tiles or panels where the CPU
-has them). Each round times both in turn; the
+(``F.linear`` below ``WIDENED_MIN_ROWS`` rows, or ``WIDENED_MIN_ROWS_PANELS`` with fp32 panels), or
+``aten``; the AMX tiles or panels where the CPU has them). Each round times both in turn; the
 minimum over ``--rounds`` rounds is reported (ms), with the speed-up and the largest difference of
 the packed result from ``F.linear``'s, in units of the dtype's epsilon times the output's scale.
 Prints the CPU flags, the level llmlab chose by, ``ONEDNN_MAX_CPU_ISA``, the thread count and the
@@ -63,8 +63,9 @@ def row(dtype: torch.dtype, rows: int, shapes: dict, rounds: int) -> dict:
     w0 = next(iter(ws.values()))
     extra = "amx" if hasattr(w0, "_amx") else "panels" if hasattr(w0, "_panels") else ""
     how = cpu_linear.path(dtype) + (f" ({extra})" if extra and rows <= 64 else "")
-    if how == "onednn-fp32" and rows < cpu_linear.WIDENED_MIN_ROWS:
-        how = f"aten (< {cpu_linear.WIDENED_MIN_ROWS} rows)"
+    few = cpu_linear.WIDENED_MIN_ROWS_PANELS if extra == "panels" else cpu_linear.WIDENED_MIN_ROWS
+    if cpu_linear.path(dtype) == "onednn-fp32" and rows < few:
+        how = f"aten (< {few} rows)"
     return {"aten": min(t_aten), "packed": min(t_packed), "path": how, "diff_eps": diff}
 
 

@@ -51,12 +51,50 @@ def test_packed_weight_equals_f_linear(dtype, tol, rows, level):
     got = linear(x, w, b)
     assert got.shape == (1, rows, 96) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    if path(dtype) == "onednn-fp32" and rows < cpu_linear.WIDENED_MIN_ROWS:
+    few = cpu_linear.WIDENED_MIN_ROWS_PANELS if hasattr(w, "_panels") else cpu_linear.WIDENED_MIN_ROWS
+    if path(dtype) == "onednn-fp32" and rows < few:
         assert torch.equal(got, want)  # a few rows: F.linear's own product (half the bytes to read)
     if path(dtype) == "onednn-fp32":  # the fp32 product, rounded once: within one ulp of dtype
         exact = F.linear(x.float(), w.float(), b.float())
         ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
         assert ((got.float() - exact).abs() <= ulp).all()
+
+
+def test_widened_weights_take_the_fp32_panels_for_2_to_64_rows(monkeypatch):
+    """As on an AVX2-only CPU (the path forced here): a bf16 weight is packed widened, with fp32
+    panels where the CPU has them (AVX2), which products of 2-64 rows take; 1 row is F.linear's,
+    more than 64 oneDNN's. A fused bf16 gate/up weight gets no SwiGLU panels (those are bf16)."""
+    from llmlab.kernels import panel_linear
+
+    monkeypatch.setattr(
+        cpu_linear, "path", lambda dtype, flags=None: "onednn" if dtype == torch.float32 else "onednn-fp32"
+    )
+    g = torch.Generator().manual_seed(3)
+    w, b = (torch.randn(96, 80, generator=g) * 0.1).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    pack(w)
+    has = panel_linear.available()
+    assert w._packed.dtype == torch.float32 and hasattr(w, "_panels") == has
+    assert not has or (
+        w._panels.dtype == torch.float32 and torch.equal(w._panels, panel_linear.pack(w.float()))
+    )
+    calls = []
+    real = panel_linear.linear
+    monkeypatch.setattr(
+        panel_linear, "linear", lambda x, p, n, bias=None: calls.append(len(x)) or real(x, p, n, bias)
+    )
+    for rows in (1, 2, 3, 64, 65):
+        x = torch.randn(rows, 80, generator=g).bfloat16()
+        got, exact = linear(x, w, b), F.linear(x.float(), w.float(), b.float())
+        assert got.dtype == torch.bfloat16
+        if rows == 1:
+            assert torch.equal(got, F.linear(x, w, b))
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((got.float() - exact).abs() <= ulp).all()
+    assert calls == ([2, 3, 64] if has else [])
+    model = LlamaForCausalLM(CFG, seed=0).to(torch.bfloat16).eval().fuse_projections()
+    pack_linears(model)
+    gate_up = model.model.layers[0].mlp.fused_gate_up[0]
+    assert gate_up._packed.dtype == torch.float32 and not hasattr(gate_up, "_swiglu")
 
 
 def test_widened_path_needs_onednn(monkeypatch):

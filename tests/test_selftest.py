@@ -65,6 +65,8 @@ def test_quick_selftest_passes_every_check_the_machine_allows(tmp_path, capsys):
         if amx_linear.available()
         else "panels"
         if panel_linear.available(torch.bfloat16)
+        else "fp32 panels"
+        if cpu_linear.path(torch.bfloat16) == "onednn-fp32" and panel_linear.available()
         else cpu_linear.path(torch.bfloat16),
         "fp32 small batches": "panels" if panel_linear.available() else "onednn",
         "fp32 greedy lm_head": "bf16 screen" if panel_linear.available(torch.bfloat16) else "full product",

@@ -20,7 +20,7 @@ On a CPU with AMX, a bf16 weight whose dimensions are multiples of 32 also gets 
 tile layout (:mod:`~llmlab.kernels.amx_linear`), which products of up to 48 rows (decode
 steps) take: there the weight's stream from memory sets the speed, and that kernel streams it
 faster than oneDNN. Such weights are then held three times (the weight, oneDNN's copy and the
-tiles). Likewise, on a CPU with AVX-512, an fp32 weight gets a copy in panels of 32 outputs
+tiles). Likewise, on a CPU with AVX2 or AVX-512, an fp32 weight gets a copy in panels of 32 outputs
 (:mod:`~llmlab.kernels.panel_linear`) for products of up to 64 rows, which it streams from
 memory while it computes instead of waiting on it; with AVX512-BF16, a bf16 weight the AMX
 tiles do not take gets one too, which products of any size take.
@@ -35,8 +35,9 @@ multiplies the widened input by it and rounds the product back, which is what a 
 (fp32 accumulation, one rounding of each output) at the fp32 packed product's speed: on an AVX-512
 core limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), 3-4.5x faster than PyTorch's own bf16
 ``F.linear`` there from 16 rows up (docs/kernels.md); below :data:`WIDENED_MIN_ROWS` rows
-``F.linear``, which reads half the bytes, is faster and runs instead. The widened copy costs twice
-the bf16 weight's bytes. Where
+(:data:`WIDENED_MIN_ROWS_PANELS` where the widened weight also has fp32 panels, which products of
+up to 64 rows take as an fp32 weight's do) ``F.linear``, which reads half the bytes, is faster and
+runs instead. The widened copies cost twice the bf16 weight's bytes each. Where
 it says ``"aten"``, :func:`pack` leaves the weight unpacked and :func:`linear` is ``F.linear``:
 the same product.
 """
@@ -53,8 +54,10 @@ from llmlab.kernels import amx_linear, cpu_isa, panel_linear
 
 BATCH_HINT = 64  # rows oneDNN picks its blocking for (decode-sized; any row count works)
 # "onednn-fp32": below this many rows F.linear's own bf16/fp16 product, which reads half the
-# weight's bytes, is the faster one (crossover at 3-4 rows: benchmarks/bench_cpu_linear.py)
+# weight's bytes, is the faster one (crossover at 3-4 rows against oneDNN, 1-2 against the fp32
+# panels: docs/kernels.md)
 WIDENED_MIN_ROWS = 4
+WIDENED_MIN_ROWS_PANELS = 2
 
 
 def available() -> bool:
@@ -112,8 +115,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if how == "aten":
         return None
     if how == "onednn-fp32":  # oneDNN packs fp32 only here: the exact fp32 widening of the weight
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), BATCH_HINT)
+        wide = weight.detach().float()
+        packed = torch.ops.mkldnn._reorder_linear_weight(wide, BATCH_HINT)
         setattr(weight, "_packed", packed)
+        if panel_linear.fits(wide) and panel_linear.available():  # decode-sized batches: fp32 panels
+            setattr(weight, "_panels", panel_linear.pack(wide))
         return packed
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
@@ -134,10 +140,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not isinstance(packed, torch.Tensor):  # a layer standing in for the weight (W8A8, int8)
         return packed(x, bias)
     if packed.dtype != weight.dtype:  # "onednn-fp32": widen, multiply in fp32, round once
-        if x.numel() < WIDENED_MIN_ROWS * x.shape[-1]:
+        few = WIDENED_MIN_ROWS_PANELS if hasattr(weight, "_panels") else WIDENED_MIN_ROWS
+        if x.numel() < few * x.shape[-1]:
             return F.linear(x, weight, bias)
-        b = None if bias is None else bias.float()
-        return torch.ops.mkldnn._linear_pointwise(x.float(), packed, b, "none", [], "").to(weight.dtype)
+        return _product(x.float(), weight, packed, None if bias is None else bias.float()).to(weight.dtype)
+    return _product(x, weight, packed, bias)
+
+
+def _product(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` times ``weight``'s packed copies (``packed``'s dtype): its AMX tiles or panels where
+    it has them and the row count suits them, else oneDNN."""
     amx = getattr(weight, "_amx", None)
     if amx is not None and bias is None and 0 < x.numel() <= amx_linear.MAX_ROWS * x.shape[-1]:
         y = amx_linear.linear(x, amx)
@@ -203,8 +217,7 @@ def pack_linears(model: nn.Module) -> int:
                 if (
                     attr == "fused_gate_up"
                     and b is None
-                    and w.dtype == torch.bfloat16
-                    and hasattr(w, "_panels")
+                    and getattr(getattr(w, "_panels", None), "dtype", None) == torch.bfloat16  # (not widened)
                 ):
                     setattr(w, "_swiglu", panel_linear.pack_swiglu(w, split[0]))  # SwiGLU as its epilogue
         for name, child in list(parent.named_children()):

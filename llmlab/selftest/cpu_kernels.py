@@ -6,7 +6,8 @@ lowering it):
   ``F.linear`` in fp32, bf16 and fp16, with the path each dtype took (``onednn``; ``onednn-fp32``,
   the weight widened to fp32, where the CPU cannot pack that dtype; ``aten`` without oneDNN), and
   decode-sized batches in bf16 (``amx`` where the CPU has AMX tiles:
-  :mod:`llmlab.kernels.amx_linear`) and in fp32 (``panels`` where it has AVX-512:
+  :mod:`llmlab.kernels.amx_linear`; ``panels`` where it has AVX512-BF16; ``fp32 panels`` where
+  the weight is widened) and in fp32 (``panels`` where it has AVX2:
   :mod:`llmlab.kernels.panel_linear`), and the fp32 lm_head's greedy tokens screened in
   bf16 where it has AVX512-BF16 (``bf16 screen``: :mod:`llmlab.inference.greedy_screen`) against
   the full product's argmax;
@@ -54,19 +55,23 @@ def check_cpu_packed_linear(quick: bool) -> dict:
         w = (torch.randn(96, 80, generator=g) * 0.1).to(dtype)
         b = torch.randn(96, generator=g).to(dtype)
         cpu_linear.pack(w)
-        if dtype == torch.float32:  # decode-sized batches: in panels where the CPU has AVX-512
+        if dtype == torch.float32:  # decode-sized batches: in panels where the CPU has AVX2
             paths["fp32 small batches"] = "panels" if hasattr(w, "_panels") else paths["fp32"]
         for n in rows:
             x = torch.randn(n, 80, generator=g).to(dtype)
             want = F.linear(x.float(), w.float(), b.float())
             _record(errs, f"{_name(dtype)} x{n}", cpu_linear.linear(x, w, b), want, dtype)
     # bf16 decode-sized batches, no bias: on AMX tiles where the CPU has them (amx_linear), else
-    # in panels where it has AVX512-BF16 (panel_linear)
+    # in panels where it has AVX512-BF16 (panel_linear), else widened in fp32 panels (AVX2)
     w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
     cpu_linear.pack(w)
-    paths["bf16 small batches"] = (
-        "amx" if hasattr(w, "_amx") else "panels" if hasattr(w, "_panels") else paths["bf16"]
-    )
+    panels = getattr(w, "_panels", None)
+    if hasattr(w, "_amx"):
+        paths["bf16 small batches"] = "amx"
+    elif panels is None:
+        paths["bf16 small batches"] = paths["bf16"]
+    else:  # (fp32 panels: the weight widened, where oneDNN cannot pack bf16)
+        paths["bf16 small batches"] = "panels" if panels.dtype == torch.bfloat16 else "fp32 panels"
     for n in rows[:2]:
         x = torch.randn(n, 64, generator=g).bfloat16()
         want = F.linear(x.float(), w.float())
