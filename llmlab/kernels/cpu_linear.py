@@ -33,7 +33,7 @@ not the weight's bf16/fp16 (an AVX2-only CPU), it says ``"onednn-fp32"``: :func:
 weight widened to fp32 (exactly: every bf16/fp16 value is an fp32 value) and :func:`linear`
 multiplies the widened input by it and rounds the product back, which is what a bf16 GEMM does
 (fp32 accumulation, one rounding of each output) at the fp32 packed product's speed: on an AVX-512
-core limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), 3-4.5x faster than PyTorch's own bf16
+core limited to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), 3-5x faster than PyTorch's own bf16
 ``F.linear`` there from 16 rows up (docs/kernels.md); below :data:`WIDENED_MIN_ROWS` rows
 (:data:`WIDENED_MIN_ROWS_PANELS` where the widened weight also has fp32 panels, which products of
 up to 64 rows take as an fp32 weight's do) ``F.linear``, which reads half the bytes, is faster and
@@ -114,19 +114,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     how = path(weight.dtype)
     if how == "aten":
         return None
-    if how == "onednn-fp32":  # oneDNN packs fp32 only here: the exact fp32 widening of the weight
-        wide = weight.detach().float()
-        packed = torch.ops.mkldnn._reorder_linear_weight(wide, BATCH_HINT)
-        setattr(weight, "_packed", packed)
-        if panel_linear.fits(wide) and panel_linear.available():  # decode-sized batches: fp32 panels
-            setattr(weight, "_panels", panel_linear.pack(wide))
-        return packed
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+    # "onednn-fp32": oneDNN packs fp32 only here, so the copies hold the weight's exact fp32 widening
+    w = weight.detach() if how == "onednn" else weight.detach().float()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
     setattr(weight, "_packed", packed)  # (a Tensor attribute the stubs do not declare)
-    if amx_linear.fits(weight) and amx_linear.available():  # decode-sized batches: AMX tiles
-        setattr(weight, "_amx", amx_linear.pack(weight))
-    elif panel_linear.fits(weight) and panel_linear.available(weight.dtype):  # else: panels
-        setattr(weight, "_panels", panel_linear.pack(weight))
+    if amx_linear.fits(w) and amx_linear.available():  # decode-sized batches: AMX tiles
+        setattr(weight, "_amx", amx_linear.pack(w))
+    elif panel_linear.fits(w) and panel_linear.available(w.dtype):  # else: panels
+        setattr(weight, "_panels", panel_linear.pack(w))
     return packed
 
 
