@@ -34,14 +34,10 @@ LAYER = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_
 LM_HEAD = {"lm_head": (49152, 576)}
 
 
-def best_ms(fn, rounds: int) -> float:
+def ms(fn) -> float:
+    t = time.perf_counter()
     fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times)
+    return 1e3 * (time.perf_counter() - t)
 
 
 def row(dtype: torch.dtype, rows: int, shapes: dict, rounds: int) -> dict:
@@ -52,14 +48,14 @@ def row(dtype: torch.dtype, rows: int, shapes: dict, rounds: int) -> dict:
         cpu_linear.pack(w)
     aten = lambda: [F.linear(xs[k], w) for k, w in ws.items()]  # noqa: E731
     packed = lambda: [cpu_linear.linear(xs[k], w) for k, w in ws.items()]  # noqa: E731
-    diff = max(
+    diff = max(  # (also the warm-up of both)
         ((p.float() - a.float()).abs().max() / (a.float().abs().max() * torch.finfo(dtype).eps)).item()
         for p, a in zip(packed(), aten())
     )
     t_aten, t_packed = [], []
     for _ in range(rounds):  # alternating: machine load falls on both alike
-        t_aten.append(best_ms(aten, 1))
-        t_packed.append(best_ms(packed, 1))
+        t_aten.append(ms(aten))
+        t_packed.append(ms(packed))
     w0 = next(iter(ws.values()))
     extra = "amx" if hasattr(w0, "_amx") else "panels" if hasattr(w0, "_panels") else ""
     how = cpu_linear.path(dtype) + (f" ({extra})" if extra and rows <= 64 else "")
