@@ -7,9 +7,10 @@
 // oneDNN's prepacked product leaves that stream to the hardware prefetcher and waits on it; here
 // the weight is packed once in panels of 32 output columns ([N/32][K][32], zero-padded), each
 // panel is multiplied by all rows (row blocks of up to 12 rows x 32 columns in 24 vector
-// accumulators), and while one panel is multiplied the next one is prefetched (into L2; fp32
-// chunks of 16+ rows into L1 too), spread evenly over the row blocks, so the memory streams the
-// next panel while the FMA units work on this one. Rows beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
+// accumulators; fp32 from 24 rows on: of up to 8), and while one panel is multiplied the next
+// one is prefetched (into L2; fp32 chunks of 16+ rows into L1 too), spread evenly over the row
+// blocks, so the memory streams the next panel while the FMA units work on this one. Rows
+// beyond kChunk are taken in chunks of rows (each chunk streams the weight again).
 //
 // Accumulation is fp32 with fused multiply-adds, over k in order (0, 1, ..., K-1; bf16: in pairs
 // of inputs, the result rounded once to bf16), so results differ from oneDNN's (another
@@ -39,9 +40,17 @@ constexpr int64_t kCols = 32;     // output columns per panel: two 16-float vect
 constexpr int kRowsMax = 12;      // rows per register block: 12 x 2 accumulators of 32
 #ifdef LLMLAB_PANEL_AVX512
 constexpr int kRowsFp32 = kRowsMax;
+// fp32 products of at least kManyRows rows take register blocks of at most kRowsFp32Many rows:
+// on AMD Zen 4 blocks of 5-8 rows ran at 112-115 GFLOP/s against 108-110 for blocks of 10-12
+// (hot), and a 64-row decode step's products took 4 % less time cold; below 24 rows, where the
+// product waits on the weight's stream, fewer passes over each panel did as well or better
+// (docs/kernels.md, "Session 17").
+constexpr int kRowsFp32Many = 8;
 #else
 constexpr int kRowsFp32 = 6;      // AVX2: 6 rows x 2 accumulators of 8 floats, a 16-column half at a time
+constexpr int kRowsFp32Many = kRowsFp32;
 #endif
+constexpr int64_t kManyRows = 24;
 constexpr int kRowsBf16 = 8;      // bf16: at most 8 (on Zen 4, 5-13 % faster than 12; docs/kernels.md)
 constexpr int64_t kChunk = 96;    // rows per pass over the weight (their x stays in L2)
 // fp32 products of at least this many rows prefetch the next panel into L1 as well (T0): there
@@ -354,7 +363,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     const float* W = panels.data_ptr<float>();
     const float* B = b.defined() ? b.data_ptr<float>() : nullptr;
     float* Y = y.data_ptr<float>();
-    run(M >= kRowsL1Prefetch ? kBlocksL1 : kBlocks, kRowsFp32, X, M, K, W, P, N, B, Y);
+    run(M >= kRowsL1Prefetch ? kBlocksL1 : kBlocks, M >= kManyRows ? kRowsFp32Many : kRowsFp32, X, M, K, W, P, N, B,
+        Y);
     return y;
 #else
     TORCH_CHECK(false, "panel_linear: this build has no AVX2 or AVX-512 (built for ", llmlab_cpu::compiled_isa(), ")");
