@@ -80,6 +80,30 @@ def test_the_override_lowers_and_never_raises(monkeypatch):
     assert cpu_isa.cpu_isa() == "avx2" and not cpu_isa.lowered()
 
 
+def test_a_pinned_level_holds_until_the_block_ends_on_its_own_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(cpu_isa, "detected", lambda: "avx512_bf16")
+    monkeypatch.setenv(cpu_isa.ENV, "avx512")
+    seen = []
+    with cpu_isa.pinned() as level:
+        assert level == "avx512"
+        monkeypatch.setenv(cpu_isa.ENV, "avx2")  # read on entry, not again inside
+        assert cpu_isa.cpu_isa() == "avx512"
+        with cpu_isa.pinned() as inner:  # nested: the current level, kept
+            assert inner == "avx512"
+        assert cpu_isa.cpu_isa() == "avx512"
+        t = threading.Thread(target=lambda: seen.append(cpu_isa.cpu_isa()))  # another thread reads
+        t.start()
+        t.join()
+    assert seen == ["avx2"] and cpu_isa.cpu_isa() == "avx2"
+    monkeypatch.setenv(cpu_isa.ENV, "avx3")
+    with pytest.raises(ValueError, match="must be one of"), cpu_isa.pinned():
+        pass
+    monkeypatch.delenv(cpu_isa.ENV)
+    assert cpu_isa.cpu_isa() == "avx512_bf16"
+
+
 def test_forcing_the_fallback_here_takes_it(monkeypatch):
     """On this machine, LLMLAB_CPU_ISA at the level below the current one: no packed path that
     level lacks (bf16 and fp16 weights are packed widened to fp32)."""

@@ -33,6 +33,7 @@ from llmlab.inference.paged_attention import slot_mapping, walks_block_tables
 from llmlab.inference.scheduler import SchedulerOutput
 from llmlab.metrics.profiling import phase
 from llmlab.inference.sequence import Sequence
+from llmlab.kernels import cpu_isa
 from llmlab.model.context import forward_context
 from llmlab.model.config import ModelConfig
 from llmlab.model.llama import LlamaForCausalLM
@@ -335,8 +336,11 @@ class ModelRunner:
             positions = torch.cat([b.positions for b in batches])
         rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
         positions = extra.pop("positions", positions)
-        with forward_context(
-            PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
+        with (
+            cpu_isa.pinned(),  # one level for all the step's kernel choices
+            forward_context(
+                PagedAttentionContext(self.kv_cache, batches, self.paged_attention, self.cpu_fused)
+            ),
         ):
             logits: torch.Tensor = self.model(
                 ids[None], positions=positions, logits_indices=rows, return_hidden=return_hidden, **extra

@@ -22,8 +22,11 @@ big machine can run the suite as a small one does. It can lower the level, not r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
@@ -101,10 +104,33 @@ def _resolve(override: str | None, found: str) -> str:
     return level
 
 
+# The level :func:`pinned` holds for the code it wraps (this thread's or task's), else None.
+_PINNED: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmlab_cpu_isa_pinned", default=None)
+
+
 def cpu_isa() -> str:
     """The level the fast paths choose by: :func:`detected`, or :data:`ENV` where set
-    (``ValueError`` for an unknown level or one above this CPU's)."""
+    (``ValueError`` for an unknown level or one above this CPU's); inside :func:`pinned`, the
+    level it read on entry."""
+    level = _PINNED.get()
+    if level is not None:
+        return level
     return _resolve(os.environ.get(ENV) or None, detected())
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[str]:
+    """``with pinned() as level:`` inside, :func:`cpu_isa` is ``level`` (read once, on entry)
+    for this thread (or asyncio task) without reading :data:`ENV` again. An engine step's
+    forward runs inside one: its few hundred kernel calls each chose by an environment read
+    (about 1 us apiece), and a level lowered during a step could not take effect before the next
+    one anyway. ``ValueError`` on entry as :func:`cpu_isa`."""
+    level = cpu_isa()
+    token = _PINNED.set(level)
+    try:
+        yield level
+    finally:
+        _PINNED.reset(token)
 
 
 def lowered() -> bool:
