@@ -26,7 +26,6 @@ from llmlab.inference.paged_attention import (
     kernel_for,
     paged_attention,
     plan_attention,
-    walks_block_tables,
     write_kv,
 )
 from llmlab.metrics.profiling import phase
@@ -70,6 +69,7 @@ class PagedAttentionContext:
     slot_mapping: torch.Tensor = field(init=False)  # [N]: every batch's slots, in order
     plans: dict[tuple[int, int | None], AttentionPlan] = field(init=False)  # (batch, window) -> plan
     prompt_plans: dict[tuple[int, int | None], prompt_sdpa.PromptPlan | None] = field(init=False)
+    kernels: dict[int, str] = field(init=False)  # batch -> kernel_for's choice, made by the first layer
 
     def __post_init__(self) -> None:
         self.slot_mapping = (
@@ -79,6 +79,7 @@ class PagedAttentionContext:
         )
         self.plans = {}
         self.prompt_plans = {}
+        self.kernels = {}
 
     def _attend(
         self,
@@ -88,11 +89,14 @@ class PagedAttentionContext:
         v_cache: torch.Tensor,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """Batch ``i``'s paged attention; the reference's per-step plan (gather indices, mask)
-        is made by the first layer and reused by the others."""
+        """Batch ``i``'s paged attention; the kernel choice and the reference's per-step plan
+        (gather indices, mask) are made by the first layer and reused by the others."""
         b = self.batches[i]
+        impl = self.kernels.get(i)
+        if impl is None:
+            impl = self.kernels[i] = kernel_for(q, k_cache, self.paged_attention)
         plan = None
-        if not walks_block_tables(q, k_cache, self.paged_attention):
+        if impl == "reference":
             key = (i, sliding_window)
             plan = self.plans.get(key)
             if plan is None:
@@ -109,7 +113,7 @@ class PagedAttentionContext:
                 b.query_lens,
                 sliding_window=sliding_window,
                 plan=plan,
-                impl=self.paged_attention,
+                impl=impl,
             )
 
     def _prompt_plan(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import llmlab.kernels as K
+from llmlab.kernels import cpu_paged_attention
 
 
 def slot_mapping(block_table: list[int], positions: Iterable[int], block_size: int) -> list[int]:
@@ -72,9 +73,7 @@ def kernel_for(q: torch.Tensor, k_cache: torch.Tensor, impl: str | None = None) 
     if impl == "reference":
         return "reference"
     if impl == "cpu" and q.device.type == "cpu":
-        from llmlab.kernels.cpu_paged_attention import HEAD_DIMS
-
-        return "cpu" if q.shape[-1] in HEAD_DIMS else "reference"
+        return "cpu" if q.shape[-1] in cpu_paged_attention.HEAD_DIMS else "reference"
     if not _triton_installed():
         return "reference"
     if impl in ("auto", "cpu"):
@@ -111,9 +110,7 @@ def paged_attention(
     choice, as :func:`kernel_for`); errors are those of the implementation chosen."""
     impl = kernel_for(q, k_cache, impl)
     if impl == "cpu":
-        from llmlab.kernels.cpu_paged_attention import paged_attention_cpu
-
-        return paged_attention_cpu(
+        return cpu_paged_attention.paged_attention_cpu(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window
         )
     if impl == "triton" and sliding_window is None:
