@@ -1,6 +1,7 @@
 """The engine's fast paths equal the reference they stand beside: the step-wide greedy argmax
-(per-row sampling), the token-major serving rotary (apply_rotary), and the per-step attention plan
-(the reference recomputing it per call)."""
+(per-row sampling), the token-major serving rotary (apply_rotary), the per-step attention plan
+(the reference recomputing it per call), and the decoder layer's straight C++ calls (its
+modules)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,39 @@ def test_engine_greedy_tokens_unchanged_by_the_fast_path(monkeypatch):
     monkeypatch.setattr(E, "greedy_tokens", lambda logits, seqs, cpu_fused=False: {})  # the per-row reference
     ref = [o.outputs[0].token_ids for o in LLM(model, block_size=4).generate(prompts, params)]
     assert fast == ref and all(len(t) == 6 for t in fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_straight_cpu_layers_equal_the_modules_bit_for_bit(monkeypatch, dtype):
+    """With the C++ operators on, DecoderLayer._serve_cpu serves every layer (prompt, mixed and
+    decode steps; packed and unpacked weights) with the logprobs of the modules' path exactly."""
+    from llmlab.kernels import cpu_build
+    from llmlab.model.llama import DecoderLayer
+
+    if not cpu_build.available():
+        pytest.skip("the C++ operators need a compiler and ninja")
+    model = LlamaForCausalLM(CFG, seed=0).to(dtype)
+    prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]  # (14 tokens at most)
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=3)
+    calls = []
+    serve = DecoderLayer._serve_cpu
+    monkeypatch.setattr(DecoderLayer, "_serve_cpu", lambda *a: calls.append(1) or serve(*a))
+
+    def run(packed):
+        llm = LLM(model, block_size=4, cpu_fused=True, packed_linear=packed, max_num_batched_tokens=16)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    for packed in (False, True):
+        calls.clear()
+        straight = run(packed)
+        assert len(calls) >= CFG.num_hidden_layers * 7  # every layer of every step
+        monkeypatch.setattr(DecoderLayer, "_fused_serving", lambda self: False)
+        calls.clear()
+        modules = run(packed)
+        assert calls == []
+        monkeypatch.undo()
+        monkeypatch.setattr(DecoderLayer, "_serve_cpu", lambda *a: calls.append(1) or serve(*a))
+        assert straight == modules and all(len(t) == 7 for t, _ in straight)
 
 
 def test_serving_rotary_equals_apply_rotary_bitwise():

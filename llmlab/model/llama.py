@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab import kernels
+from llmlab.kernels.cpu_linear import PackedLinear
 from llmlab.model.config import ModelConfig
 from llmlab.model.context import engine_cpu_fused, get_context
 from llmlab.model.layers import MLP, RMSNorm, concat_linears
@@ -197,6 +198,9 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        if ctx is not None and getattr(ctx, "cpu_fused", False) and x.is_cpu and self._fused_serving():
+            return self._serve_cpu(ctx, x, cos, sin)
         h = self.self_attn(self.input_layernorm(x), cos, sin)
         if kernels.use_fused("residual_rmsnorm", h, engine_cpu_fused()):  # add + norm, one pass (CPU)
             h, x = self.post_attention_layernorm(h, residual=x)
@@ -204,6 +208,63 @@ class DecoderLayer(nn.Module):
             x = x + h
             h = self.post_attention_layernorm(x)
         return x + self.mlp(h)
+
+    def _fused_serving(self) -> bool:
+        """Whether :meth:`_serve_cpu` takes this layer: this model's attention, RMSNorm and dense
+        MLP, with q/k/v and gate/up fused (the engine fuses them; LoRA and tensor parallelism keep
+        them apart)."""
+        a, mlp = self.self_attn, self.mlp
+        return (
+            type(a) is Attention
+            and a.fused_qkv is not None
+            and type(mlp) is MLP
+            and mlp.fused_gate_up is not None
+            and type(self.input_layernorm) is RMSNorm
+            and type(self.post_attention_layernorm) is RMSNorm
+        )
+
+    def _serve_cpu(self, ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The serving forward of ``x [B,T,h]`` with the engine's C++ CPU operators on
+        (``ctx.cpu_fused``): the operators :meth:`forward`'s modules call there, in the same
+        order on the same tensors (RMSNorm, the fused q/k/v product, RoPE in place on q|k,
+        ``ctx.attention``, ``o_proj``, the residual add with RMSNorm, the fused gate/up product
+        and SwiGLU, ``down_proj``, the residual add), called straight, without the modules'
+        dispatch (which kernel, which layout: a few dozen Python calls a layer; a decode layer
+        of a 30-layer model of width 128 went from 125 to 112 us at one sequence, 454 to 426 us
+        at 64: docs/kernels.md, "Session 17"). Same outputs, bit for bit. (Forward hooks on the
+        submodules it calls straight, the norms and the attention and MLP modules, do not run
+        here.)"""
+        from llmlab.kernels import cpu_fused
+
+        a: Any = self.self_attn  # (an Attention and an MLP: _fused_serving)
+        mlp: Any = self.mlp
+        B, T, hidden = x.shape
+        N, H, Hkv, D = B * T, a.num_heads, a.num_kv_heads, a.head_dim
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        xf = x.reshape(N, hidden)
+        w, b, _ = a.fused_qkv
+        qkv = kernels.linear(cpu_fused.rms_norm(xf, n1.weight, n1.eps), w, b).contiguous()  # [N, (H+2Hkv)D]
+        rs, cos, sin = qkv.stride(0), cos.reshape(N, D), sin.reshape(N, D)
+        qk = cpu_fused.rotary_(qkv.as_strided((N, H + Hkv, D), (rs, D, 1)), cos, sin)  # q|k, in place
+        v = qkv.as_strided((N, Hkv, D), (rs, D, 1), qkv.storage_offset() + (H + Hkv) * D)
+        o = ctx.attention(a.layer_idx, qk[:, :H], qk[:, H:], v, a.sliding_window)
+        h, xf = cpu_fused.rms_norm(_linear(a.o_proj, o.reshape(N, H * D)), n2.weight, n2.eps, xf)
+        w, b, split = mlp.fused_gate_up
+        act = kernels.gate_up_swiglu(h, w, b)
+        if act is None:
+            gate, up = kernels.linear(h, w, b).split_with_sizes(split, -1)
+            act = cpu_fused.silu_mul(gate, up)
+        return (xf + _linear(mlp.down_proj, act)).view(B, T, hidden)
+
+
+def _linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)``; for an ``nn.Linear`` or the engine's packed one, what their forward calls
+    (``F.linear``, :func:`llmlab.kernels.linear`) without the module call."""
+    if type(m) is PackedLinear:
+        return kernels.linear(x, m.weight, m.bias)
+    if type(m) is nn.Linear:
+        return F.linear(x, m.weight, m.bias)
+    return m(x)
 
 
 class LlamaModel(nn.Module):
