@@ -80,7 +80,7 @@ def load(stem: str, what: str):
     """The compiled module of ``csrc/<stem>.cpp`` for the current level (built now, or loaded from
     the cache). ``what`` names the kernel in the error raised where :func:`available` is False
     (``RuntimeError``); a failing build raises the compiler's error. (Called on every kernel
-    call: one environment read and one cache lookup.)"""
+    call: one cache lookup, and an environment read outside :func:`~llmlab.kernels.cpu_isa.pinned`.)"""
     return _load(stem, what, cpu_isa.cpu_isa())
 
 
