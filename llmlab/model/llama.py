@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab import kernels
+from llmlab.kernels import cpu_fused
 from llmlab.kernels.cpu_linear import PackedLinear
 from llmlab.model.config import ModelConfig
 from llmlab.model.context import engine_cpu_fused, get_context
@@ -234,8 +235,6 @@ class DecoderLayer(nn.Module):
         at 64: docs/kernels.md, "Session 17"). Same outputs, bit for bit. (Forward hooks on the
         submodules it calls straight, the norms and the attention and MLP modules, do not run
         here.)"""
-        from llmlab.kernels import cpu_fused
-
         a: Any = self.self_attn  # (an Attention and an MLP: _fused_serving)
         mlp: Any = self.mlp
         B, T, hidden = x.shape
