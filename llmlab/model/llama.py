@@ -227,27 +227,23 @@ class DecoderLayer(nn.Module):
     def _serve_cpu(self, ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The serving forward of ``x [B,T,h]`` with the engine's C++ CPU operators on
         (``ctx.cpu_fused``): the operators :meth:`forward`'s modules call there, in the same
-        order on the same tensors (RMSNorm, the fused q/k/v product, RoPE in place on q|k,
-        ``ctx.attention``, ``o_proj``, the residual add with RMSNorm, the fused gate/up product
-        and SwiGLU, ``down_proj``, the residual add), called straight, without the modules'
-        dispatch (which kernel, which layout: a few dozen Python calls a layer; a decode layer
-        of a 30-layer model of width 128 went from 125 to 112 us at one sequence, 454 to 426 us
-        at 64: docs/kernels.md, "Session 17"). Same outputs, bit for bit. (Forward hooks on the
+        order on the same tensors (RMSNorm, the fused q/k/v product, then :meth:`Attention._serve`
+        for RoPE, ``ctx.attention`` and ``o_proj``, the residual add with RMSNorm, the fused
+        gate/up product and SwiGLU, ``down_proj``, the residual add), called straight, without
+        the modules' dispatch (which kernel, which layout: a few dozen Python calls a layer; a
+        decode layer of a 30-layer model of width 128 went from about 127 to 116 us at one
+        sequence, 457 to 445 us at 64: docs/kernels.md, "Session 17"). Same outputs, bit for bit. (Forward hooks on the
         submodules it calls straight, the norms and the attention and MLP modules, do not run
         here.)"""
         a: Any = self.self_attn  # (an Attention and an MLP: _fused_serving)
         mlp: Any = self.mlp
         B, T, hidden = x.shape
-        N, H, Hkv, D = B * T, a.num_heads, a.num_kv_heads, a.head_dim
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        xf = x.reshape(N, hidden)
-        w, b, _ = a.fused_qkv
-        qkv = kernels.linear(cpu_fused.rms_norm(xf, n1.weight, n1.eps), w, b).contiguous()  # [N, (H+2Hkv)D]
-        rs, cos, sin = qkv.stride(0), cos.reshape(N, D), sin.reshape(N, D)
-        qk = cpu_fused.rotary_(qkv.as_strided((N, H + Hkv, D), (rs, D, 1)), cos, sin)  # q|k, in place
-        v = qkv.as_strided((N, Hkv, D), (rs, D, 1), qkv.storage_offset() + (H + Hkv) * D)
-        o = ctx.attention(a.layer_idx, qk[:, :H], qk[:, H:], v, a.sliding_window)
-        h, xf = cpu_fused.rms_norm(_linear(a.o_proj, o.reshape(N, H * D)), n2.weight, n2.eps, xf)
+        xf = x.reshape(B * T, hidden)
+        w, b, split = a.fused_qkv
+        q, k, v = kernels.linear(cpu_fused.rms_norm(x, n1.weight, n1.eps), w, b).split_with_sizes(split, -1)
+        o = a._serve(ctx, q, k, v, cos, sin).reshape(B * T, hidden)  # RoPE, ctx.attention, o_proj
+        h, xf = cpu_fused.rms_norm(o, n2.weight, n2.eps, xf)
         w, b, split = mlp.fused_gate_up
         act = kernels.gate_up_swiglu(h, w, b)
         if act is None:
