@@ -1,7 +1,7 @@
 """The engine's fast paths equal the reference they stand beside: the step-wide greedy argmax
 (per-row sampling), the token-major serving rotary (apply_rotary), the per-step attention plan
-(the reference recomputing it per call), and the decoder layer's straight C++ calls (its
-modules)."""
+(the reference recomputing it per call), the decoder layer's straight C++ calls (its
+modules) and the C++ decode stack (the layers one by one)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ def test_straight_cpu_layers_equal_the_modules_bit_for_bit(monkeypatch, dtype):
     monkeypatch.setattr(DecoderLayer, "_serve_cpu", lambda *a: calls.append(1) or serve(*a))
 
     def run(packed):
-        llm = LLM(model, block_size=4, cpu_fused=True, packed_linear=packed, max_num_batched_tokens=16)
+        llm = LLM(
+            model, block_size=4, cpu_fused=True, packed_linear=packed, max_num_batched_tokens=16, dtype=dtype
+        )
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
     for packed in (False, True):
@@ -93,6 +95,101 @@ def test_straight_cpu_layers_equal_the_modules_bit_for_bit(monkeypatch, dtype):
         monkeypatch.undo()
         monkeypatch.setattr(DecoderLayer, "_serve_cpu", lambda *a: calls.append(1) or serve(*a))
         assert straight == modules and all(len(t) == 7 for t, _ in straight)
+
+
+# head_dim 16 (one the C++ attention is compiled for), biases, one sliding layer of two
+STACK_CFG = ModelConfig(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attention_bias=True,
+    o_proj_bias=True,
+    mlp_bias=True,
+    sliding_window=5,
+    sliding_window_layers=(1,),
+)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "biases+window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_stack_equals_the_layers_bit_for_bit(monkeypatch, dtype, bias):
+    """The C++ decode stack (llmlab.kernels.cpu_decode_stack) takes the decode steps where every
+    product runs on panels, and the engine's tokens and logprobs equal those of the layers run
+    one by one (DecoderLayer._serve_cpu), exactly; without packed weights it never runs."""
+    from llmlab.kernels import cpu_build, panel_linear
+
+    if not cpu_build.available():
+        pytest.skip("the C++ operators need a compiler and ninja")
+    cfg = (
+        STACK_CFG
+        if bias
+        else ModelConfig(
+            **{
+                **STACK_CFG.__dict__,
+                "attention_bias": False,
+                "o_proj_bias": False,
+                "mlp_bias": False,
+                "sliding_window": None,
+                "sliding_window_layers": (),
+            }
+        )
+    )
+    model = LlamaForCausalLM(cfg, seed=0).to(dtype)
+    prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=3)
+    taken = []
+    stack = LlamaForCausalLM._decode_stack
+    monkeypatch.setattr(
+        LlamaForCausalLM, "_decode_stack", lambda *a: (lambda r: taken.append(r is not None) or r)(stack(*a))
+    )
+
+    def run(packed):
+        llm = LLM(
+            model,
+            block_size=4,
+            cpu_fused=True,
+            packed_linear=packed,
+            paged_attention="cpu",
+            max_num_batched_tokens=16,
+            dtype=dtype,
+        )
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    stacked = run(True)
+    # every decode step: the four products have panels where this level builds the kernel
+    assert (sum(taken) >= 6) == panel_linear.available(dtype) and not all(taken)
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack", lambda *a: None)
+    assert run(True) == stacked and all(len(t) == 9 for t, _ in stacked)
+    monkeypatch.undo()
+    taken.clear()
+    monkeypatch.setattr(
+        LlamaForCausalLM, "_decode_stack", lambda *a: (lambda r: taken.append(r is not None) or r)(stack(*a))
+    )
+    run(False)
+    assert taken and not any(taken)  # no packed weights, no panels: the layers one by one
+
+
+def test_decode_stack_refuses_entry_points_of_another_kind():
+    """The stack checks each capsule's name (the function and its signature) before calling it;
+    with the right ones and no layers it returns x as it is."""
+    from llmlab.kernels import cpu_build, cpu_decode_stack, cpu_fused, cpu_paged_attention, panel_linear
+
+    if not cpu_build.available():
+        pytest.skip("the C++ operators need a compiler and ninja")
+    fused, panels = cpu_fused._module().entry_points(), panel_linear._module().entry_points()
+    attention = cpu_paged_attention._module().entry_points()
+    x, kv = torch.randn(1, 8), torch.zeros(1, 2, 1, 1, 1, 8)
+    args = (x, x, x, kv, x, x, x, x, [], 1, 1, 8, 1.0)
+    stack = cpu_decode_stack._module().decode_layers
+    with pytest.raises(RuntimeError, match="expected the entry point llmlab.rms_norm"):
+        stack(*args, panels + panels, panels, attention)
+    with pytest.raises(RuntimeError, match="expected the entry point llmlab.paged_attention_cpu"):
+        stack(*args, fused, panels, fused[:1])
+    assert torch.equal(stack(*args, fused, panels, attention), x)
 
 
 def test_serving_rotary_equals_apply_rotary_bitwise():

@@ -44,12 +44,13 @@ def test_each_engine_uses_its_own_choices(monkeypatch):
     """Two engines, one with every CPU fast path and one with none, in one process and with the
     process-wide switch off: each runs what its config says (the C++ operators are counted), and
     their greedy tokens agree (fp32)."""
-    from llmlab.kernels import cpu_fused, cpu_paged_attention
+    from llmlab.kernels import cpu_decode_stack, cpu_fused, cpu_paged_attention
 
-    calls = {"fused": 0, "paged": 0}
+    calls = {"fused": 0, "paged": 0, "stack": 0}  # (the decode stack calls both, for every layer, in C++)
     for mod, name, key in (
         (cpu_fused, "silu_mul", "fused"),
         (cpu_paged_attention, "paged_attention_cpu", "paged"),
+        (cpu_decode_stack, "decode_layers", "stack"),
     ):
         real = getattr(mod, name)
 
@@ -72,10 +73,11 @@ def test_each_engine_uses_its_own_choices(monkeypatch):
     assert type(fast.engine.runner.model.model.layers[0].self_attn.o_proj) is PackedLinear
     assert type(plain.engine.runner.model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    assert calls == {"fused": 0, "paged": 0}
+    assert calls == {"fused": 0, "paged": 0, "stack": 0}
     got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, GREEDY)]
     assert got == want and all(len(t) == 8 for t in got)
-    assert calls["fused"] >= 2 * 8 and calls["paged"] >= 2 * 8  # every layer, every step
+    stacked = CFG.num_hidden_layers * calls["stack"]
+    assert calls["fused"] + stacked >= 2 * 8 and calls["paged"] + stacked >= 2 * 8  # every layer, every step
 
 
 def test_the_config_is_checked_once(monkeypatch):

@@ -81,6 +81,17 @@ class PagedAttentionContext:
         self.prompt_plans = {}
         self.kernels = {}
 
+    def cpu_decode_batch(self) -> AttentionBatch | None:
+        """The step's batch where the step is one batch of new tokens (one per sequence) whose
+        attention runs the C++ kernel with the C++ cache write (``cpu_fused``): what
+        :mod:`llmlab.kernels.cpu_decode_stack` computes the layers of in one call; else ``None``."""
+        if len(self.batches) != 1 or self.batches[0].is_prefill or not self.cpu_fused:
+            return None
+        k_cache = self.kv_cache[0, 0]
+        if not k_cache.is_cpu or kernel_for(k_cache, k_cache, self.paged_attention) != "cpu":
+            return None
+        return self.batches[0]
+
     def _attend(
         self,
         i: int,

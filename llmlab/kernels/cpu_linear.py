@@ -160,6 +160,31 @@ def _product(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def panels_for(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The panels (:func:`llmlab.kernels.panel_linear.pack`) that :func:`linear` multiplies
+    ``rows`` rows of ``weight``'s dtype by, or ``None`` where it would take another path there
+    (not packed, a stand-in layer, a widened weight, AMX tiles, more rows than the panels take, or
+    no kernel in the build for the current level)."""
+    packed = getattr(weight, "_packed", None)
+    panels = getattr(weight, "_panels", None)
+    if panels is None or not isinstance(packed, torch.Tensor) or packed.dtype != weight.dtype:
+        return None
+    if getattr(weight, "_amx", None) is not None and rows <= amx_linear.MAX_ROWS:
+        return None
+    if not 0 < rows <= panel_linear.max_rows(panels.dtype) or not panel_linear.runs(panels.dtype):
+        return None
+    return panels
+
+
+def swiglu_panels_for(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The SwiGLU panels :func:`gate_up_swiglu` multiplies by for the fused gate/up ``weight``
+    (and ``bias``), or ``None`` where it returns ``None``."""
+    panels = getattr(weight, "_swiglu", None)
+    if panels is None or bias is not None or weight.dtype != torch.bfloat16:
+        return None
+    return panels if panel_linear.runs(torch.bfloat16) else None
+
+
 def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused gate/up product ``x [..., in]`` -> ``[..., I]`` in one
     pass where :func:`pack_linears` gave ``weight`` SwiGLU panels (bf16 on a CPU with

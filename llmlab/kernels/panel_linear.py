@@ -134,6 +134,12 @@ def linear(
     return y.view(*x.shape[:-1], out_features)
 
 
+def runs(dtype: torch.dtype) -> bool:
+    """Whether :func:`linear` (and, for bf16, :func:`swiglu`) runs the kernel for ``dtype`` at the
+    current level, rather than returning ``None``."""
+    return _kernel(cpu_isa.cpu_isa(), dtype) is not None
+
+
 @functools.cache
 def _kernel(level: str, dtype: torch.dtype):
     """The build's ``linear`` where it has the kernel for ``dtype`` at ``level``, else ``None``

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmlab import kernels
-from llmlab.kernels import cpu_fused
-from llmlab.kernels.cpu_linear import PackedLinear
+from llmlab.kernels import cpu_decode_stack, cpu_fused
+from llmlab.kernels.cpu_linear import PackedLinear, panels_for, swiglu_panels_for
 from llmlab.model.config import ModelConfig
 from llmlab.model.context import engine_cpu_fused, get_context
 from llmlab.model.layers import MLP, RMSNorm, concat_linears
@@ -251,6 +251,51 @@ class DecoderLayer(nn.Module):
             act = cpu_fused.silu_mul(gate, up)
         return (xf + _linear(mlp.down_proj, act)).view(B, T, hidden)
 
+    def _stack_weights(self, rows: int, heads: tuple[int, int, int]) -> cpu_decode_stack.LayerWeights | None:
+        """This layer's part of the C++ decode stack (:mod:`llmlab.kernels.cpu_decode_stack`) for a
+        step of ``rows`` tokens with ``heads = (H, Hkv, D)``: where :meth:`_serve_cpu` takes the
+        layer, it has those heads, and each of its four products would run on panels, the same
+        weights; else ``None``."""
+        if not self._fused_serving():
+            return None
+        a: Any = self.self_attn
+        mlp: Any = self.mlp
+        (wq, bq, split), (wg, bg, _) = a.fused_qkv, mlp.fused_gate_up
+        o, down = a.o_proj, mlp.down_proj
+        H, Hkv, D = heads
+        if (
+            (a.num_heads, a.num_kv_heads, a.head_dim) != heads
+            or type(o) is not PackedLinear
+            or type(down) is not PackedLinear
+            or list(split) != [H * D, Hkv * D, Hkv * D]
+        ):
+            return None
+        swiglu = swiglu_panels_for(wg, bg)
+        qkv, po, pd = panels_for(wq, rows), panels_for(o.weight, rows), panels_for(down.weight, rows)
+        gu = swiglu if swiglu is not None else panels_for(wg, rows)
+        if qkv is None or po is None or pd is None or gu is None:
+            return None
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        window = -1 if a.sliding_window is None else int(a.sliding_window)
+        return cpu_decode_stack.LayerWeights(
+            self.layer_idx,
+            n1.weight,
+            n1.eps,
+            qkv,
+            bq,
+            po,
+            o.bias,
+            n2.weight,
+            n2.eps,
+            gu,
+            bg,
+            swiglu is not None,
+            pd,
+            down.bias,
+            wg.shape[0] // 2,
+            window,
+        )
+
 
 def _linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)``; for an ``nn.Linear`` or the engine's packed one, what their forward calls
@@ -333,9 +378,49 @@ class LlamaForCausalLM(nn.Module):
         else:
             T = seq_len if seq_len is not None else hidden.shape[1] * self.sequence_shards
             cos, sin = self.rotary(T, hidden.device, hidden.dtype)
-        for layer in self.model.layers if layers is None else layers:
+        layers = self.model.layers if layers is None else layers
+        stacked = self._decode_stack(hidden, cos, sin, layers)
+        if stacked is not None:
+            return stacked
+        for layer in layers:
             hidden = layer(hidden, cos, sin)
         return hidden
+
+    def _decode_stack(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers
+    ) -> torch.Tensor | None:
+        """A serving decode step's ``layers`` in one C++ call (:mod:`llmlab.kernels.cpu_decode_stack`)
+        where the engine's C++ operators are on and every layer would call them anyway
+        (:meth:`DecoderLayer._stack_weights`); ``None`` otherwise (the layers run one by one)."""
+        ctx = get_context()
+        if ctx is None or not getattr(ctx, "cpu_fused", False) or not hidden.is_cpu:
+            return None
+        batch = ctx.cpu_decode_batch() if hasattr(ctx, "cpu_decode_batch") else None
+        if batch is None or hidden.dtype != ctx.kv_cache.dtype or not len(layers):
+            return None
+        if type(layers[0]) is not DecoderLayer:
+            return None
+        B, T, h = hidden.shape
+        a = layers[0].self_attn
+        heads = (a.num_heads, a.num_kv_heads, a.head_dim)
+        weights = []
+        for layer in layers:
+            w = layer._stack_weights(B * T, heads) if type(layer) is DecoderLayer else None
+            if w is None:
+                return None
+            weights.append(w)
+        D = a.head_dim
+        out = cpu_decode_stack.decode_layers(
+            hidden.reshape(B * T, h),
+            cos.reshape(B * T, D),
+            sin.reshape(B * T, D),
+            ctx.kv_cache,
+            batch,
+            ctx.slot_mapping,
+            weights,
+            heads,
+        )
+        return out.view(B, T, h)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))

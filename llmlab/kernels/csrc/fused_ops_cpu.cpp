@@ -10,6 +10,7 @@
 // reference's bit for bit, up to the order of the RMSNorm's sum and the exp's last bit).
 #include <torch/extension.h>
 #include "cpu_math.h"
+#include "entry_points.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -375,6 +376,11 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("entry_points", [] {
+    using namespace llmlab_entry;
+    return pybind11::make_tuple(export_fn<RmsNorm>(&rms_norm, kRmsNorm), export_fn<SiluMul>(&silu_mul, kSiluMul),
+                                export_fn<Rotary>(&rotary_, kRotary), export_fn<WriteKv>(&write_kv, kWriteKv));
+  }, "(rms_norm, silu_mul, rotary_, write_kv) as capsules for the decode stack (entry_points.h)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after the residual add (fused_ops_cpu.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up, [rows, I] each (fused_ops_cpu.cpp)");

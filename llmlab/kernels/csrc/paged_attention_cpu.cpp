@@ -45,6 +45,7 @@
 // 16-float type on the stack; SSE builds (generic) keep the 16-float type.
 #include <torch/extension.h>
 #include "cpu_math.h"
+#include "entry_points.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -271,6 +272,10 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("entry_points", [] {
+    return pybind11::make_tuple(llmlab_entry::export_fn<llmlab_entry::Attention>(
+        &paged_attention_cpu, llmlab_entry::kAttention));
+  }, "(paged_attention_cpu,) as a capsule for the decode stack (entry_points.h)");
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "PagedAttention over block tables on CPU tensors (see paged_attention_cpu.cpp)");
   m.def("supports_head_dim", &supports_head_dim, "whether a head_dim is compiled");

@@ -21,6 +21,7 @@
 // is the Python side, tests/test_panel_linear.py checks it against F.linear.
 #include <torch/extension.h>
 #include "cpu_math.h"
+#include "entry_points.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
@@ -429,6 +430,11 @@ bool has_bf16() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("entry_points", [] {
+    using namespace llmlab_entry;
+    return pybind11::make_tuple(export_fn<Linear>(&linear, kLinear),
+                                export_fn<LinearSwiglu>(&linear_swiglu, kLinearSwiglu));
+  }, "(linear, linear_swiglu) as capsules for the decode stack (entry_points.h)");
   m.def("pack", &pack, "an fp32 or bf16 weight [out, in] in panels of 32 outputs (panel_linear_cpu.cpp)");
   m.def("linear", &linear, "x [rows, in] times a packed weight of its dtype, + bias (panel_linear_cpu.cpp)");
   m.def("has_fp32", &has_fp32, "whether this build has the fp32 kernel: AVX2 or AVX-512 (panel_linear_cpu.cpp)");
