@@ -24,7 +24,8 @@ prepacked for oneDNN (`--no-packed-linear` turns it off, llmlab/kernels/cpu_line
 bf16 decode batches take llmlab/kernels/amx_linear.py, with AVX2 fp32 ones
 llmlab/kernels/panel_linear.py, as do bf16 products of every size with AVX512-BF16 and no AMX; where
 oneDNN cannot pack bf16, bf16 weights are packed widened to fp32) and the
-fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py), and its
+fused C++ RMSNorm, SwiGLU and rotary (`--no-cpu-fused`, llmlab/kernels/cpu_fused.py; with the
+panels, a decode step's layers in one C++ call, llmlab/kernels/cpu_decode_stack.py), and its
 worker runs with glibc's malloc thresholds raised (`MALLOC_ENV`; `--no-malloc-env`).
 On a CUDA machine (--device cuda) llmlab on the GPU is compared with the registry's CUDA vLLM.
 With --as-avx2, on an AVX-512 CPU, both engines take the code an AVX2-only CPU would: llmlab
@@ -308,6 +309,8 @@ def kernel_paths(job: dict) -> str:
                 from llmlab.inference.greedy_screen import GreedyScreen
                 screen = GreedyScreen.applies(torch.ones(1, 1))
                 out.append(f"fp32 greedy lm_head {'screened in bf16 panels' if screen else 'full product'}")
+                if panels and job["paged_attention"] == "cpu":  # (llmlab.kernels.cpu_decode_stack)
+                    out.append("decode steps whose products run on panels: one C++ call (decode stack)")
     return "; ".join(out)
 
 
