@@ -185,6 +185,7 @@ def run_one(system: str, job: dict, py_vllm: Path) -> dict:
                    OMP_NUM_THREADS=str(n), VLLM_CPU_OMP_THREADS_BIND="0" if n == 1 else f"0-{n - 1}")
         if system == "vllm":
             env.pop("PYTHONPATH")                 # vLLM's environment does not see llmlab
+            env["VLLM_RPC_BASE_PATH"] = d         # its ZMQ sockets, removed with d (else left in /tmp)
         if job.get("as_avx2"):
             env.update(AVX2_ENV)
             if system == "vllm":
