@@ -5,6 +5,8 @@ modules) and the C++ decode stack (the layers one by one)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -124,28 +126,24 @@ def test_decode_stack_equals_the_layers_bit_for_bit(monkeypatch, dtype, bias):
 
     if not cpu_build.available():
         pytest.skip("the C++ operators need a compiler and ninja")
-    cfg = (
-        STACK_CFG
-        if bias
-        else ModelConfig(
-            **{
-                **STACK_CFG.__dict__,
-                "attention_bias": False,
-                "o_proj_bias": False,
-                "mlp_bias": False,
-                "sliding_window": None,
-                "sliding_window_layers": (),
-            }
-        )
+    plain = dict(
+        attention_bias=False, o_proj_bias=False, mlp_bias=False, sliding_window=None, sliding_window_layers=()
     )
+    cfg = STACK_CFG if bias else dataclasses.replace(STACK_CFG, **plain)
     model = LlamaForCausalLM(cfg, seed=0).to(dtype)
     prompts = [[(7 * i + j) % 97 for j in range(5 + 3 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=3)
-    taken = []
+    taken: list[bool] = []
     stack = LlamaForCausalLM._decode_stack
-    monkeypatch.setattr(
-        LlamaForCausalLM, "_decode_stack", lambda *a: (lambda r: taken.append(r is not None) or r)(stack(*a))
-    )
+
+    def count_steps():  # records, per step, whether the stack took it
+        monkeypatch.setattr(
+            LlamaForCausalLM,
+            "_decode_stack",
+            lambda *a: (lambda r: taken.append(r is not None) or r)(stack(*a)),
+        )
+
+    count_steps()
 
     def run(packed):
         llm = LLM(
@@ -166,9 +164,7 @@ def test_decode_stack_equals_the_layers_bit_for_bit(monkeypatch, dtype, bias):
     assert run(True) == stacked and all(len(t) == 9 for t, _ in stacked)
     monkeypatch.undo()
     taken.clear()
-    monkeypatch.setattr(
-        LlamaForCausalLM, "_decode_stack", lambda *a: (lambda r: taken.append(r is not None) or r)(stack(*a))
-    )
+    count_steps()
     run(False)
     assert taken and not any(taken)  # no packed weights, no panels: the layers one by one
 
